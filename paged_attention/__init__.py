@@ -1,0 +1,1 @@
+"""PagedAttention for PyTorch: a KV cache kept in fixed-size blocks."""
