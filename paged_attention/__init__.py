@@ -1,1 +1,24 @@
-"""PagedAttention for PyTorch: a KV cache kept in fixed-size blocks."""
+"""PagedAttention for PyTorch: a KV cache kept in fixed-size blocks addressed by block tables.
+
+``torch.ops.paged_attention.*`` are the raw ops (loaded on import); the functions below wrap them.
+"""
+
+from paged_attention._ops import (
+    copy_blocks,
+    num_partitions,
+    paged_attention,
+    reshape_and_cache,
+    swap_blocks,
+    use_v2,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "copy_blocks",
+    "num_partitions",
+    "paged_attention",
+    "reshape_and_cache",
+    "swap_blocks",
+    "use_v2",
+]

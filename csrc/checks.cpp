@@ -1,0 +1,391 @@
+#include "checks.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace paged_attention {
+
+namespace {
+
+void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                       const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name,
+              " (", ref.device(), "), got ", t.device());
+}
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Cache dtype implied by kv_cache_dtype and the data dtype.
+at::ScalarType expected_cache_type(CacheDtype cache_dtype, at::ScalarType data_type) {
+  return cache_dtype == CacheDtype::kAuto ? data_type : at::kByte;
+}
+
+void check_scale(const at::Tensor& scale, const at::Tensor& cache, const char* name) {
+  check_dtype(scale, at::kFloat, name);
+  TORCH_CHECK_VALUE(scale.numel() == 1, name, " must hold exactly one element, got shape ",
+                    scale.sizes());
+  check_same_device(scale, cache, name, "the cache");
+}
+
+// Dims 2.. of a cache tensor must be contiguous (one block of one head is a dense tile).
+void check_inner_contiguous(const at::Tensor& t, int64_t first_dim, const char* name) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= first_dim; --d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expected, name,
+                " must be contiguous from dim ", first_dim, " on (strides ", t.strides(), ")");
+    expected *= t.size(d);
+  }
+}
+
+void check_cache_layout(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        int64_t num_kv_heads, int64_t head_size, int64_t block_size) {
+  check_dim(key_cache, 5, "key_cache");
+  check_dim(value_cache, 4, "value_cache");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
+              "key_cache and value_cache must have the same dtype, got ",
+              key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  check_same_device(value_cache, key_cache, "value_cache", "key_cache");
+  const int64_t x = 16 / static_cast<int64_t>(key_cache.element_size());
+  TORCH_CHECK_VALUE(head_size % x == 0, "head_size (", head_size,
+                    ") must be a multiple of x = 16 / element size = ", x);
+  const std::vector<int64_t> key_shape = {key_cache.size(0), num_kv_heads, head_size / x,
+                                          block_size, x};
+  TORCH_CHECK_VALUE(key_cache.sizes() == at::IntArrayRef(key_shape),
+                    "key_cache must have shape [num_blocks, num_kv_heads, head_size / x, "
+                    "block_size, x] = ",
+                    at::IntArrayRef(key_shape), ", got ", key_cache.sizes());
+  const std::vector<int64_t> value_shape = {key_cache.size(0), num_kv_heads, head_size,
+                                            block_size};
+  TORCH_CHECK_VALUE(value_cache.sizes() == at::IntArrayRef(value_shape),
+                    "value_cache must have shape [num_blocks, num_kv_heads, head_size, "
+                    "block_size] = ",
+                    at::IntArrayRef(value_shape), ", got ", value_cache.sizes());
+  check_inner_contiguous(key_cache, 2, "key_cache");
+  check_inner_contiguous(value_cache, 2, "value_cache");
+}
+
+void check_block_size(int64_t block_size) {
+  const auto& sizes = supported_block_sizes();
+  TORCH_CHECK_VALUE(std::find(sizes.begin(), sizes.end(), block_size) != sizes.end(),
+                    "block_size ", block_size, " is not supported (supported: 8, 16, 32)");
+}
+
+}  // namespace
+
+CacheDtype parse_cache_dtype(const std::string& kv_cache_dtype) {
+  if (kv_cache_dtype == "auto") return CacheDtype::kAuto;
+  if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") return CacheDtype::kFp8E4M3;
+  if (kv_cache_dtype == "fp8_e5m2") return CacheDtype::kFp8E5M2;
+  TORCH_CHECK_VALUE(false, "kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', "
+                           "got '", kv_cache_dtype, "'");
+}
+
+const std::vector<int64_t>& supported_head_sizes() {
+  static const std::vector<int64_t> sizes = {32, 64, 80, 96, 112, 120, 128, 192, 256};
+  return sizes;
+}
+
+const std::vector<int64_t>& supported_block_sizes() {
+  static const std::vector<int64_t> sizes = {8, 16, 32};
+  return sizes;
+}
+
+AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
+                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   int64_t num_kv_heads, double scale,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   int64_t block_size, int64_t max_seq_len,
+                                   const std::optional<at::Tensor>& alibi_slopes,
+                                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale, int64_t sliding_window,
+                                   double logits_soft_cap) {
+  AttentionDims dims{};
+  dims.cache_dtype = parse_cache_dtype(kv_cache_dtype);
+
+  check_dim(query, 3, "query");
+  TORCH_CHECK(is_float_type(query.scalar_type()),
+              "query must be float32, float16 or bfloat16, got ", query.scalar_type());
+  TORCH_CHECK(query.stride(2) == 1, "query must have unit stride in its last dim, got strides ",
+              query.strides());
+  dims.num_seqs = query.size(0);
+  dims.num_heads = query.size(1);
+  dims.head_size = query.size(2);
+  const auto& head_sizes = supported_head_sizes();
+  TORCH_CHECK_VALUE(
+      std::find(head_sizes.begin(), head_sizes.end(), dims.head_size) != head_sizes.end(),
+      "head_size ", dims.head_size,
+      " is not supported (supported: 32, 64, 80, 96, 112, 120, 128, 192, 256)");
+
+  check_same_device(out, query, "out", "query");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have the dtype of query (",
+              query.scalar_type(), "), got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out must have the shape of query (",
+                    query.sizes(), "), got ", out.sizes());
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && dims.num_heads % num_kv_heads == 0,
+                    "num_heads (", dims.num_heads,
+                    ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
+  dims.num_kv_heads = num_kv_heads;
+  check_block_size(block_size);
+  dims.block_size = block_size;
+
+  check_same_device(key_cache, query, "key_cache", "query");
+  TORCH_CHECK(key_cache.scalar_type() == expected_cache_type(dims.cache_dtype, query.scalar_type()),
+              "key_cache must be ", expected_cache_type(dims.cache_dtype, query.scalar_type()),
+              " for kv_cache_dtype='", kv_cache_dtype, "' and query ", query.scalar_type(),
+              ", got ", key_cache.scalar_type());
+  check_cache_layout(key_cache, value_cache, num_kv_heads, dims.head_size, block_size);
+  dims.num_blocks = key_cache.size(0);
+  if (dims.cache_dtype != CacheDtype::kAuto) {
+    check_scale(k_scale, key_cache, "k_scale");
+    check_scale(v_scale, key_cache, "v_scale");
+  }
+
+  check_dim(block_tables, 2, "block_tables");
+  check_dtype(block_tables, at::kInt, "block_tables");
+  check_same_device(block_tables, query, "block_tables", "query");
+  TORCH_CHECK_VALUE(block_tables.size(0) == dims.num_seqs, "block_tables must have num_seqs (",
+                    dims.num_seqs, ") rows, got ", block_tables.size(0));
+  TORCH_CHECK(block_tables.size(1) == 0 || block_tables.stride(1) == 1,
+              "block_tables must have unit stride in its last dim");
+  dims.max_blocks_per_seq = block_tables.size(1);
+
+  check_dim(seq_lens, 1, "seq_lens");
+  check_dtype(seq_lens, at::kInt, "seq_lens");
+  check_same_device(seq_lens, query, "seq_lens", "query");
+  TORCH_CHECK_VALUE(seq_lens.size(0) == dims.num_seqs, "seq_lens must have num_seqs (",
+                    dims.num_seqs, ") entries, got ", seq_lens.size(0));
+  TORCH_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
+
+  TORCH_CHECK_VALUE(max_seq_len >= 0, "max_seq_len must be >= 0, got ", max_seq_len);
+  TORCH_CHECK_VALUE(max_seq_len <= dims.max_blocks_per_seq * block_size, "max_seq_len (",
+                    max_seq_len, ") exceeds what block_tables can address (",
+                    dims.max_blocks_per_seq, " blocks x ", block_size, " tokens)");
+  dims.max_seq_len = max_seq_len;
+  dims.max_partitions = std::max<int64_t>(1, (max_seq_len + kPartitionSize - 1) / kPartitionSize);
+
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    check_dtype(slopes, at::kFloat, "alibi_slopes");
+    check_same_device(slopes, query, "alibi_slopes", "query");
+    TORCH_CHECK_VALUE(slopes.dim() == 1 && slopes.size(0) == dims.num_heads,
+                      "alibi_slopes must have shape [num_heads] = [", dims.num_heads, "], got ",
+                      slopes.sizes());
+    TORCH_CHECK(slopes.is_contiguous(), "alibi_slopes must be contiguous");
+  }
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ",
+                    sliding_window);
+  TORCH_CHECK_VALUE(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap),
+                    "logits_soft_cap must be >= 0 (0 = none), got ", logits_soft_cap);
+  return dims;
+}
+
+void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
+                      const at::Tensor& tmp_out, const AttentionDims& dims,
+                      const at::Tensor& query) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
+                                {max_logits, "max_logits"}}) {
+    check_dim(t, 3, name);
+    check_dtype(t, at::kFloat, name);
+    check_same_device(t, query, name, "query");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+    TORCH_CHECK_VALUE(t.size(0) == dims.num_seqs && t.size(1) == dims.num_heads &&
+                          t.size(2) >= dims.max_partitions,
+                      name, " must have shape [num_seqs, num_heads, >= max_partitions] = [",
+                      dims.num_seqs, ", ", dims.num_heads, ", >= ", dims.max_partitions,
+                      "], got ", t.sizes());
+  }
+  TORCH_CHECK_VALUE(exp_sums.sizes() == max_logits.sizes(),
+                    "exp_sums and max_logits must have the same shape, got ", exp_sums.sizes(),
+                    " and ", max_logits.sizes());
+  check_dim(tmp_out, 4, "tmp_out");
+  TORCH_CHECK(tmp_out.scalar_type() == query.scalar_type(), "tmp_out must have the dtype of query (",
+              query.scalar_type(), "), got ", tmp_out.scalar_type());
+  check_same_device(tmp_out, query, "tmp_out", "query");
+  TORCH_CHECK(tmp_out.is_contiguous(), "tmp_out must be contiguous");
+  TORCH_CHECK_VALUE(tmp_out.size(0) == dims.num_seqs && tmp_out.size(1) == dims.num_heads &&
+                        tmp_out.size(2) == exp_sums.size(2) && tmp_out.size(3) == dims.head_size,
+                    "tmp_out must have shape [num_seqs, num_heads, partitions, head_size] = [",
+                    dims.num_seqs, ", ", dims.num_heads, ", ", exp_sums.size(2), ", ",
+                    dims.head_size, "], got ", tmp_out.sizes());
+}
+
+void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const AttentionDims& dims, int64_t sliding_window) {
+  const at::Tensor tables = block_tables.cpu();
+  const at::Tensor lens = seq_lens.cpu();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  for (const auto s : c10::irange(dims.num_seqs)) {
+    const int64_t len = len_ptr[s];
+    TORCH_CHECK_VALUE(len >= 0 && len <= dims.max_seq_len, "seq_lens[", s, "] = ", len,
+                      " must be in [0, max_seq_len = ", dims.max_seq_len, "]");
+    const int64_t first_pos = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int64_t first_block = first_pos / dims.block_size;
+    const int64_t end_block = (len + dims.block_size - 1) / dims.block_size;
+    const int32_t* row = tables.data_ptr<int32_t>() + s * tables.stride(0);
+    for (int64_t b = first_block; b < end_block; ++b) {
+      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < dims.num_blocks, "block_tables[", s, ", ", b,
+                        "] = ", row[b], " is out of range [0, num_blocks = ", dims.num_blocks,
+                        ")");
+    }
+  }
+}
+
+CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                       const at::Tensor& slot_mapping,
+                                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                                       const at::Tensor& v_scale) {
+  CacheDims dims{};
+  dims.cache_dtype = parse_cache_dtype(kv_cache_dtype);
+  check_dim(key, 3, "key");
+  check_dim(value, 3, "value");
+  TORCH_CHECK(is_float_type(key.scalar_type()), "key must be float32, float16 or bfloat16, got ",
+              key.scalar_type());
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value must have the dtype of key (",
+              key.scalar_type(), "), got ", value.scalar_type());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value must have the shape of key (",
+                    key.sizes(), "), got ", value.sizes());
+  check_same_device(value, key, "value", "key");
+  dims.num_tokens = key.size(0);
+  dims.num_kv_heads = key.size(1);
+  dims.head_size = key.size(2);
+
+  check_same_device(key_cache, key, "key_cache", "key");
+  const at::ScalarType cache_type = expected_cache_type(dims.cache_dtype, key.scalar_type());
+  TORCH_CHECK(key_cache.scalar_type() == cache_type, "key_cache must be ", cache_type,
+              " for kv_cache_dtype='", kv_cache_dtype, "' and key ", key.scalar_type(), ", got ",
+              key_cache.scalar_type());
+  TORCH_CHECK(key_cache.dim() == 5 && key_cache.size(3) == value_cache.size(-1),
+              "key_cache must be 5-D [num_blocks, num_kv_heads, head_size / x, block_size, x] "
+              "with the block_size of value_cache, got ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  dims.block_size = key_cache.size(3);
+  check_block_size(dims.block_size);
+  check_cache_layout(key_cache, value_cache, dims.num_kv_heads, dims.head_size, dims.block_size);
+  dims.num_blocks = key_cache.size(0);
+  dims.x = key_cache.size(4);
+  if (dims.cache_dtype != CacheDtype::kAuto) {
+    check_scale(k_scale, key_cache, "k_scale");
+    check_scale(v_scale, key_cache, "v_scale");
+  }
+
+  check_dim(slot_mapping, 1, "slot_mapping");
+  check_dtype(slot_mapping, at::kLong, "slot_mapping");
+  check_same_device(slot_mapping, key, "slot_mapping", "key");
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == dims.num_tokens, "slot_mapping must have num_tokens (",
+                    dims.num_tokens, ") entries, got ", slot_mapping.size(0));
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  return dims;
+}
+
+void check_slot_mapping(const at::Tensor& slot_mapping, const CacheDims& dims) {
+  const at::Tensor slots = slot_mapping.cpu();
+  const int64_t* ptr = slots.data_ptr<int64_t>();
+  const int64_t num_slots = dims.num_blocks * dims.block_size;
+  for (const auto i : c10::irange(dims.num_tokens)) {
+    TORCH_CHECK_VALUE(ptr[i] < num_slots, "slot_mapping[", i, "] = ", ptr[i],
+                      " is out of range (num_blocks * block_size = ", num_slots, ")");
+  }
+}
+
+void check_block_mapping_shape(const at::Tensor& block_mapping) {
+  check_dtype(block_mapping, at::kLong, "block_mapping");
+  TORCH_CHECK_VALUE(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+                    "block_mapping must have shape [n, 2] of (src, dst) pairs, got ",
+                    block_mapping.sizes());
+}
+
+void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
+                         int64_t num_dst_blocks) {
+  const at::Tensor mapping = block_mapping.cpu().contiguous();
+  const int64_t* ptr = mapping.data_ptr<int64_t>();
+  for (const auto i : c10::irange(mapping.size(0))) {
+    TORCH_CHECK_VALUE(ptr[2 * i] >= 0 && ptr[2 * i] < num_src_blocks, "block_mapping[", i,
+                      ", 0] = ", ptr[2 * i], " is out of range [0, ", num_src_blocks, ")");
+    TORCH_CHECK_VALUE(ptr[2 * i + 1] >= 0 && ptr[2 * i + 1] < num_dst_blocks, "block_mapping[", i,
+                      ", 1] = ", ptr[2 * i + 1], " is out of range [0, ", num_dst_blocks, ")");
+  }
+}
+
+void check_copy_blocks_args(const std::vector<at::Tensor>& key_caches,
+                            const std::vector<at::Tensor>& value_caches,
+                            const at::Tensor& block_mapping) {
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(),
+                    "key_caches and value_caches must have one entry per layer, got ",
+                    key_caches.size(), " and ", value_caches.size());
+  check_block_mapping_shape(block_mapping);
+  if (key_caches.empty()) return;
+  const at::Tensor& first = key_caches[0];
+  TORCH_CHECK(first.dim() >= 2, "key_caches[0] must have a block dim and data, got shape ",
+              first.sizes());
+  for (const auto i : c10::irange(key_caches.size())) {
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{key_caches[i],
+                                                                           "key_caches"},
+                                  {value_caches[i], "value_caches"}}) {
+      check_same_device(t, first, name, "key_caches[0]");
+      TORCH_CHECK(t.scalar_type() == first.scalar_type(), name, "[", i,
+                  "] must have the dtype of key_caches[0] (", first.scalar_type(), "), got ",
+                  t.scalar_type());
+      TORCH_CHECK(t.dim() >= 2 && t.size(0) == first.size(0), name, "[", i,
+                  "] must have as many blocks as key_caches[0] (", first.size(0), "), got shape ",
+                  t.sizes());
+      check_inner_contiguous(t, 1, name);
+    }
+    TORCH_CHECK_VALUE(key_caches[i].sizes() == first.sizes(), "key_caches[", i,
+                      "] must have the shape of key_caches[0] (", first.sizes(), "), got ",
+                      key_caches[i].sizes());
+    TORCH_CHECK_VALUE(value_caches[i].sizes() == value_caches[0].sizes(), "value_caches[", i,
+                      "] must have the shape of value_caches[0] (", value_caches[0].sizes(),
+                      "), got ", value_caches[i].sizes());
+  }
+}
+
+void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
+                            const at::Tensor& block_mapping) {
+  check_block_mapping_shape(block_mapping);
+  TORCH_CHECK(src.dim() >= 1 && dst.dim() == src.dim(), "src and dst must have the same rank, got ",
+              src.sizes(), " and ", dst.sizes());
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "src and dst must have the same dtype, got ",
+              src.scalar_type(), " and ", dst.scalar_type());
+  TORCH_CHECK_VALUE(src.sizes().slice(1) == dst.sizes().slice(1),
+                    "src and dst must have the same shape after the block dim, got ", src.sizes(),
+                    " and ", dst.sizes());
+  check_inner_contiguous(src, 1, "src");
+  check_inner_contiguous(dst, 1, "dst");
+}
+
+int64_t block_stride_bytes(const at::Tensor& cache) {
+  return cache.stride(0) * static_cast<int64_t>(cache.element_size());
+}
+
+int64_t block_bytes(const at::Tensor& cache) {
+  return c10::multiply_integers(cache.sizes().slice(1)) *
+         static_cast<int64_t>(cache.element_size());
+}
+
+bool debug_checks_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("PAGED_ATTENTION_DEBUG_CHECKS");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return enabled;
+}
+
+}  // namespace paged_attention

@@ -1,0 +1,110 @@
+// Argument validation shared by the CPU and CUDA backends.
+//
+// Shape, dtype and device checks run on every call. Checks of tensor *contents* (block ids, slots,
+// mapping entries, seq_lens) need the data on the host: the CPU backend always runs them; the
+// CUDA backend runs them only when the environment variable PAGED_ATTENTION_DEBUG_CHECKS=1 is set,
+// because they need a device-to-host copy (a synchronisation that also breaks CUDA graphs).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace paged_attention {
+
+// v2 splits each sequence into partitions of this many tokens.
+constexpr int64_t kPartitionSize = 512;
+
+enum class CacheDtype { kAuto, kFp8E4M3, kFp8E5M2 };
+
+// "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; anything else raises, naming kv_cache_dtype.
+CacheDtype parse_cache_dtype(const std::string& kv_cache_dtype);
+
+// Head sizes and block sizes the kernels are built for.
+const std::vector<int64_t>& supported_head_sizes();
+const std::vector<int64_t>& supported_block_sizes();
+
+struct AttentionDims {
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t num_blocks;
+  int64_t max_blocks_per_seq;  // block_tables.size(1)
+  int64_t max_seq_len;
+  int64_t max_partitions;  // ceil(max_seq_len / kPartitionSize), at least 1
+  CacheDtype cache_dtype;
+};
+
+// Checks everything but tensor contents for paged_attention_v1/v2 and returns the dimensions.
+// Requirements: query [num_seqs, num_heads, head_size] with unit stride in the last dim (it may be
+// a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the DESIGN.md
+// layout, contiguous within a block (dims 0 and 1 may be strided); block_tables int32 2-D with
+// unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32 [num_heads].
+AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
+                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   int64_t num_kv_heads, double scale,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   int64_t block_size, int64_t max_seq_len,
+                                   const std::optional<at::Tensor>& alibi_slopes,
+                                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale, int64_t sliding_window,
+                                   double logits_soft_cap);
+
+// exp_sums, max_logits: float32 [num_seqs, num_heads, >= max_partitions];
+// tmp_out: query dtype [num_seqs, num_heads, same partitions, head_size]; all contiguous.
+void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
+                      const at::Tensor& tmp_out, const AttentionDims& dims,
+                      const at::Tensor& query);
+
+// Contents: 0 <= seq_lens[i] <= max_seq_len and <= max_blocks_per_seq * block_size; every block
+// id a sequence reads (inside the sliding window, if any) in [0, num_blocks).
+void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const AttentionDims& dims, int64_t sliding_window);
+
+struct CacheDims {
+  int64_t num_tokens;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t num_blocks;
+  int64_t x;  // elements per 16-byte chunk of the key layout
+  CacheDtype cache_dtype;
+};
+
+// key/value [num_tokens, num_kv_heads, head_size], any strides; slot_mapping int64 [num_tokens].
+CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                       const at::Tensor& slot_mapping,
+                                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                                       const at::Tensor& v_scale);
+
+// Contents: each slot is negative (skip) or in [0, num_blocks * block_size).
+void check_slot_mapping(const at::Tensor& slot_mapping, const CacheDims& dims);
+
+// block_mapping int64 [n, 2]; each (src, dst) in range of its pool.
+void check_block_mapping_shape(const at::Tensor& block_mapping);
+void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
+                         int64_t num_dst_blocks);
+
+// key_caches/value_caches: one pair per layer, all with identical shape, dtype and device.
+void check_copy_blocks_args(const std::vector<at::Tensor>& key_caches,
+                            const std::vector<at::Tensor>& value_caches,
+                            const at::Tensor& block_mapping);
+
+// src/dst: same dtype, same shape after dim 0 (the block dim), each block contiguous.
+void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
+                            const at::Tensor& block_mapping);
+
+// Bytes between consecutive blocks of a cache tensor and bytes in one block.
+int64_t block_stride_bytes(const at::Tensor& cache);
+int64_t block_bytes(const at::Tensor& cache);
+
+// True when PAGED_ATTENTION_DEBUG_CHECKS=1 (read once).
+bool debug_checks_enabled();
+
+}  // namespace paged_attention

@@ -1,0 +1,10 @@
+// Registers the CPU kernels of every paged_attention op.
+#include <torch/library.h>
+
+#include "cpu/cpu_ops.h"
+
+TORCH_LIBRARY_IMPL(paged_attention, CPU, m) {
+  m.impl("reshape_and_cache", &paged_attention::cpu::reshape_and_cache);
+  m.impl("copy_blocks", &paged_attention::cpu::copy_blocks);
+  m.impl("swap_blocks", &paged_attention::cpu::swap_blocks);
+}

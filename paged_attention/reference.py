@@ -1,0 +1,281 @@
+"""Pure-PyTorch reference of every op: the test oracle.
+
+Each function has the signature of the op of the same name in ``torch.ops.paged_attention`` and
+mutates the same arguments. They favour obviousness over speed: attention loops over sequences,
+gathers each sequence's keys and values through its block table, and computes in float32.
+
+Semantics fixed here (and followed by the kernels):
+
+* logit of query head ``h`` for the token at position ``p`` of a sequence of length ``L``:
+  ``s = scale * (q . k_p)``; with ``logits_soft_cap = c > 0``, ``s = c * tanh(s / c)``; with ALiBi,
+  ``s += slope[h] * (p - L + 1)``; with ``sliding_window = W > 0`` only ``p >= L - W`` is attended.
+* a sequence of length 0 produces an all-zero output row.
+* fp8 caches (``uint8`` tensors): ``stored = fp8(clamp(x / scale, -max, max))`` rounded to nearest
+  even, ``x' = float(stored) * scale``; e4m3 is the ``float8_e4m3fn`` format (max 448), e5m2 is
+  ``float8_e5m2`` (max 57344).
+* v2 partition outputs: for partition ``j`` (tokens ``[512 j, 512 (j + 1))``), ``max_logits`` is
+  the largest attended logit, ``exp_sums`` is ``sum(exp(s - max_logit))`` and ``tmp_out`` is the
+  partition's softmax-weighted value sum divided by its ``exp_sum``. A partition with no attended
+  token (past the sequence end or wholly outside the sliding window) holds ``max_logit = -inf``,
+  ``exp_sum = 0`` and a zero ``tmp_out`` row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+PARTITION_SIZE = 512
+
+_FP8_FORMATS = {
+    "fp8": (torch.float8_e4m3fn, 448.0),
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (torch.float8_e5m2, 57344.0),
+}
+
+
+def is_fp8(kv_cache_dtype: str) -> bool:
+    if kv_cache_dtype == "auto":
+        return False
+    if kv_cache_dtype in _FP8_FORMATS:
+        return True
+    raise ValueError(
+        f"kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', got {kv_cache_dtype!r}"
+    )
+
+
+def quantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | float) -> torch.Tensor:
+    """x (float) -> uint8 fp8 bits, or x unchanged for "auto"."""
+    if not is_fp8(kv_cache_dtype):
+        return x
+    fp8_dtype, fp8_max = _FP8_FORMATS[kv_cache_dtype]
+    scaled = (x.float() / _scale_value(scale)).clamp(-fp8_max, fp8_max)
+    return scaled.to(fp8_dtype).view(torch.uint8)
+
+
+def dequantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | float) -> torch.Tensor:
+    """Cache elements -> float32 values."""
+    if not is_fp8(kv_cache_dtype):
+        return x.float()
+    fp8_dtype, _ = _FP8_FORMATS[kv_cache_dtype]
+    return x.view(fp8_dtype).float() * _scale_value(scale)
+
+
+def _scale_value(scale: torch.Tensor | float) -> float:
+    return float(scale.item()) if isinstance(scale, torch.Tensor) else float(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Cache ops
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write key/value ``[num_tokens, num_kv_heads, head_size]`` into the caches at their slots."""
+    block_size = value_cache.shape[3]
+    x = key_cache.shape[4]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    num_tokens, num_kv_heads, head_size = key[keep].shape
+    k = quantize(key[keep], kv_cache_dtype, k_scale).to(key_cache.dtype)
+    v = quantize(value[keep], kv_cache_dtype, v_scale).to(value_cache.dtype)
+    key_cache[blocks, :, :, offsets, :] = k.reshape(num_tokens, num_kv_heads, head_size // x, x)
+    value_cache[blocks, :, :, offsets] = v
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+) -> None:
+    """For every layer, ``cache[dst] = cache[src]`` for each ``(src, dst)`` row of the mapping."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in (*key_caches, *value_caches):
+        cache[dst.to(cache.device)] = cache[src.to(cache.device)]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """``dst[d] = src[s]`` for each ``(s, d)`` row, across devices."""
+    mapping = block_mapping.cpu()
+    dst[mapping[:, 1].to(dst.device)] = src[mapping[:, 0].to(src.device)].to(dst.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+def gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values as float32 ``[seq_len, num_kv_heads, head_size]``."""
+    _, num_kv_heads, head_size, block_size = value_cache.shape
+    num_blocks = math.ceil(seq_len / block_size)
+    blocks = block_table[:num_blocks].long().to(key_cache.device)
+    keys = key_cache[blocks].permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, head_size)
+    values = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)
+    keys = dequantize(keys[:seq_len], kv_cache_dtype, k_scale)
+    values = dequantize(values[:seq_len], kv_cache_dtype, v_scale)
+    return keys, values
+
+
+def attention_logits(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """Logits ``[num_heads, seq_len]`` of one sequence's query ``[num_heads, head_size]`` against
+    its keys ``[seq_len, num_kv_heads, head_size]``; unattended positions are ``-inf``."""
+    num_heads = query.shape[0]
+    seq_len, num_kv_heads, _ = keys.shape
+    keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
+    logits = scale * torch.einsum("hd,lhd->hl", query.float(), keys.float())
+    if logits_soft_cap > 0:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    positions = torch.arange(seq_len, device=query.device)
+    if alibi_slopes is not None:
+        logits = logits + alibi_slopes.float()[:, None] * (positions - seq_len + 1)[None, :]
+    if sliding_window > 0:
+        logits = logits.masked_fill((positions < seq_len - sliding_window)[None, :], -math.inf)
+    return logits
+
+
+def _attend(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """softmax(logits) @ values, per head, float32; values ``[L, num_kv_heads, D]``."""
+    num_heads = logits.shape[0]
+    values = values.float().repeat_interleave(num_heads // values.shape[1], dim=1)
+    return torch.einsum("hl,lhd->hd", torch.softmax(logits, dim=-1), values)
+
+
+def _sequences(block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale):
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        keys, values = gather_kv(
+            key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale
+        )
+        yield s, seq_len, keys, values
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+) -> None:
+    """Decode attention: one query token per sequence against its paged context."""
+    for s, seq_len, keys, values in _sequences(
+        block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
+    ):
+        if seq_len == 0:
+            out[s] = 0
+            continue
+        logits = attention_logits(
+            query[s], keys, scale, alibi_slopes, sliding_window, logits_soft_cap
+        )
+        out[s] = _attend(logits, values).to(out.dtype)
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+) -> None:
+    """Split-K decode attention: per-partition results, then their exact combination."""
+    num_partitions = exp_sums.shape[2]
+    for s, seq_len, keys, values in _sequences(
+        block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
+    ):
+        logits = attention_logits(
+            query[s], keys, scale, alibi_slopes, sliding_window, logits_soft_cap
+        )
+        for j in range(num_partitions):
+            part = logits[:, j * PARTITION_SIZE : (j + 1) * PARTITION_SIZE]
+            part_max = (
+                part.max(dim=-1).values
+                if part.shape[1]
+                else torch.full((part.shape[0],), -math.inf, device=part.device)
+            )
+            attended = torch.isfinite(part_max)
+            safe_max = torch.where(attended, part_max, torch.zeros_like(part_max))
+            weights = torch.exp(part - safe_max[:, None])  # 0 where -inf
+            part_sum = weights.sum(dim=-1)
+            part_values = values[j * PARTITION_SIZE : (j + 1) * PARTITION_SIZE]
+            part_out = _weighted_values(weights, part_values)
+            part_out = torch.where(
+                attended[:, None], part_out / part_sum.clamp_min(1e-30)[:, None], 0.0
+            )
+            max_logits[s, :, j] = part_max
+            exp_sums[s, :, j] = part_sum
+            tmp_out[s, :, j] = part_out.to(tmp_out.dtype)
+        out[s] = combine_partitions(
+            max_logits[s, :, :num_partitions],
+            exp_sums[s, :, :num_partitions],
+            tmp_out[s, :, :num_partitions].float(),
+        ).to(out.dtype)
+
+
+def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    num_heads = weights.shape[0]
+    if values.shape[0] == 0:
+        return torch.zeros(num_heads, values.shape[2], device=weights.device)
+    values = values.float().repeat_interleave(num_heads // values.shape[1], dim=1)
+    return torch.einsum("hl,lhd->hd", weights, values)
+
+
+def combine_partitions(
+    max_logits: torch.Tensor, exp_sums: torch.Tensor, partition_out: torch.Tensor
+) -> torch.Tensor:
+    """Merge partition results ``[H, P]``, ``[H, P]``, ``[H, P, D]`` into ``[H, D]`` (float32).
+
+    Each partition's normalised output is weighted by ``exp_sum * exp(max_logit - global_max)``;
+    a head with no attended token anywhere gets zeros.
+    """
+    global_max = max_logits.max(dim=-1, keepdim=True).values
+    safe_global = torch.where(torch.isfinite(global_max), global_max, torch.zeros_like(global_max))
+    weights = exp_sums * torch.exp(max_logits - safe_global)  # exp(-inf) = 0 for empty partitions
+    total = weights.sum(dim=-1, keepdim=True)
+    combined = (weights[..., None] * partition_out).sum(dim=1) / total.clamp_min(1e-30)
+    return torch.where(total > 0, combined, 0.0)
