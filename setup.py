@@ -29,9 +29,11 @@ def _find_cuda_home():
     if nvcc:
         candidates.append(str(Path(nvcc).resolve().parent.parent))
     for candidate in candidates:
-        if candidate and (Path(candidate) / "bin" / "nvcc").exists() and (
-            Path(candidate) / "include" / "cuda_runtime.h"
-        ).exists():
+        if (
+            candidate
+            and (Path(candidate) / "bin" / "nvcc").exists()
+            and (Path(candidate) / "include" / "cuda_runtime.h").exists()
+        ):
             return candidate
     return None
 

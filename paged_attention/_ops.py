@@ -109,9 +109,7 @@ def cuda_v1_shared_memory_bytes(num_queries_per_kv: int, max_seq_len: int, block
     return 4 * num_queries_per_kv * padded_len + 8192
 
 
-def use_v2(
-    query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16
-) -> bool:
+def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16) -> bool:
     """The v1/v2 choice of ``paged_attention``: v2 when the context spans several partitions and
     either it is long, v1 would not fit the GPU's shared memory, or the batch is too small to
     keep the machine busy without splitting sequences."""
@@ -165,9 +163,7 @@ def paged_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if out is None:
-        out = torch.empty(
-            (num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device
-        )
+        out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
     if k_scale is None or v_scale is None:
         unit = _unit_scale(key_cache.device)
         k_scale = unit if k_scale is None else k_scale

@@ -41,7 +41,8 @@ def is_fp8(kv_cache_dtype: str) -> bool:
     if kv_cache_dtype in _FP8_FORMATS:
         return True
     raise ValueError(
-        f"kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', got {kv_cache_dtype!r}"
+        "kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', "
+        f"got {kv_cache_dtype!r}"
     )
 
 
@@ -225,7 +226,7 @@ def paged_attention_v2(
 ) -> None:
     """Split-K decode attention: per-partition results, then their exact combination."""
     num_partitions = exp_sums.shape[2]
-    for s, seq_len, keys, values in _sequences(
+    for s, _, keys, values in _sequences(
         block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
     ):
         logits = attention_logits(

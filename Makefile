@@ -1,0 +1,60 @@
+# Quick start:  `make demo`  (set up, build, run the serving demo)
+#               `make test`  (set up, build, run lint + the test suite)
+# The extension builds its CUDA sources when a GPU is visible (nvidia-smi) or when
+# PAGED_ATTENTION_CUDA=1; PAGED_ATTENTION_CUDA=0 forces a CPU-only build (see setup.py).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.14.1
+PAGED_ATTENTION_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+export PAGED_ATTENTION_CUDA
+
+SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
+
+.PHONY: setup build demo test lint bench package-check clean
+
+setup: $(VENV)/.deps
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip setuptools wheel ninja
+	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
+	touch $@
+
+# Rebuilds only when a source changed (or the CUDA switch did).
+build: $(VENV)/.built-$(PAGED_ATTENTION_CUDA)
+
+$(VENV)/.built-$(PAGED_ATTENTION_CUDA): $(VENV)/.deps $(SOURCES)
+	rm -f $(VENV)/.built-*
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+demo: build
+	$(PY) -m paged_attention demo
+
+lint: build
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
+	$(PY) -m pytest
+
+bench: build
+	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_block_manager.py
+	$(PY) benchmarks/bench_memory.py
+
+# The sdist carries everything a build needs: build a CPU-only wheel from it and import it.
+package-check: build
+	rm -rf dist build/package-check
+	$(PY) setup.py -q sdist
+	PAGED_ATTENTION_CUDA=0 $(PY) -m pip wheel -q --no-build-isolation --no-deps -w build/package-check dist/*.tar.gz
+	cd build/package-check && $(abspath $(PY)) -m zipfile -e *.whl site && \
+		PYTHONPATH=site $(abspath $(PY)) -c "import paged_attention, torch, os; \
+		assert paged_attention.__file__.startswith(os.path.abspath('site')); \
+		print('wheel from sdist OK:', torch.ops.paged_attention.reshape_and_cache)"
+	cd build/package-check && $(abspath $(PY)) -m zipfile -l *.whl | grep -q NOTICE
+
+clean:
+	rm -rf build dist *.egg-info paged_attention/*.so $(VENV)/.built-*

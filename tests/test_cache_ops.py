@@ -1,0 +1,246 @@
+"""CPU cache ops (reshape_and_cache, copy_blocks, swap_blocks) against reference.py, bit for bit,
+and their argument checks."""
+
+import pytest
+import torch
+
+import paged_attention
+from paged_attention import reference
+
+ops = torch.ops.paged_attention
+CACHE_DTYPES = [
+    (torch.float32, "auto"),
+    (torch.float16, "auto"),
+    (torch.bfloat16, "auto"),
+    (torch.bfloat16, "fp8_e4m3"),
+    (torch.float16, "fp8_e5m2"),
+    (torch.float32, "fp8"),
+]
+
+
+def _caches(num_blocks, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, seed=0):
+    cache_dtype = dtype if kv_cache_dtype == "auto" else torch.uint8
+    x = 16 // torch.empty((), dtype=cache_dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    key_cache = torch.randint(0, 100, (num_blocks, num_kv_heads, head_size // x, block_size, x),
+                              generator=gen).to(cache_dtype)  # fmt: skip
+    value_cache = torch.randint(0, 100, (num_blocks, num_kv_heads, head_size, block_size),
+                                generator=gen).to(cache_dtype)  # fmt: skip
+    return key_cache, value_cache
+
+
+def _assert_same_bits(actual, expected):
+    assert actual.dtype == expected.dtype
+    assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("num_blocks", [1, 10000])
+def test_reshape_and_cache_matches_reference(block_size, dtype, kv_cache_dtype, num_blocks):
+    num_kv_heads, head_size = (2, 64) if num_blocks < 100 else (1, 32)
+    num_tokens = min(num_blocks * block_size, 200)
+    key_cache, value_cache = _caches(
+        num_blocks, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype
+    )
+    # Keys and values are slices of one fused QKV tensor, so they are not contiguous.
+    qkv = torch.randn(num_tokens, 3, num_kv_heads, head_size).to(dtype) * 40
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::7] = -1  # padding tokens are skipped
+    k_scale, v_scale = torch.tensor([0.7]), torch.tensor([1.3])
+
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(
+        key, value, expected_k, expected_v, slots, kv_cache_dtype, k_scale, v_scale
+    )
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, kv_cache_dtype, k_scale,
+                          v_scale)  # fmt: skip
+    _assert_same_bits(key_cache, expected_k)
+    _assert_same_bits(value_cache, expected_v)
+
+
+def test_reshape_and_cache_then_gather_returns_the_tokens():
+    key_cache, value_cache = _caches(8, 2, 64, 16, torch.float16, "auto")
+    key = torch.randn(20, 2, 64, dtype=torch.float16)
+    value = torch.randn(20, 2, 64, dtype=torch.float16)
+    block_table = torch.tensor([5, 2], dtype=torch.int32)
+    positions = torch.arange(20)
+    slots = block_table[positions // 16].long() * 16 + positions % 16
+    paged_attention.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    keys, values = reference.gather_kv(key_cache, value_cache, block_table, 20)
+    assert torch.equal(keys, key.float()) and torch.equal(values, value.float())
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", CACHE_DTYPES[:2] + CACHE_DTYPES[3:4])
+def test_copy_blocks_fans_out_across_layers(dtype, kv_cache_dtype):
+    layers = [_caches(12, 2, 32, 16, dtype, kv_cache_dtype, seed=i) for i in range(3)]
+    key_caches = [k for k, _ in layers]
+    value_caches = [v for _, v in layers]
+    # One source copied to several destinations, as a fork followed by writes does.
+    mapping = torch.tensor([[3, 7], [3, 8], [3, 9], [0, 11]], dtype=torch.int64)
+    expected_k = [k.clone() for k in key_caches]
+    expected_v = [v.clone() for v in value_caches]
+    reference.copy_blocks(expected_k, expected_v, mapping)
+    paged_attention.copy_blocks(key_caches, value_caches, mapping)
+    for actual, expected in zip(key_caches + value_caches, expected_k + expected_v):
+        _assert_same_bits(actual, expected)
+    assert torch.equal(key_caches[1][7], key_caches[1][3])
+
+
+def test_copy_blocks_with_no_layers_or_pairs_is_a_no_op():
+    key_cache, value_cache = _caches(4, 1, 32, 8, torch.float32, "auto")
+    before = key_cache.clone()
+    paged_attention.copy_blocks([], [], torch.zeros(0, 2, dtype=torch.int64))
+    paged_attention.copy_blocks([key_cache], [value_cache], torch.zeros(0, 2, dtype=torch.int64))
+    assert torch.equal(key_cache, before)
+
+
+def test_swap_blocks_between_pools_of_different_sizes():
+    host = torch.randn(10, 2, 64, 16)
+    device = torch.zeros(4, 2, 64, 16)
+    mapping = torch.tensor([[9, 0], [2, 3]])
+    expected = device.clone()
+    reference.swap_blocks(host, expected, mapping)
+    paged_attention.swap_blocks(host, device, mapping)
+    assert torch.equal(device, expected)
+    back = torch.zeros_like(host)
+    paged_attention.swap_blocks(device, back, torch.tensor([[0, 9], [3, 2]]))
+    assert torch.equal(back[9], host[9]) and torch.equal(back[2], host[2])
+
+
+def test_swap_blocks_of_a_strided_cache_view():
+    # key and value caches of one layer stored as one tensor [num_blocks, 2, ...]
+    kv = torch.randn(6, 2, 4, 16)
+    dst = torch.zeros(6, 4, 16)
+    paged_attention.swap_blocks(kv[:, 1], dst, torch.tensor([[5, 0]]))
+    assert torch.equal(dst[0], kv[5, 1])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_opcheck_cache_ops(kv_cache_dtype):
+    key_cache, value_cache = _caches(8, 2, 64, 16, torch.float16, kv_cache_dtype)
+    key = torch.randn(5, 2, 64, dtype=torch.float16)
+    value = torch.randn(5, 2, 64, dtype=torch.float16)
+    slots = torch.tensor([0, 17, -1, 40, 127])
+    scale = torch.ones(1)
+    torch.library.opcheck(
+        ops.reshape_and_cache,
+        (key, value, key_cache, value_cache, slots, kv_cache_dtype, scale, scale),
+    )
+    mapping = torch.tensor([[1, 2], [1, 3]])
+    torch.library.opcheck(ops.copy_blocks, ([key_cache], [value_cache], mapping))
+    torch.library.opcheck(ops.swap_blocks, (key_cache, key_cache.clone(), mapping))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, and the cache left untouched.
+
+
+def _reshape_args(**overrides):
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "auto")
+    args = dict(
+        key=torch.randn(3, 2, 64, dtype=torch.float16),
+        value=torch.randn(3, 2, 64, dtype=torch.float16),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=torch.tensor([0, 1, 2]),
+        kv_cache_dtype="auto",
+        k_scale=torch.ones(1),
+        v_scale=torch.ones(1),
+    )
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"key": torch.randn(3, 2, 64)}, "value must have the dtype of key"),
+        ({"key": torch.randn(3, 128, dtype=torch.float16)}, "key must be 3-D"),
+        ({"key": torch.randint(0, 3, (3, 2, 64))}, "key must be float32, float16 or bfloat16"),
+        ({"value": torch.randn(3, 2, 32, dtype=torch.float16)}, "value must have the shape"),
+        ({"slot_mapping": torch.tensor([0, 1, 64])}, r"slot_mapping\[2\] = 64 is out of range"),
+        ({"slot_mapping": torch.tensor([0, 1], dtype=torch.int64)}, "slot_mapping must have"),
+        ({"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32)}, "slot_mapping must be Long"),
+        ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
+        ({"kv_cache_dtype": "fp8"}, "key_cache must be Byte"),
+        ({"key_cache": torch.zeros(4, 2, 8, 8, 8, dtype=torch.float16)}, "key_cache must be 5-D"),
+        ({"key_cache": torch.zeros(4, 3, 8, 16, 8, dtype=torch.float16)}, "key_cache must have"),
+        ({"value_cache": torch.zeros(4, 2, 64, 16, dtype=torch.float32)}, "same dtype"),
+        ({"value_cache": torch.zeros(5, 2, 64, 16, dtype=torch.float16)}, "value_cache must have"),
+        ({"key_cache": torch.zeros(4, 2, 8, 16, 8, dtype=torch.float16)[:, :, :, :, :4]},
+         "key_cache must have shape"),
+        ({"key": torch.randn(3, 2, 36, dtype=torch.float16),
+          "value": torch.randn(3, 2, 36, dtype=torch.float16)}, "must be a multiple of x"),
+    ],
+)  # fmt: skip
+def test_reshape_and_cache_rejects_bad_input(overrides, message):
+    args = _reshape_args(**overrides)
+    before_k, before_v = args["key_cache"].clone(), args["value_cache"].clone()
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        ops.reshape_and_cache(*args.values())
+    assert torch.equal(args["key_cache"], before_k) and torch.equal(args["value_cache"], before_v)
+
+
+def test_reshape_and_cache_rejects_bad_fp8_scale():
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "fp8")
+    args = _reshape_args(key_cache=key_cache, value_cache=value_cache, kv_cache_dtype="fp8",
+                         k_scale=torch.ones(2))  # fmt: skip
+    with pytest.raises(ValueError, match="k_scale must hold exactly one element"):
+        ops.reshape_and_cache(*args.values())
+    args["k_scale"] = torch.ones(1, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="k_scale must be Float"):
+        ops.reshape_and_cache(*args.values())
+
+
+@pytest.mark.parametrize(
+    "mapping,message",
+    [
+        (torch.tensor([[0, 1, 2]]), r"block_mapping must have shape \[n, 2\]"),
+        (torch.tensor([0, 1]), r"block_mapping must have shape \[n, 2\]"),
+        (torch.tensor([[0, 1]], dtype=torch.int32), "block_mapping must be Long"),
+        (torch.tensor([[0, 1], [4, 2]]), r"block_mapping\[1, 0\] = 4 is out of range"),
+        (torch.tensor([[0, -1]]), r"block_mapping\[0, 1\] = -1 is out of range"),
+    ],
+)
+def test_copy_and_swap_reject_bad_mappings(mapping, message):
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "auto")
+    before = key_cache.clone()
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        ops.copy_blocks([key_cache], [value_cache], mapping)
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        ops.swap_blocks(key_cache.clone(), key_cache, mapping)
+    assert torch.equal(key_cache, before)
+
+
+def test_copy_blocks_rejects_mismatched_layers():
+    k0, v0 = _caches(4, 2, 64, 16, torch.float16, "auto")
+    k1, v1 = _caches(5, 2, 64, 16, torch.float16, "auto")
+    mapping = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="one entry per layer"):
+        ops.copy_blocks([k0, k1], [v0], mapping)
+    with pytest.raises(RuntimeError, match=r"key_caches\[1\] must have as many blocks"):
+        ops.copy_blocks([k0, k1], [v0, v1], mapping)
+    with pytest.raises(RuntimeError, match=r"value_caches\[0\] must have the dtype"):
+        ops.copy_blocks([k0], [v0.float()], mapping)
+
+
+def test_swap_blocks_rejects_mismatched_tensors():
+    mapping = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ops.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16), mapping)
+    with pytest.raises(ValueError, match="same shape after the block dim"):
+        ops.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 9), mapping)
+    with pytest.raises(RuntimeError, match="same rank"):
+        ops.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 8, 1), mapping)
+    with pytest.raises(RuntimeError, match="dst must be contiguous"):
+        ops.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 16)[:, ::2], mapping)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_is_rejected():
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "auto")
+    args = _reshape_args(key_cache=key_cache.cuda(), value_cache=value_cache.cuda())
+    with pytest.raises(RuntimeError, match="key_cache must be on the same device as key"):
+        ops.reshape_and_cache(*args.values())

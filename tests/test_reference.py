@@ -1,0 +1,149 @@
+"""The oracle itself: reference.py against dense attention on contiguous K/V."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged_attention import reference
+
+
+def _paged_from_dense(keys, values, block_size, num_blocks, x, seed):
+    """Scatter per-sequence dense K/V into a paged cache with a random, scattered block table."""
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_size = keys[0].shape[1:]
+    key_cache = torch.full((num_blocks, num_kv_heads, head_size // x, block_size, x), math.nan)
+    value_cache = torch.full((num_blocks, num_kv_heads, head_size, block_size), math.nan)
+    max_blocks = max(math.ceil(k.shape[0] / block_size) for k in keys) + 2  # unused trailing
+    pool = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(keys), max_blocks, dtype=torch.int32)
+    used = 0
+    for s, k in enumerate(keys):
+        n = math.ceil(k.shape[0] / block_size)
+        block_tables[s, :n] = pool[used : used + n].int()
+        used += n
+        positions = torch.arange(k.shape[0])
+        slots = (
+            block_tables[s, positions // block_size].long() * block_size + positions % block_size
+        )
+        unit = torch.ones(1)
+        reference.reshape_and_cache(k, values[s], key_cache, value_cache, slots, "auto", unit, unit)
+    return key_cache, value_cache, block_tables
+
+
+def _dense_attention(q, k, v, scale, slopes, window, soft_cap):
+    """q [H, D], k/v [L, Hkv, D] -> [H, D] with plain SDPA (or explicit math for soft-cap)."""
+    seq_len = k.shape[0]
+    positions = torch.arange(seq_len)
+    bias = torch.zeros(q.shape[0], 1, seq_len)
+    if slopes is not None:
+        bias += slopes[:, None, None] * (positions - seq_len + 1)
+    if window:
+        bias[..., positions < seq_len - window] = -math.inf
+    q4 = q[None, :, None, :]  # [1, H, 1, D]
+    k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
+    if soft_cap == 0:
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=bias[None], scale=scale, enable_gqa=True
+        )
+        return out[0, :, 0]
+    group = q.shape[0] // k.shape[1]
+    k4, v4 = k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1)
+    logits = soft_cap * torch.tanh(scale * (q4 @ k4.transpose(-1, -2)) / soft_cap) + bias[None]
+    return (torch.softmax(logits, -1) @ v4)[0, :, 0]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size,alibi,window,soft_cap",
+    [
+        (4, 4, 64, 16, False, 0, 0.0),
+        (8, 2, 128, 8, False, 0, 0.0),  # GQA
+        (8, 1, 32, 32, True, 0, 0.0),  # MQA + ALiBi
+        (4, 2, 80, 16, False, 37, 0.0),  # sliding window
+        (4, 4, 96, 16, True, 100, 30.0),  # all three
+    ],
+)
+def test_reference_matches_dense_attention(
+    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap
+):
+    torch.manual_seed(0)
+    seq_lens = [1, block_size, 3 * block_size + 5, 700, 1200]
+    keys = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    key_cache, value_cache, block_tables = _paged_from_dense(
+        keys, values, block_size, num_blocks=256, x=4, seed=1
+    )
+    query = torch.randn(len(seq_lens), num_heads, head_size)
+    slopes = torch.rand(num_heads) if alibi else None
+    scale = head_size**-0.5
+    unit = torch.ones(1)
+    args = (
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        scale,
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        block_size,
+        max(seq_lens),
+        slopes,
+        "auto",
+        unit,
+        unit,
+        window,
+        soft_cap,
+    )
+    out_v1 = torch.empty_like(query)
+    reference.paged_attention_v1(out_v1, *args)
+    partitions = math.ceil(max(seq_lens) / reference.PARTITION_SIZE)
+    exp_sums = torch.empty(len(seq_lens), num_heads, partitions)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(len(seq_lens), num_heads, partitions, head_size)
+    out_v2 = torch.empty_like(query)
+    reference.paged_attention_v2(out_v2, exp_sums, max_logits, tmp_out, *args)
+
+    for s in range(len(seq_lens)):
+        expected = _dense_attention(query[s], keys[s], values[s], scale, slopes, window, soft_cap)
+        torch.testing.assert_close(out_v1[s], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out_v2[s], expected, atol=1e-5, rtol=1e-5)
+    # Partitions past a sequence's end hold no token.
+    assert torch.isneginf(max_logits[0, :, 1:]).all()
+    assert (exp_sums[0, :, 1:] == 0).all() and (tmp_out[0, :, 1:] == 0).all()
+
+
+def test_reference_zero_length_sequence_gives_zeros():
+    key_cache = torch.randn(4, 1, 8, 16, 4)
+    value_cache = torch.randn(4, 1, 32, 16)
+    query = torch.randn(1, 2, 32)
+    out = torch.full_like(query, math.nan)
+    unit = torch.ones(1)
+    reference.paged_attention_v1(
+        out, query, key_cache, value_cache, 1, 1.0, torch.zeros(1, 1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32), 16, 0, None, "auto", unit, unit,
+    )  # fmt: skip
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("fmt,fp8_dtype,fp8_max", [
+    ("fp8_e4m3", torch.float8_e4m3fn, 448.0),
+    ("fp8", torch.float8_e4m3fn, 448.0),
+    ("fp8_e5m2", torch.float8_e5m2, 57344.0),
+])  # fmt: skip
+def test_fp8_quantize_saturates_rounds_and_keeps_nan(fmt, fp8_dtype, fp8_max):
+    scale = torch.tensor([0.5])
+    x = torch.tensor([0.0, 1.0, -3.3, 1e9, -1e9, math.nan])
+    bits = reference.quantize(x, fmt, scale)
+    assert bits.dtype == torch.uint8
+    decoded = reference.dequantize(bits, fmt, scale)
+    assert decoded[0] == 0 and decoded[1] == 1.0
+    assert decoded[3] == fp8_max * 0.5 and decoded[4] == -fp8_max * 0.5  # saturated, not inf/NaN
+    assert torch.isnan(decoded[5])
+    # Round to nearest even, as torch's own cast.
+    assert decoded[2] == (torch.tensor([-3.3]) / 0.5).to(fp8_dtype).float() * 0.5
+
+
+def test_unknown_kv_cache_dtype_is_rejected():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        reference.quantize(torch.zeros(1), "int4", 1.0)
