@@ -54,7 +54,7 @@ package-check: build
 		PYTHONPATH=site $(abspath $(PY)) -c "import paged_attention, torch, os; \
 		assert paged_attention.__file__.startswith(os.path.abspath('site')); \
 		print('wheel from sdist OK:', torch.ops.paged_attention.reshape_and_cache)"
-	cd build/package-check && $(abspath $(PY)) -m zipfile -l *.whl | grep -q NOTICE
+	cd build/package-check && $(abspath $(PY)) -m zipfile -l *.whl | grep NOTICE
 
 clean:
 	rm -rf build dist *.egg-info paged_attention/*.so $(VENV)/.built-*
