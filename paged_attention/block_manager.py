@@ -137,6 +137,9 @@ def _cdiv(a, b):
 
 
 class BlockManager:
+    """Block tables, reference counts and the prefix cache for a paged KV cache (see the
+    module docstring for the semantics)."""
+
     def __init__(
         self,
         num_device_blocks: int,
@@ -236,12 +239,12 @@ class BlockManager:
     def can_allocate(self, num_tokens_or_tokens: int | Sequence[int]) -> AllocStatus:
         num_tokens, tokens = self._token_args(num_tokens_or_tokens)
         num_blocks = _cdiv(num_tokens, self.block_size)
-        if self.num_device_blocks - num_blocks < self.watermark_blocks or not self._fits_table(
-            num_blocks
-        ):
+        # Judged without prefix hits, which eviction may take away before the sequence runs.
+        too_big = self.num_device_blocks - num_blocks < self.watermark_blocks
+        if too_big or not self._fits_table(num_blocks):
             return AllocStatus.NEVER
         hits = self._lookup_prefix(tokens)[0] if tokens is not None else []
-        needed = num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+        needed = self._blocks_to_take(num_blocks, hits)
         if self.num_free_device_blocks() - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -256,7 +259,7 @@ class BlockManager:
         num_blocks = _cdiv(num_tokens, self.block_size)
         self._check_table_fits(seq_id, num_blocks)
         hits, chain = self._lookup_prefix(tokens) if tokens is not None else ([], None)
-        needed = num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+        needed = self._blocks_to_take(num_blocks, hits)
         if needed > self.num_free_device_blocks():
             raise OutOfBlocksError(
                 f"allocating sequence {seq_id} ({num_tokens} tokens) needs {needed} device "
@@ -525,8 +528,10 @@ class BlockManager:
     def stats(self, bytes_per_block: int = 0) -> BlockManagerStats:
         device_rows = [r for r in self._row_of.values() if not self._on_host[r]]
         host_rows = [r for r in self._row_of.values() if self._on_host[r]]
-        device = self._pool_stats(device_rows, self._device_refs, len(self._device_free))
-        host = self._pool_stats(host_rows, self._host_refs, len(self._host_free))
+        device = self._pool_stats(
+            device_rows, self._device_refs, len(self._device_free), len(self._evictable)
+        )
+        host = self._pool_stats(host_rows, self._host_refs, len(self._host_free), 0)
         saved = device.blocks_saved_by_sharing + host.blocks_saved_by_sharing
         return BlockManagerStats(
             device=device,
@@ -537,7 +542,9 @@ class BlockManager:
             bytes_saved_by_sharing=saved * bytes_per_block,
         )
 
-    def _pool_stats(self, rows: list[int], refs: np.ndarray, num_free: int) -> PoolStats:
+    def _pool_stats(
+        self, rows: list[int], refs: np.ndarray, num_free: int, num_cached: int
+    ) -> PoolStats:
         size = self.block_size
         filled = np.zeros(refs.size, dtype=np.int64)  # tokens held in each block
         for row in rows:
@@ -547,14 +554,13 @@ class BlockManager:
                 self._table[row, index],
                 np.minimum(size, self._seq_lens[row] - index * size),
             )
-        cached = len(self._evictable) if refs is self._device_refs else 0
         used = int(np.count_nonzero(refs))
         tokens = int(filled.sum())
         reserved = used * size
         return PoolStats(
             num_blocks=refs.size,
-            free_blocks=num_free + cached,
-            cached_free_blocks=cached,
+            free_blocks=num_free + num_cached,
+            cached_free_blocks=num_cached,
             used_blocks=used,
             shared_blocks=int(np.count_nonzero(refs > 1)),
             tokens_stored=tokens,
@@ -782,6 +788,11 @@ class BlockManager:
         token_list = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
         return len(token_list), token_list
 
+    def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
+        """Free blocks a sequence of ``num_blocks`` consumes: its fresh blocks, and the hits
+        that sit unreferenced in the cache (they count as free until taken)."""
+        return num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+
     def _lookup_prefix(self, tokens: list[int]) -> tuple[list[int], _PrefixChain | None]:
         """Cached blocks holding a prefix of ``tokens`` (never the last token, which the model
         must compute) and the chain the rest of the sequence continues from."""
@@ -790,7 +801,7 @@ class BlockManager:
         size = self.block_size
         hits: list[int] = []
         chain_hash, chain_uid = _ROOT_HASH, _ROOT_UID
-        for start in range(0, len(tokens) - 1 - size + 1, size):
+        for start in range(0, len(tokens) - size, size):  # blocks ending before the last token
             block_tokens = tuple(tokens[start : start + size])
             block_hash = hash((chain_hash, block_tokens))
             block = self._cache_map.get(block_hash)
