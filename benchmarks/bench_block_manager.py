@@ -252,6 +252,7 @@ def main() -> None:
             "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0],  # other work on the machine skews timings
         },
         "results": results,
     }

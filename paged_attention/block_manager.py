@@ -361,8 +361,11 @@ class BlockManager:
             raise DoubleFreeError(f"a sequence appears twice in {seq_ids}")
         rows = self._rows(seq_ids)
         on_host = self._on_host[rows]
-        self._drop_device_refs(self._live_entries(rows[~on_host]), cache=cache)
-        self._drop_host_refs(self._live_entries(rows[on_host]))
+        device_rows, host_rows = rows[~on_host], rows[on_host]
+        if device_rows.size:
+            self._drop_device_refs(self._live_entries(device_rows), cache=cache)
+        if host_rows.size:
+            self._drop_host_refs(self._live_entries(host_rows))
         self._table[rows] = 0
         for array in (self._seq_lens, self._num_blocks, self._num_released, self._on_host):
             array[rows] = 0
