@@ -224,7 +224,7 @@ def benchmark(kind: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="results/bench_block_manager.json")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
     args = parser.parse_args()
     torch.set_num_threads(1)
 

@@ -788,8 +788,9 @@ class BlockManager:
             if tokens < 0:
                 raise ValueError(f"token count must be >= 0, got {tokens}")
             return int(tokens), None
-        token_list = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-        return len(token_list), token_list
+        if not isinstance(tokens, list):  # only read (slices are kept), so a list needs no copy
+            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        return len(tokens), tokens
 
     def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
         """Free blocks a sequence of ``num_blocks`` consumes: its fresh blocks, and the hits
@@ -818,32 +819,29 @@ class BlockManager:
         return hits, _PrefixChain(chain_hash, chain_uid, [])
 
     def _register_full_blocks(self, seq_id: int, blocks: list[int], tokens: list[int]) -> None:
-        """Register the full blocks among ``blocks``, which hold ``tokens`` from their start,
-        and keep the rest as the chain's pending tokens."""
+        """Put the full blocks among ``blocks`` (which hold ``tokens`` from their start) in the
+        cache, advancing the sequence's chain; keep the rest as the chain's pending tokens."""
         chain = self._chains[seq_id]
         size = self.block_size
         num_full = len(tokens) // size
+        chain_hash, chain_uid = chain.hash, chain.uid
         for i in range(num_full):
-            if not self._register(chain, blocks[i], tuple(tokens[i * size : (i + 1) * size])):
-                del self._chains[seq_id]
-                return
+            block_tokens = tuple(tokens[i * size : (i + 1) * size])
+            block_hash = hash((chain_hash, block_tokens))
+            existing = self._cache_map.get(block_hash)
+            if existing is None:
+                entry = _CacheEntry(block_hash, chain_uid, block_tokens, next(self._uids))
+                self._cache_map[block_hash] = blocks[i]
+                self._cache_entries[blocks[i]] = entry
+            else:
+                entry = self._cache_entries[existing]
+                if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+                    del self._chains[seq_id]  # a hash collision: stop caching this sequence
+                    return
+                # The same prefix is cached in another block; later blocks may hang from it.
+            chain_hash, chain_uid = block_hash, entry.uid
+        chain.hash, chain.uid = chain_hash, chain_uid
         chain.pending = tokens[num_full * size :]
-
-    def _register(self, chain: _PrefixChain, block: int, block_tokens: tuple[int, ...]) -> bool:
-        """Put a full block in the cache and advance the chain past it; False on a collision."""
-        block_hash = hash((chain.hash, block_tokens))
-        existing = self._cache_map.get(block_hash)
-        if existing is None:
-            entry = _CacheEntry(block_hash, chain.uid, block_tokens, next(self._uids))
-            self._cache_map[block_hash] = block
-            self._cache_entries[block] = entry
-        else:
-            entry = self._cache_entries[existing]
-            if entry.parent_uid != chain.uid or entry.tokens != block_tokens:
-                return False
-            # Same prefix already cached in another block: later blocks may hang from it.
-        chain.hash, chain.uid = block_hash, entry.uid
-        return True
 
     def _record_tokens(
         self, seq_id: int, row: int, old_len: int, tokens: Sequence[int] | None
