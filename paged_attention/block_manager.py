@@ -691,7 +691,7 @@ class BlockManager:
         blocks = [free.popleft() for _ in range(min(count, len(free)))]
         while len(blocks) < count:
             block, _ = self._evictable.popitem(last=False)
-            del self._cache_map[self._cache_entries.pop(block).hash]
+            self._uncache(block)
             blocks.append(block)
         return blocks
 
@@ -714,15 +714,18 @@ class BlockManager:
 
     def _drop_device_refs(self, blocks: np.ndarray, cache: bool) -> None:
         # Last entries first, so a chain's later blocks are evicted before its prefix.
-        for block in self._drop_refs(self._device_refs, blocks):
-            entry = self._cache_entries.get(block)
-            if entry is not None and cache:
-                self._evictable[block] = None
-            else:
-                if entry is not None:
-                    del self._cache_map[entry.hash]
-                    del self._cache_entries[block]
-                self._device_free.append(block)
+        unreferenced = self._drop_refs(self._device_refs, blocks)
+        cached = [b for b in unreferenced if b in self._cache_entries]
+        if cache:
+            self._evictable.update(dict.fromkeys(cached))
+            self._device_free.extend(b for b in unreferenced if b not in self._cache_entries)
+        else:
+            for block in cached:
+                self._uncache(block)
+            self._device_free.extend(unreferenced)
+
+    def _uncache(self, block: int) -> None:
+        del self._cache_map[self._cache_entries.pop(block).hash]
 
     def _drop_host_refs(self, blocks: np.ndarray) -> None:
         self._host_free.extend(self._drop_refs(self._host_refs, blocks))
