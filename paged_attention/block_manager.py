@@ -10,7 +10,8 @@ Bookkeeping, following vLLM v0 and nano-vllm:
 * Every physical block has a reference count: the number of sequence tables pointing at it.
   ``fork`` shares all of a parent's blocks with the child; appending into a shared, partly
   filled last block first copies it (copy-on-write), returning the ``(src, dst)`` pair for the
-  caller to copy. A full shared block is never written, so it is never copied.
+  caller to copy. A full shared block is never written, so it is never copied. ``fork_many``
+  and ``free_many`` do the same for many sequences in one vectorised call (beam reordering).
 * With ``enable_prefix_caching`` every full block whose token ids are known is registered under
   a chained hash of its tokens and its predecessor's hash. ``allocate`` reuses registered
   blocks for a matching prompt prefix. A hit is verified against the stored tokens and the
@@ -25,15 +26,16 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   swapped sequences get their own copy on the other side and the original keeps its other
   references. (This is vLLM's behaviour; refusing would make any sequence that shares a cached
   prompt prefix impossible to swap.)
-* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``; blocks wholly
-  before that are released as the sequence grows. ``block_table`` shows released entries as
+* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``. Appending
+  releases the blocks wholly before the window of the first new token (``allocate`` keeps the
+  whole prompt: the prompt's own attention reads it). ``block_table`` shows released entries as
   ``RELEASED`` (-1); the tensors show them as the pad block id (0 unless the caller gives
-  another), a valid id the kernel never reads.
+  another), a valid id the kernel never reads, and ``slot_mapping_tensor`` gives -1 (skip).
 
 For speed all per-sequence state lives in preallocated numpy arrays (one table row per live
-sequence), so a decode step over a batch is a few vectorised operations plus Python work only
-for the sequences that open a block, copy one, or release one. Every public method validates
-before it mutates: a call that raises leaves the manager exactly as it was.
+sequence), so a decode step over a batch is a few vectorised operations, with Python loops only
+for sliding-window releases and for recording token ids in the prefix cache. Every public
+method validates before it mutates: a call that raises leaves the manager exactly as it was.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ RELEASED = -1
 
 _ROOT_HASH = 0
 _ROOT_UID = -1
-_MAX_REMEMBERED_FREES = 1 << 16
+_MAX_REMEMBERED_FREES = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 
 class AllocStatus(enum.Enum):
