@@ -45,7 +45,6 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -113,11 +112,11 @@ class BlockManagerStats:
     bytes_saved_by_sharing: int  # (device + host blocks saved) * bytes_per_block
 
 
-class _CacheEntry(NamedTuple):
-    hash: int
-    parent_uid: int  # uid of the predecessor block's entry, _ROOT_UID for a first block
-    tokens: tuple[int, ...]
-    uid: int  # never reused, so a stale child of an evicted block can never match
+# A prefix-cache entry, a plain tuple because allocate makes thousands (a NamedTuple costs 10x):
+# (hash, parent uid, token ids, uid). The parent uid is the predecessor block's entry uid
+# (_ROOT_UID for a first block); uids are never reused, so a stale child of an evicted block
+# can never match.
+_CacheEntry = tuple[int, int, tuple[int, ...], int]
 
 
 class _PrefixChain:
@@ -727,7 +726,7 @@ class BlockManager:
             self._device_free.extend(unreferenced)
 
     def _uncache(self, block: int) -> None:
-        del self._cache_map[self._cache_entries.pop(block).hash]
+        del self._cache_map[self._cache_entries.pop(block)[0]]
 
     def _drop_host_refs(self, blocks: np.ndarray) -> None:
         self._host_free.extend(self._drop_refs(self._host_refs, blocks))
@@ -816,11 +815,11 @@ class BlockManager:
             block = self._cache_map.get(block_hash)
             if block is None:
                 break
-            entry = self._cache_entries[block]
-            if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+            _, parent_uid, cached_tokens, uid = self._cache_entries[block]
+            if parent_uid != chain_uid or cached_tokens != block_tokens:
                 break  # a hash collision
             hits.append(block)
-            chain_hash, chain_uid = block_hash, entry.uid
+            chain_hash, chain_uid = block_hash, uid
         return hits, _PrefixChain(chain_hash, chain_uid, [])
 
     def _register_full_blocks(self, seq_id: int, blocks: list[int], tokens: list[int]) -> None:
@@ -835,16 +834,16 @@ class BlockManager:
             block_hash = hash((chain_hash, block_tokens))
             existing = self._cache_map.get(block_hash)
             if existing is None:
-                entry = _CacheEntry(block_hash, chain_uid, block_tokens, next(self._uids))
+                uid = next(self._uids)
                 self._cache_map[block_hash] = blocks[i]
-                self._cache_entries[blocks[i]] = entry
+                self._cache_entries[blocks[i]] = (block_hash, chain_uid, block_tokens, uid)
             else:
-                entry = self._cache_entries[existing]
-                if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+                _, parent_uid, cached_tokens, uid = self._cache_entries[existing]
+                if parent_uid != chain_uid or cached_tokens != block_tokens:
                     del self._chains[seq_id]  # a hash collision: stop caching this sequence
                     return
                 # The same prefix is cached in another block; later blocks may hang from it.
-            chain_hash, chain_uid = block_hash, entry.uid
+            chain_hash, chain_uid = block_hash, uid
         chain.hash, chain.uid = chain_hash, chain_uid
         chain.pending = tokens[num_full * size :]
 

@@ -57,7 +57,7 @@ def check_invariants(bm: BlockManager) -> None:
     assert len(host_free) + len(host_used) == bm.num_host_blocks
 
     # The prefix cache indexes exactly its entries, and only device blocks nobody writes to.
-    assert {e.hash: b for b, e in bm._cache_entries.items()} == bm._cache_map
+    assert {entry[0]: b for b, entry in bm._cache_entries.items()} == bm._cache_map
     assert set(cached_free) <= set(bm._cache_entries)
     assert not (set(bm._cache_entries) & set(free))
 
