@@ -137,6 +137,13 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    """Token ids as a list of ints (from a list, which is only read, an array or a tensor)."""
+    if isinstance(tokens, list):
+        return tokens
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+
+
 class BlockManager:
     """Block tables, reference counts and the prefix cache for a paged KV cache (see the
     module docstring for the semantics)."""
@@ -291,8 +298,10 @@ class BlockManager:
         row = self._device_row(seq_id)
         if n < 0:
             raise ValueError(f"cannot append {n} tokens to sequence {seq_id}")
-        if tokens is not None and len(tokens) != n:
-            raise ValueError(f"append_slots({seq_id}, n={n}) got {len(tokens)} token ids")
+        if tokens is not None:
+            tokens = _as_list(tokens)
+            if len(tokens) != n:
+                raise ValueError(f"append_slots({seq_id}, n={n}) got {len(tokens)} token ids")
         if n == 0:
             return []
         old_len = int(self._seq_lens[row])
@@ -470,8 +479,10 @@ class BlockManager:
         rows = self._device_rows(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise DuplicateSequenceError(f"decode_step got a sequence twice: {list(seq_ids)}")
-        if tokens is not None and len(tokens) != len(seq_ids):
-            raise ValueError(f"decode_step got {len(tokens)} token ids for {len(seq_ids)} seqs")
+        if tokens is not None:
+            tokens = _as_list(tokens)
+            if len(tokens) != len(seq_ids):
+                raise ValueError(f"decode_step got {len(tokens)} token ids for {len(seq_ids)} seqs")
         size = self.block_size
         lens = self._seq_lens[rows]
         num_blocks = self._num_blocks[rows]
@@ -792,8 +803,7 @@ class BlockManager:
             if tokens < 0:
                 raise ValueError(f"token count must be >= 0, got {tokens}")
             return int(tokens), None
-        if not isinstance(tokens, list):  # only read (slices are kept), so a list needs no copy
-            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        tokens = _as_list(tokens)
         return len(tokens), tokens
 
     def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:

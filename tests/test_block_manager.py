@@ -442,10 +442,10 @@ def test_prefix_cache_hit_needs_same_predecessor_under_collisions(monkeypatch):
 
 def test_appended_tokens_become_cacheable():
     bm = BlockManager(16, 2, enable_prefix_caching=True)
-    bm.allocate(1, [1, 2, 3])
+    bm.allocate(1, torch.tensor([1, 2, 3]))
     bm.append_slots(1, 1, tokens=[4])
-    bm.decode_step([1], tokens=[5])
-    bm.decode_step([1], tokens=[6])
+    bm.decode_step([1], tokens=torch.tensor([5]))
+    bm.decode_step([1], tokens=np.array([6]))
     bm.allocate(2, [1, 2, 3, 4, 5, 6, 7])
     assert bm.num_cached_tokens(2) == 6
     assert bm.block_table(2)[:3] == bm.block_table(1)
