@@ -11,10 +11,30 @@ from paged_attention._ops import (
     swap_blocks,
     use_v2,
 )
+from paged_attention.block_manager import (
+    AllocStatus,
+    BlockManager,
+    BlockManagerError,
+    BlockManagerStats,
+    DoubleFreeError,
+    DuplicateSequenceError,
+    OutOfBlocksError,
+    SwapError,
+    UnknownSequenceError,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocStatus",
+    "BlockManager",
+    "BlockManagerError",
+    "BlockManagerStats",
+    "DoubleFreeError",
+    "DuplicateSequenceError",
+    "OutOfBlocksError",
+    "SwapError",
+    "UnknownSequenceError",
     "copy_blocks",
     "num_partitions",
     "paged_attention",
