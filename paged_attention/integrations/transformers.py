@@ -486,16 +486,19 @@ class PagedCache(Cache):
             raise ValueError(f"row indices {sources} out of range for {len(self._rows)} rows")
         taken: set[int] = set()
         rows: list[int | None] = []
+        parents, children = [], []
         for source in sources:
             seq_id = self._rows[source]
             if seq_id is not None and source in taken:
-                child = next(self._ids)
-                self.manager.fork(seq_id, child)
-                seq_id = child
+                parents.append(seq_id)
+                seq_id = next(self._ids)
+                children.append(seq_id)
             taken.add(source)
             rows.append(seq_id)
-        for row, seq_id in enumerate(self._rows):
-            if row not in taken and seq_id is not None:
-                self.manager.free(seq_id)
+        if parents:
+            self.manager.fork_many(parents, children)
+        dropped = [s for row, s in enumerate(self._rows) if row not in taken and s is not None]
+        if dropped:
+            self.manager.free_many(dropped)
         self._rows = rows
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
