@@ -10,7 +10,8 @@ Bookkeeping, following vLLM v0 and nano-vllm:
 * Every physical block has a reference count: the number of sequence tables pointing at it.
   ``fork`` shares all of a parent's blocks with the child; appending into a shared, partly
   filled last block first copies it (copy-on-write), returning the ``(src, dst)`` pair for the
-  caller to copy. A full shared block is never written, so it is never copied.
+  caller to copy. A full shared block is never written, so it is never copied. ``fork_many``
+  and ``free_many`` do the same for many sequences in one vectorised call (beam reordering).
 * With ``enable_prefix_caching`` every full block whose token ids are known is registered under
   a chained hash of its tokens and its predecessor's hash. ``allocate`` reuses registered
   blocks for a matching prompt prefix. A hit is verified against the stored tokens and the
@@ -25,15 +26,16 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   swapped sequences get their own copy on the other side and the original keeps its other
   references. (This is vLLM's behaviour; refusing would make any sequence that shares a cached
   prompt prefix impossible to swap.)
-* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``; blocks wholly
-  before that are released as the sequence grows. ``block_table`` shows released entries as
+* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``. Appending
+  releases the blocks wholly before the window of the first new token (``allocate`` keeps the
+  whole prompt: the prompt's own attention reads it). ``block_table`` shows released entries as
   ``RELEASED`` (-1); the tensors show them as the pad block id (0 unless the caller gives
-  another), a valid id the kernel never reads.
+  another), a valid id the kernel never reads, and ``slot_mapping_tensor`` gives -1 (skip).
 
 For speed all per-sequence state lives in preallocated numpy arrays (one table row per live
-sequence), so a decode step over a batch is a few vectorised operations plus Python work only
-for the sequences that open a block, copy one, or release one. Every public method validates
-before it mutates: a call that raises leaves the manager exactly as it was.
+sequence), so a decode step over a batch is a few vectorised operations, with Python loops only
+for sliding-window releases and for recording token ids in the prefix cache. Every public
+method validates before it mutates: a call that raises leaves the manager exactly as it was.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ RELEASED = -1
 
 _ROOT_HASH = 0
 _ROOT_UID = -1
-_MAX_REMEMBERED_FREES = 1 << 16
+_MAX_REMEMBERED_FREES = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 
 class AllocStatus(enum.Enum):
@@ -111,11 +112,11 @@ class BlockManagerStats:
     bytes_saved_by_sharing: int  # (device + host blocks saved) * bytes_per_block
 
 
-class _CacheEntry(NamedTuple):
-    hash: int
-    parent_uid: int  # uid of the predecessor block's entry, _ROOT_UID for a first block
-    tokens: tuple[int, ...]
-    uid: int  # never reused, so a stale child of an evicted block can never match
+# A prefix-cache entry, a plain tuple because allocate makes thousands (a NamedTuple costs 10x):
+# (hash, parent uid, token ids, uid). The parent uid is the predecessor block's entry uid
+# (_ROOT_UID for a first block); uids are never reused, so a stale child of an evicted block
+# can never match.
+_CacheEntry = tuple[int, int, tuple[int, ...], int]
 
 
 class _PrefixChain:
@@ -136,7 +137,17 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    """Token ids as a list of ints (from a list, which is only read, an array or a tensor)."""
+    if isinstance(tokens, list):
+        return tokens
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+
+
 class BlockManager:
+    """Block tables, reference counts and the prefix cache for a paged KV cache (see the
+    module docstring for the semantics)."""
+
     def __init__(
         self,
         num_device_blocks: int,
@@ -236,12 +247,12 @@ class BlockManager:
     def can_allocate(self, num_tokens_or_tokens: int | Sequence[int]) -> AllocStatus:
         num_tokens, tokens = self._token_args(num_tokens_or_tokens)
         num_blocks = _cdiv(num_tokens, self.block_size)
-        if self.num_device_blocks - num_blocks < self.watermark_blocks or not self._fits_table(
-            num_blocks
-        ):
+        # Judged without prefix hits, which eviction may take away before the sequence runs.
+        too_big = self.num_device_blocks - num_blocks < self.watermark_blocks
+        if too_big or not self._fits_table(num_blocks):
             return AllocStatus.NEVER
         hits = self._lookup_prefix(tokens)[0] if tokens is not None else []
-        needed = num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+        needed = self._blocks_to_take(num_blocks, hits)
         if self.num_free_device_blocks() - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -256,7 +267,7 @@ class BlockManager:
         num_blocks = _cdiv(num_tokens, self.block_size)
         self._check_table_fits(seq_id, num_blocks)
         hits, chain = self._lookup_prefix(tokens) if tokens is not None else ([], None)
-        needed = num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+        needed = self._blocks_to_take(num_blocks, hits)
         if needed > self.num_free_device_blocks():
             raise OutOfBlocksError(
                 f"allocating sequence {seq_id} ({num_tokens} tokens) needs {needed} device "
@@ -287,8 +298,10 @@ class BlockManager:
         row = self._device_row(seq_id)
         if n < 0:
             raise ValueError(f"cannot append {n} tokens to sequence {seq_id}")
-        if tokens is not None and len(tokens) != n:
-            raise ValueError(f"append_slots({seq_id}, n={n}) got {len(tokens)} token ids")
+        if tokens is not None:
+            tokens = _as_list(tokens)
+            if len(tokens) != n:
+                raise ValueError(f"append_slots({seq_id}, n={n}) got {len(tokens)} token ids")
         if n == 0:
             return []
         old_len = int(self._seq_lens[row])
@@ -358,8 +371,11 @@ class BlockManager:
             raise DoubleFreeError(f"a sequence appears twice in {seq_ids}")
         rows = self._rows(seq_ids)
         on_host = self._on_host[rows]
-        self._drop_device_refs(self._live_entries(rows[~on_host]), cache=cache)
-        self._drop_host_refs(self._live_entries(rows[on_host]))
+        device_rows, host_rows = rows[~on_host], rows[on_host]
+        if device_rows.size:
+            self._drop_device_refs(self._live_entries(device_rows), cache=cache)
+        if host_rows.size:
+            self._drop_host_refs(self._live_entries(host_rows))
         self._table[rows] = 0
         for array in (self._seq_lens, self._num_blocks, self._num_released, self._on_host):
             array[rows] = 0
@@ -463,8 +479,10 @@ class BlockManager:
         rows = self._device_rows(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise DuplicateSequenceError(f"decode_step got a sequence twice: {list(seq_ids)}")
-        if tokens is not None and len(tokens) != len(seq_ids):
-            raise ValueError(f"decode_step got {len(tokens)} token ids for {len(seq_ids)} seqs")
+        if tokens is not None:
+            tokens = _as_list(tokens)
+            if len(tokens) != len(seq_ids):
+                raise ValueError(f"decode_step got {len(tokens)} token ids for {len(seq_ids)} seqs")
         size = self.block_size
         lens = self._seq_lens[rows]
         num_blocks = self._num_blocks[rows]
@@ -525,8 +543,10 @@ class BlockManager:
     def stats(self, bytes_per_block: int = 0) -> BlockManagerStats:
         device_rows = [r for r in self._row_of.values() if not self._on_host[r]]
         host_rows = [r for r in self._row_of.values() if self._on_host[r]]
-        device = self._pool_stats(device_rows, self._device_refs, len(self._device_free))
-        host = self._pool_stats(host_rows, self._host_refs, len(self._host_free))
+        device = self._pool_stats(
+            device_rows, self._device_refs, len(self._device_free), len(self._evictable)
+        )
+        host = self._pool_stats(host_rows, self._host_refs, len(self._host_free), 0)
         saved = device.blocks_saved_by_sharing + host.blocks_saved_by_sharing
         return BlockManagerStats(
             device=device,
@@ -537,7 +557,9 @@ class BlockManager:
             bytes_saved_by_sharing=saved * bytes_per_block,
         )
 
-    def _pool_stats(self, rows: list[int], refs: np.ndarray, num_free: int) -> PoolStats:
+    def _pool_stats(
+        self, rows: list[int], refs: np.ndarray, num_free: int, num_cached: int
+    ) -> PoolStats:
         size = self.block_size
         filled = np.zeros(refs.size, dtype=np.int64)  # tokens held in each block
         for row in rows:
@@ -547,14 +569,13 @@ class BlockManager:
                 self._table[row, index],
                 np.minimum(size, self._seq_lens[row] - index * size),
             )
-        cached = len(self._evictable) if refs is self._device_refs else 0
         used = int(np.count_nonzero(refs))
         tokens = int(filled.sum())
         reserved = used * size
         return PoolStats(
             num_blocks=refs.size,
-            free_blocks=num_free + cached,
-            cached_free_blocks=cached,
+            free_blocks=num_free + num_cached,
+            cached_free_blocks=num_cached,
             used_blocks=used,
             shared_blocks=int(np.count_nonzero(refs > 1)),
             tokens_stored=tokens,
@@ -682,7 +703,7 @@ class BlockManager:
         blocks = [free.popleft() for _ in range(min(count, len(free)))]
         while len(blocks) < count:
             block, _ = self._evictable.popitem(last=False)
-            del self._cache_map[self._cache_entries.pop(block).hash]
+            self._uncache(block)
             blocks.append(block)
         return blocks
 
@@ -705,15 +726,18 @@ class BlockManager:
 
     def _drop_device_refs(self, blocks: np.ndarray, cache: bool) -> None:
         # Last entries first, so a chain's later blocks are evicted before its prefix.
-        for block in self._drop_refs(self._device_refs, blocks):
-            entry = self._cache_entries.get(block)
-            if entry is not None and cache:
-                self._evictable[block] = None
-            else:
-                if entry is not None:
-                    del self._cache_map[entry.hash]
-                    del self._cache_entries[block]
-                self._device_free.append(block)
+        unreferenced = self._drop_refs(self._device_refs, blocks)
+        cached = [b for b in unreferenced if b in self._cache_entries]
+        if cache:
+            self._evictable.update(dict.fromkeys(cached))
+            self._device_free.extend(b for b in unreferenced if b not in self._cache_entries)
+        else:
+            for block in cached:
+                self._uncache(block)
+            self._device_free.extend(unreferenced)
+
+    def _uncache(self, block: int) -> None:
+        del self._cache_map[self._cache_entries.pop(block)[0]]
 
     def _drop_host_refs(self, blocks: np.ndarray) -> None:
         self._host_free.extend(self._drop_refs(self._host_refs, blocks))
@@ -779,8 +803,13 @@ class BlockManager:
             if tokens < 0:
                 raise ValueError(f"token count must be >= 0, got {tokens}")
             return int(tokens), None
-        token_list = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-        return len(token_list), token_list
+        tokens = _as_list(tokens)
+        return len(tokens), tokens
+
+    def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
+        """Free blocks a sequence of ``num_blocks`` consumes: its fresh blocks, and the hits
+        that sit unreferenced in the cache (they count as free until taken)."""
+        return num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
 
     def _lookup_prefix(self, tokens: list[int]) -> tuple[list[int], _PrefixChain | None]:
         """Cached blocks holding a prefix of ``tokens`` (never the last token, which the model
@@ -790,46 +819,43 @@ class BlockManager:
         size = self.block_size
         hits: list[int] = []
         chain_hash, chain_uid = _ROOT_HASH, _ROOT_UID
-        for start in range(0, len(tokens) - 1 - size + 1, size):
+        for start in range(0, len(tokens) - size, size):  # blocks ending before the last token
             block_tokens = tuple(tokens[start : start + size])
             block_hash = hash((chain_hash, block_tokens))
             block = self._cache_map.get(block_hash)
             if block is None:
                 break
-            entry = self._cache_entries[block]
-            if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+            _, parent_uid, cached_tokens, uid = self._cache_entries[block]
+            if parent_uid != chain_uid or cached_tokens != block_tokens:
                 break  # a hash collision
             hits.append(block)
-            chain_hash, chain_uid = block_hash, entry.uid
+            chain_hash, chain_uid = block_hash, uid
         return hits, _PrefixChain(chain_hash, chain_uid, [])
 
     def _register_full_blocks(self, seq_id: int, blocks: list[int], tokens: list[int]) -> None:
-        """Register the full blocks among ``blocks``, which hold ``tokens`` from their start,
-        and keep the rest as the chain's pending tokens."""
+        """Put the full blocks among ``blocks`` (which hold ``tokens`` from their start) in the
+        cache, advancing the sequence's chain; keep the rest as the chain's pending tokens."""
         chain = self._chains[seq_id]
         size = self.block_size
         num_full = len(tokens) // size
+        chain_hash, chain_uid = chain.hash, chain.uid
         for i in range(num_full):
-            if not self._register(chain, blocks[i], tuple(tokens[i * size : (i + 1) * size])):
-                del self._chains[seq_id]
-                return
+            block_tokens = tuple(tokens[i * size : (i + 1) * size])
+            block_hash = hash((chain_hash, block_tokens))
+            existing = self._cache_map.get(block_hash)
+            if existing is None:
+                uid = next(self._uids)
+                self._cache_map[block_hash] = blocks[i]
+                self._cache_entries[blocks[i]] = (block_hash, chain_uid, block_tokens, uid)
+            else:
+                _, parent_uid, cached_tokens, uid = self._cache_entries[existing]
+                if parent_uid != chain_uid or cached_tokens != block_tokens:
+                    del self._chains[seq_id]  # a hash collision: stop caching this sequence
+                    return
+                # The same prefix is cached in another block; later blocks may hang from it.
+            chain_hash, chain_uid = block_hash, uid
+        chain.hash, chain.uid = chain_hash, chain_uid
         chain.pending = tokens[num_full * size :]
-
-    def _register(self, chain: _PrefixChain, block: int, block_tokens: tuple[int, ...]) -> bool:
-        """Put a full block in the cache and advance the chain past it; False on a collision."""
-        block_hash = hash((chain.hash, block_tokens))
-        existing = self._cache_map.get(block_hash)
-        if existing is None:
-            entry = _CacheEntry(block_hash, chain.uid, block_tokens, next(self._uids))
-            self._cache_map[block_hash] = block
-            self._cache_entries[block] = entry
-        else:
-            entry = self._cache_entries[existing]
-            if entry.parent_uid != chain.uid or entry.tokens != block_tokens:
-                return False
-            # Same prefix already cached in another block: later blocks may hang from it.
-        chain.hash, chain.uid = block_hash, entry.uid
-        return True
 
     def _record_tokens(
         self, seq_id: int, row: int, old_len: int, tokens: Sequence[int] | None
