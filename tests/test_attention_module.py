@@ -313,3 +313,43 @@ def test_metadata_validation():
     meta = AttentionMetadata.build([2, 1], [4, 5], tables, torch.zeros(3, dtype=torch.int64))
     assert meta.num_seqs == 2 and meta.num_tokens == 3 and meta.max_seq_len == 5
     assert meta.context_lens == [2, 4] and not meta.is_decode
+
+
+class TinySelfAttention(torch.nn.Module):
+    """A user's own attention layer on PagedAttention (the example of docs/integration.md)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(hidden, num_heads * HEAD, bias=False)
+        self.kv_proj = torch.nn.Linear(hidden, 2 * num_kv_heads * HEAD, bias=False)
+        self.o_proj = torch.nn.Linear(num_heads * HEAD, hidden, bias=False)
+        self.attn = PagedAttention(num_heads, HEAD, num_kv_heads)
+
+    def forward(self, x, kv_cache, metadata):  # x: [num_tokens, hidden], packed
+        k, v = self.kv_proj(x).chunk(2, dim=-1)
+        return self.o_proj(self.attn(self.q_proj(x), k, v, kv_cache, metadata))
+
+
+def test_a_users_own_model_decodes_like_full_recompute():
+    torch.manual_seed(8)
+    hidden, layer = 48, TinySelfAttention(48, 4, 2)
+    cache = PagedKVCache(1, 2, HEAD, BLOCK, num_blocks=32, dtype=torch.float32)
+    manager = cache.make_manager(watermark=0.0)
+    xs = {0: torch.randn(13, hidden), 1: torch.randn(4, hidden)}
+    with torch.no_grad():
+        for seq_id, x in xs.items():  # prefill each prompt
+            manager.allocate(seq_id, x.shape[0])
+            layer(x, cache.layer(0), cache.metadata(manager, [seq_id], x.shape[0]))
+        for _ in range(12):  # decode both sequences together
+            new = torch.randn(2, hidden)
+            out = layer(new, cache.layer(0), cache.decode_metadata(manager, [0, 1]))
+            for i, seq_id in enumerate(xs):
+                xs[seq_id] = torch.cat([xs[seq_id], new[i : i + 1]])
+                q = layer.q_proj(xs[seq_id]).view(-1, 4, HEAD).transpose(0, 1)
+                k, v = (
+                    t.view(-1, 2, HEAD).transpose(0, 1)
+                    for t in layer.kv_proj(xs[seq_id]).chunk(2, dim=-1)
+                )
+                full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                want = layer.o_proj(full.transpose(0, 1).reshape(-1, 4 * HEAD))[-1]
+                torch.testing.assert_close(out[i], want, **TOL[torch.float32])
