@@ -309,6 +309,11 @@ def test_set_step_validates():
             position_ids=torch.tensor([[0, 1]]),
             past_key_values=cache,
         )
+    packed = dict(input_ids=torch.tensor([[4, 5, 6]]), position_ids=torch.tensor([[0, 1, 2]]))
+    cache.set_step([0], [3])
+    model(**packed, past_key_values=cache)
+    with pytest.raises(ValueError, match="its own cache.set_step"):
+        model(**packed, past_key_values=cache)
 
 
 def test_unsupported_model_names_what_is_supported():
