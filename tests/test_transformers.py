@@ -364,3 +364,30 @@ def test_new_batch_needs_reset(llama):
     )
     assert out.shape == (1, 5)
     llama.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
+    ids, mask = left_padded([9, 14], seed=9)
+    step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    new = torch.tensor([[17], [42]])
+    dense = DynamicCache(config=llama.config)
+    llama.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = [
+            llama(input_ids=ids, attention_mask=mask, past_key_values=dense).logits,
+            llama(input_ids=new, attention_mask=step_mask, past_key_values=dense).logits,
+        ]
+        llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = PagedCache(llama, BLOCK, 32, kv_cache_dtype=kv_cache_dtype)
+        got = [
+            llama(input_ids=ids, attention_mask=mask, past_key_values=cache).logits,
+            llama(input_ids=new, attention_mask=step_mask, past_key_values=cache).logits,
+        ]
+    llama.set_attn_implementation("sdpa")
+    assert cache.kv.key_caches[0].dtype == torch.uint8
+    assert cache.kv.bytes_per_block * 4 == PagedCache(llama, BLOCK, 1).kv.bytes_per_block
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=0.06, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0.06, rtol=0)
+    assert not torch.equal(got[0][real], want[0][real])  # the values really were quantised
