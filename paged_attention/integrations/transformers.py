@@ -209,7 +209,6 @@ class PagedCache(Cache):
         windows = set(self.layer_windows)
         manager_window = windows.pop() if len(windows) == 1 else 0
         self.manager = self.kv.make_manager(
-            watermark=0.0,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=manager_window if manager_window and not enable_prefix_caching else None,
         )
