@@ -11,6 +11,7 @@ from paged_attention._ops import (
     swap_blocks,
     use_v2,
 )
+from paged_attention.attention import AttentionMetadata, PagedAttention
 from paged_attention.block_manager import (
     AllocStatus,
     BlockManager,
@@ -22,10 +23,14 @@ from paged_attention.block_manager import (
     SwapError,
     UnknownSequenceError,
 )
+from paged_attention.cache import PagedKVCache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionMetadata",
+    "PagedAttention",
+    "PagedKVCache",
     "AllocStatus",
     "BlockManager",
     "BlockManagerError",
