@@ -7,8 +7,9 @@
 //   * one CTA per (sequence, KV head[, partition]) serves the query heads of the GQA group (up to
 //     kMaxHeadsPerCta at once), so each K/V element is loaded once per group instead of once per
 //     query head;
-//   * block size, head size, group size, ALiBi, soft-cap and sliding window are runtime values,
-//     so only (query dtype x cache kind) is compiled: 3 x 3 kernels plus 3 reduce kernels;
+//   * block size, head size, group size, ALiBi, soft-cap and sliding window are runtime values;
+//     only (query dtype x cache kind x head size up to / above 128) is compiled: 3 x 3 x 2
+//     attention kernels plus 3 reduce kernels;
 //   * 64-bit block offsets; seq_len is clamped to what block_tables and max_seq_len address;
 //   * value elements of token slots outside the attended range are replaced by zero before use,
 //     so NaN in uninitialised cache slots never reaches the output;
@@ -19,9 +20,10 @@
 //   keys:   warp w takes blocks w, w + 4, ...; within a warp, lane l handles token l % block_size
 //           and the 16-byte key chunks c = l / block_size + k * (32 / block_size), so a warp reads
 //           512 contiguous bytes per step; the partial dots of a token are summed with shuffles.
-//   values: thread t owns head-dim rows (t and t + 128) and walks all blocks of its token split
-//           (head sizes below 128 split the tokens over 128 / head_size thread sets); each row of
-//           a block is block_size contiguous elements, read as 16-byte (fp8: 8-byte) vectors.
+//   values: thread t owns head-dim rows (t and t + 128) and walks the token slots of its split
+//           (head sizes below 128 split the tokens over 128 / head_size thread sets) in tiles of
+//           8 vectors per row; each row of a block is block_size contiguous elements, read as
+//           16-byte (fp8: 8-byte) vectors.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -37,10 +39,10 @@ namespace paged_attention::cuda {
 
 constexpr int kWarpSize = 32;
 constexpr int kWarps = kAttentionThreads / kWarpSize;
-// Value rows one thread may own (head sizes up to 2 * kAttentionThreads).
-constexpr int kRowsPerThread = kMaxHeadSize / kAttentionThreads;
-// Key chunks a lane loads before using them (loads in flight per lane).
+// Key chunks a lane loads before using them, and value vectors per row a thread loads before
+// using them (loads in flight per thread).
 constexpr int kKeyChunksInFlight = 8;
+constexpr int kValueVecsInFlight = 8;
 constexpr int kReduceThreads = 128;
 
 // ---------------------------------------------------------------------------------------------
@@ -174,7 +176,9 @@ struct AttentionLaunch {
   int head_chunks;  // CTAs per KV head (GQA group split)
 };
 
-template <typename scalar_t, CacheKind kCache>
+// kRowsPerThread: value rows one thread owns, 1 for head sizes up to kAttentionThreads, 2 above
+// (a compile-time count keeps the accumulators in registers).
+template <typename scalar_t, CacheKind kCache, int kRowsPerThread>
 __global__ void __launch_bounds__(kAttentionThreads)
     paged_attention_kernel(const AttentionParams p, const AttentionLaunch launch) {
   using Traits = CacheTraits<scalar_t, kCache>;
@@ -182,7 +186,6 @@ __global__ void __launch_bounds__(kAttentionThreads)
   using value_raw_t = typename Traits::value_raw_t;
   constexpr int kX = Traits::kX;
   constexpr int kVec = Traits::kValueVec;
-  constexpr int kMaxValueVecs = 32 / kVec;  // vectors per row of the largest block (32 tokens)
 
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
@@ -378,7 +381,6 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const int split = head_size >= kAttentionThreads ? 0 : tid / head_size;
   const int row0 = head_size >= kAttentionThreads ? tid : tid % head_size;
   const bool active = split < splits;
-  const int vecs_per_row = block_size / kVec;
   const cache_t* value_head =
       static_cast<const cache_t*>(p.value_cache) + kv_head * p.value_head_stride;
   float acc[kRowsPerThread][kMaxHeadsPerCta];
@@ -388,29 +390,39 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int g = 0; g < kMaxHeadsPerCta; ++g) acc[r][g] = 0.0f;
   }
 
+  // Token slots are walked in tiles of kValueVecsInFlight vectors per row, so each thread has that
+  // many loads in flight whatever the block size (a tile spans one or more whole blocks).
+  constexpr int kTileSlots = kValueVecsInFlight * kVec;
+  const int num_tiles = (num_slots + kTileSlots - 1) / kTileSlots;
+  const int first_slot_pos = block_begin * block_size;  // position of slot 0
   if (active) {
-    for (int block = block_begin + split; block < block_end; block += splits) {
-      const int64_t physical_block = block_table[block];
-      const cache_t* value_block = value_head + physical_block * p.value_block_stride;
-      const int first_pos = block * block_size;
-      const bool partial = first_pos < token_begin || first_pos + block_size > token_end;
-      const float* weights = logits + (block - block_begin) * block_size;
-
-      value_raw_t raw[kRowsPerThread][kMaxValueVecs];
+    for (int tile = split; tile < num_tiles; tile += splits) {
+      const int tile_begin = tile * kTileSlots;
+      value_raw_t raw[kRowsPerThread][kValueVecsInFlight];
 #pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        const int row = row0 + r * kAttentionThreads;
+      for (int j = 0; j < kValueVecsInFlight; ++j) {
+        const int slot = tile_begin + j * kVec;
+        if (slot < num_slots) {
+          // kVec divides block_size: a vector never straddles two blocks.
+          const int64_t physical_block = block_table[block_begin + slot / block_size];
+          const cache_t* vector =
+              value_head + physical_block * p.value_block_stride + slot % block_size;
 #pragma unroll
-        for (int j = 0; j < kMaxValueVecs; ++j) {
-          if (row < head_size && j < vecs_per_row) {
-            raw[r][j] = load_raw(reinterpret_cast<const value_raw_t*>(
-                value_block + row * block_size + j * kVec));
+          for (int r = 0; r < kRowsPerThread; ++r) {
+            const int row = row0 + r * kAttentionThreads;
+            if (row < head_size) {
+              raw[r][j] =
+                  load_raw(reinterpret_cast<const value_raw_t*>(vector + row * block_size));
+            }
           }
         }
       }
 #pragma unroll
-      for (int j = 0; j < kMaxValueVecs; ++j) {
-        if (j >= vecs_per_row) break;
+      for (int j = 0; j < kValueVecsInFlight; ++j) {
+        const int slot = tile_begin + j * kVec;
+        if (slot >= num_slots) break;
+        const int first_pos = first_slot_pos + slot;
+        const bool partial = first_pos < token_begin || first_pos + kVec > token_end;
         float v[kRowsPerThread][kVec];
 #pragma unroll
         for (int r = 0; r < kRowsPerThread; ++r) {
@@ -424,7 +436,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
               // weight is 0, and 0 * NaN would still be NaN.
 #pragma unroll
               for (int e = 0; e < kVec; ++e) {
-                const int pos = first_pos + j * kVec + e;
+                const int pos = first_pos + e;
                 if (pos < token_begin || pos >= token_end) v[r][e] = 0.0f;
               }
             }
@@ -434,7 +446,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
         for (int g = 0; g < kMaxHeadsPerCta; ++g) {
           if (g < heads) {
             const float4* w4 =
-                reinterpret_cast<const float4*>(weights + g * launch.logit_capacity + j * kVec);
+                reinterpret_cast<const float4*>(logits + g * launch.logit_capacity + slot);
 #pragma unroll
             for (int e = 0; e < kVec / 4; ++e) {
               const float4 w = w4[e];
@@ -559,7 +571,7 @@ __global__ void __launch_bounds__(kReduceThreads)
 // ---------------------------------------------------------------------------------------------
 // Launch
 
-template <typename scalar_t, CacheKind kCache>
+template <typename scalar_t, CacheKind kCache, int kRowsPerThread>
 cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream_t stream) {
   if (p.num_seqs == 0) return cudaSuccess;
   const int group = p.num_heads / p.num_kv_heads;
@@ -572,7 +584,7 @@ cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream
   const int64_t shared_bytes =
       attention_shared_memory_bytes(launch.heads_per_cta, p.head_size, launch.logit_capacity);
 
-  const auto kernel = paged_attention_kernel<scalar_t, kCache>;
+  const auto kernel = paged_attention_kernel<scalar_t, kCache, kRowsPerThread>;
   if (shared_bytes > 48 * 1024) {
     const cudaError_t status = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
@@ -585,6 +597,14 @@ cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream
   paged_attention_reduce_kernel<scalar_t>
       <<<dim3(p.num_seqs, p.num_heads), kReduceThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename scalar_t, CacheKind kCache>
+cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream_t stream) {
+  static_assert(kMaxHeadSize <= 2 * kAttentionThreads, "a thread owns at most two value rows");
+  return p.head_size <= kAttentionThreads
+             ? launch_paged_attention<scalar_t, kCache, 1>(p, v2, stream)
+             : launch_paged_attention<scalar_t, kCache, 2>(p, v2, stream);
 }
 
 template <typename scalar_t>
