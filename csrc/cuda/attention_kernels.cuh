@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 template <typename scalar_t, CacheKind kCache, int kRowsPerThread>
 cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream_t stream) {
-  if (p.num_seqs == 0) return cudaSuccess;
+  if (p.num_seqs == 0 || p.num_heads == 0) return cudaSuccess;
   const int group = p.num_heads / p.num_kv_heads;
   AttentionLaunch launch{};
   launch.partition_size = v2 ? kV2PartitionSize : 0;

@@ -101,10 +101,12 @@ struct CopyBatch {
   const int64_t* mapping;  // [num_pairs, 2]
 };
 
-// grid: (pair, tensor, chunk of the block). `word_t` is the widest unit that divides every
+// grid: (pair, tensor, chunk of the block). The batch is read in place from parameter memory
+// (__grid_constant__: no per-thread copy). `word_t` is the widest unit that divides every
 // pointer, stride and size of the batch.
 template <typename word_t>
-__global__ void __launch_bounds__(kCopyThreads) copy_blocks_kernel(const CopyBatch batch) {
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_blocks_kernel(const __grid_constant__ CopyBatch batch) {
   const int64_t pair = blockIdx.x;
   const CopyTensor& t = batch.tensors[blockIdx.y];
   const int64_t src_block = batch.mapping[2 * pair];
@@ -116,6 +118,7 @@ __global__ void __launch_bounds__(kCopyThreads) copy_blocks_kernel(const CopyBat
   const word_t* src =
       reinterpret_cast<const word_t*>(t.src + src_block * t.src_block_stride_bytes + begin);
   word_t* dst = reinterpret_cast<word_t*>(t.dst + dst_block * t.dst_block_stride_bytes + begin);
+#pragma unroll 4
   for (int64_t i = threadIdx.x; i < words; i += kCopyThreads) dst[i] = src[i];
 }
 

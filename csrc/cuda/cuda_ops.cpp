@@ -108,6 +108,7 @@ void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_s
                       ") must be at most 65535 partitions");
   }
 
+  if (dims.num_seqs == 0 || dims.num_heads == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   AttentionParams p{};
   p.out = out.data_ptr();

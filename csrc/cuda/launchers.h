@@ -21,6 +21,7 @@ constexpr int kMaxHeadSize = 256;
 
 // Query heads one CTA serves for a GQA group of `group` query heads per KV head.
 inline int heads_per_cta(int64_t group) {
+  if (group <= 0) return 1;
   const int64_t chunks = (group + kMaxHeadsPerCta - 1) / kMaxHeadsPerCta;
   return static_cast<int>((group + chunks - 1) / chunks);
 }
