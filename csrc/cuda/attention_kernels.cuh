@@ -264,8 +264,12 @@ __global__ void __launch_bounds__(kAttentionThreads)
 #pragma unroll
   for (int g = 0; g < kMaxHeadsPerCta; ++g) local_max[g] = -INFINITY;
 
+  // The next block id is loaded one iteration ahead, off the critical path of the key loads.
+  int64_t next_physical_block =
+      block_begin + warp < block_end ? block_table[block_begin + warp] : 0;
   for (int block = block_begin + warp; block < block_end; block += kWarps) {
-    const int64_t physical_block = block_table[block];
+    const int64_t physical_block = next_physical_block;
+    if (block + kWarps < block_end) next_physical_block = block_table[block + kWarps];
     const cache_t* key_token =
         key_head + physical_block * p.key_block_stride + token_in_block * kX;
     float dot[kMaxHeadsPerCta];
