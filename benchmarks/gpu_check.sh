@@ -211,15 +211,20 @@ if $PY -c 'import pytest' 2>/dev/null; then
   echo "== pytest tests/test_cuda_ops.py ==" >> "$OUT/tests.log"
   run_stage tests 110 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py -q -rfE \
     -p no:cacheprovider --junitxml="$OUT/tests.xml" --durations=10
-  grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -1 | sed 's/^/  pytest: /' >> "$SUMMARY"
+  grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
+    | sed 's/^/  pytest: /' >> "$SUMMARY"
 else
   note "[tests] SKIPPED: pytest is not importable by $PY (the smoke check above still ran)"
 fi
 
 # ---- 3. compute-sanitizer memcheck ----------------------------------------------------------
+# On PATH, in a CUDA toolkit, or in the nvidia-cuda-sanitizer-api wheel next to torch's CUDA libs.
 SANITIZER=$(command -v compute-sanitizer || true)
+WHEELS=$($PY -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null)
 for candidate in /usr/local/cuda/bin/compute-sanitizer \
-    /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    /usr/local/cuda/compute-sanitizer/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+    $( [ -n "$WHEELS" ] && find "$WHEELS/nvidia" -maxdepth 4 -type f -name compute-sanitizer \
+       2>/dev/null ); do
   [ -n "$SANITIZER" ] && break
   [ -x "$candidate" ] && SANITIZER=$candidate
 done
@@ -230,7 +235,7 @@ if [ -n "$SANITIZER" ]; then
     --tool memcheck --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
   grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1 | sed 's/^/  memcheck: /' >> "$SUMMARY"
 else
-  note "[memcheck] SKIPPED: compute-sanitizer not found on PATH or under /usr/local/cuda"
+  note "[memcheck] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
 fi
 
 # ---- 4. decode benchmark --------------------------------------------------------------------
