@@ -149,9 +149,10 @@ void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_s
 
   const int64_t shared_bytes = attention_shared_memory_bytes(p, v2);
   int device_limit = 0;
-  check_launch(cudaDeviceGetAttribute(&device_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                      query.get_device()),
-               op);
+  const cudaError_t query_status = cudaDeviceGetAttribute(
+      &device_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, query.get_device());
+  TORCH_CHECK(query_status == cudaSuccess, op, ": cannot read the device's shared memory limit: ",
+              cudaGetErrorString(query_status));
   TORCH_CHECK(shared_bytes <= device_limit, op, " needs ", shared_bytes,
               " bytes of shared memory for max_seq_len = ", max_seq_len, " (", dims.num_heads,
               " query heads over ", num_kv_heads, " KV heads), more than the device's ",
@@ -243,7 +244,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 // block_mapping as a contiguous int64 tensor on `device`. A CPU mapping is staged through pinned
 // memory and copied without blocking the host (the pinned buffer stays reserved until the copy
-// has run).
+// has run). Inside a CUDA graph pass the mapping on the device: a staged copy would be replayed
+// from a buffer that has since been reused.
 at::Tensor mapping_on(const at::Tensor& block_mapping, const c10::Device& device) {
   if (block_mapping.device() == device) return block_mapping.contiguous();
   TORCH_CHECK(block_mapping.is_cpu(), "block_mapping must be on the CPU or on ", device, ", got ",
