@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# One-GPU check of the CUDA kernels (made for an H200 machine: 16 cores, torch + nvcc installed,
+# no network). Builds the extension for sm_90, runs a plain-python smoke check of every op against
+# reference.py, the CUDA tests (when pytest is importable), compute-sanitizer memcheck on a small
+# case of every op, and the decode benchmark. Each stage has its own timeout so the whole script
+# stays within 8 minutes (150 + 35 + 110 + 55 + 100 s at most); a failing stage does not stop the
+# later ones.
+#
+# Usage: benchmarks/gpu_check.sh OUTDIR
+# OUTDIR receives at most 8 files: summary.txt build.log tests.log tests.xml memcheck.log
+# bench.log bench_decode_cuda.json bench_decode_cuda.png
+set -u -o pipefail
+
+if [ $# -ne 1 ]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$1"
+OUT=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+: > "$SUMMARY"
+FAILED=0
+SCRIPT_START=$(date +%s)
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# run_stage NAME TIMEOUT_S LOG COMMAND...: runs COMMAND with a timeout, appending to LOG, and
+# records its exit status and duration in the summary.
+run_stage() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local start rc
+  start=$(date +%s)
+  timeout --kill-after=3 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  local seconds=$(( $(date +%s) - start ))
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    note "[$name] TIMEOUT after ${limit}s (log: $(basename "$log"))"
+  elif [ $rc -ne 0 ]; then
+    note "[$name] FAILED rc=$rc in ${seconds}s (log: $(basename "$log"))"
+  else
+    note "[$name] ok in ${seconds}s"
+  fi
+  [ $rc -eq 0 ] || FAILED=1
+  return $rc
+}
+
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+note "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $COMMIT"
+GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)
+note "gpu: ${GPU:-nvidia-smi unavailable}"
+note "torch: $($PY -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda,
+  "available", torch.cuda.is_available())' 2>&1)"
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+note "nvcc: $("$NVCC" --version 2>/dev/null | tail -1 || echo 'not found')"
+if ! $PY -c 'import ninja' 2>/dev/null && ! command -v ninja >/dev/null; then
+  note "warning: ninja not found: torch builds serially, MAX_JOBS has no effect"
+fi
+
+# ---- 1. build ------------------------------------------------------------------------------
+export PAGED_ATTENTION_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+run_stage build 150 "$OUT/build.log" $PY setup.py build_ext --inplace
+BUILD_RC=$?
+unset PAGED_ATTENTION_CUDA MAX_JOBS
+
+# ---- the smoke / memcheck script (every op against reference.py, no pytest needed) ----------
+cat > "$WORK/smoke.py" <<'PYEOF'
+"""Every CUDA op against reference.py on small inputs.
+
+`--tiny` is the compute-sanitizer case: fewer cases, and the reference (which would load cuBLAS
+under the sanitizer, slowly) is skipped: only our kernels run and nothing is compared.
+"""
+import math
+import sys
+
+import torch
+
+import paged_attention._ops as pa
+from paged_attention import reference
+
+ops = torch.ops.paged_attention
+tiny = "--tiny" in sys.argv
+dev = torch.device("cuda")
+gen = torch.Generator().manual_seed(0)
+failures = []
+
+
+def check(name, ok, detail=""):
+    if tiny:
+        print("RAN  " + name, flush=True)
+        return
+    print(("PASS " if ok else "FAIL ") + name + (f"  {detail}" if detail else ""), flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def close(a, b, tol):
+    err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    return err <= tol, f"max abs err {err:.3g}"
+
+
+def make_cache(dtype, kv, num_blocks, heads, head_size, block_size):
+    fp8 = kv != "auto"
+    cdt = torch.uint8 if fp8 else dtype
+    x = 16 // torch.empty((), dtype=cdt).element_size()
+    scale = torch.tensor([0.5], device=dev)
+    k = torch.randn(num_blocks, heads, head_size // x, block_size, x, generator=gen).to(dev)
+    v = torch.randn(num_blocks, heads, head_size, block_size, generator=gen).to(dev)
+    if fp8:
+        return reference.quantize(k, kv, scale), reference.quantize(v, kv, scale), scale
+    return k.to(dtype), v.to(dtype), scale
+
+
+cases = [(torch.bfloat16, "auto", 128, 16), (torch.float32, "fp8_e4m3", 64, 8),
+         (torch.float16, "fp8_e5m2", 256, 32)]
+if tiny:
+    cases = cases[:2]
+seq_lens = [0, 1, 37, 700] if tiny else [0, 1, 37, 700, 1500]
+for dtype, kv, head_size, block_size in cases:
+    num_heads, num_kv_heads = 8, 2
+    max_len = max(seq_lens)
+    max_blocks = math.ceil(max_len / block_size)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    key_cache, value_cache, scale = make_cache(
+        dtype, kv, num_blocks, num_kv_heads, head_size, block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
+    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32).to(dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dev, dtype)
+    slopes = torch.linspace(0.01, 0.2, num_heads, device=dev)
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for window, cap, alibi in [(0, 0.0, None), (300, 15.0, slopes)]:
+        common = (query, key_cache, value_cache, num_kv_heads, head_size**-0.5, tables, lens,
+                  block_size, max_len, alibi, kv, scale, scale, window, cap)
+        want = torch.empty_like(query)
+        if not tiny:
+            reference.paged_attention_v1(want, *common)
+        got = torch.empty_like(query)
+        ops.paged_attention_v1(got, *common)
+        name = f"attention_v1 {dtype} {kv} d{head_size} b{block_size} w{window}"
+        check(name, *close(got, want, tol))
+        parts = pa.num_partitions(max_len)
+        sums = torch.empty(len(seq_lens), num_heads, parts, device=dev)
+        maxes = torch.empty_like(sums)
+        tmp = torch.empty(len(seq_lens), num_heads, parts, head_size, dtype=dtype, device=dev)
+        got2 = torch.empty_like(query)
+        ops.paged_attention_v2(got2, sums, maxes, tmp, *common)
+        check(name.replace("v1", "v2"), *close(got2, want, tol))
+
+# reshape_and_cache: bit-exact, fp8 included, strided key/value, negative slots skipped
+for dtype, kv in [(torch.bfloat16, "auto"), (torch.float16, "fp8_e4m3"),
+                  (torch.float32, "fp8_e5m2")]:
+    key_cache, value_cache, scale = make_cache(dtype, kv, 6, 2, 64, 16)
+    qkv = torch.randn(20, 6, 64, generator=gen).to(dev, dtype)
+    key, value = qkv[:, 2:4], qkv[:, 4:]
+    slots = torch.randperm(96, generator=gen)[:20].to(dev)
+    slots[::5] = -1
+    want = (key_cache.clone(), value_cache.clone())
+    if not tiny:
+        reference.reshape_and_cache(key, value, *want, slots, kv, scale, scale)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, kv, scale, scale)
+    check(f"reshape_and_cache {dtype} {kv}",
+          torch.equal(key_cache, want[0]) and torch.equal(value_cache, want[1]))
+
+# copy_blocks: 3 layers, fan-out of one source to two destinations
+caches = [torch.randn(8, 2, 64, 16, generator=gen).to(dev) for _ in range(6)]
+want = [c.clone() for c in caches]
+mapping = torch.tensor([[1, 5], [1, 6], [2, 0]], device=dev)
+if not tiny:
+    reference.copy_blocks(want[:3], want[3:], mapping)
+ops.copy_blocks(caches[:3], caches[3:], mapping)
+check("copy_blocks", all(torch.equal(a, b) for a, b in zip(caches, want)))
+
+# swap_blocks in every direction, pinned and pageable host memory
+mapping = torch.tensor([[0, 3], [4, 1]])
+shape = (5, 2, 64, 16)
+for label, src, dst in [
+    ("d2d", torch.randn(shape, device=dev), torch.zeros(shape, device=dev)),
+    ("d2h pinned", torch.randn(shape, device=dev), torch.zeros(shape).pin_memory()),
+    ("h2d pinned", torch.randn(shape).pin_memory(), torch.zeros(shape, device=dev)),
+    ("d2h pageable", torch.randn(shape, device=dev), torch.zeros(shape)),
+    ("h2d pageable", torch.randn(shape), torch.zeros(shape, device=dev)),
+]:
+    want = dst.clone()
+    if not tiny:
+        reference.swap_blocks(src, want, mapping)
+    ops.swap_blocks(src, dst, mapping)
+    torch.cuda.synchronize()
+    check(f"swap_blocks {label}", torch.equal(dst, want))
+
+torch.cuda.synchronize()
+print(f"{len(failures)} failure(s)" + (": " + ", ".join(failures) if failures else ""))
+sys.exit(1 if failures else 0)
+PYEOF
+
+if [ $BUILD_RC -ne 0 ]; then
+  note "build failed: skipping the GPU stages (see build.log)"
+  note "total $(( $(date +%s) - SCRIPT_START ))s; RESULT: FAILED"
+  exit 1
+fi
+
+# ---- 2. smoke check and CUDA tests --------------------------------------------------------
+echo "== smoke check (plain python, every op vs reference.py) ==" >> "$OUT/tests.log"
+run_stage smoke 35 "$OUT/tests.log" $PY "$WORK/smoke.py"
+grep -E "failure\(s\)" "$OUT/tests.log" | tail -1 | sed 's/^/  smoke: /' >> "$SUMMARY"
+if $PY -c 'import pytest' 2>/dev/null; then
+  echo "== pytest tests/test_cuda_ops.py ==" >> "$OUT/tests.log"
+  run_stage tests 110 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py -q -rfE \
+    -p no:cacheprovider --junitxml="$OUT/tests.xml" --durations=10
+  grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
+    | sed 's/^/  pytest: /' >> "$SUMMARY"
+else
+  note "[tests] SKIPPED: pytest is not importable by $PY (the smoke check above still ran)"
+fi
+
+# ---- 3. compute-sanitizer memcheck ----------------------------------------------------------
+# On PATH, in a CUDA toolkit, or in the nvidia-cuda-sanitizer-api wheel next to torch's CUDA libs.
+SANITIZER=$(command -v compute-sanitizer || true)
+WHEELS=$($PY -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null)
+for candidate in /usr/local/cuda/bin/compute-sanitizer \
+    /usr/local/cuda/compute-sanitizer/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+    $( [ -n "$WHEELS" ] && find "$WHEELS/nvidia" -maxdepth 4 -type f -name compute-sanitizer \
+       2>/dev/null ); do
+  [ -n "$SANITIZER" ] && break
+  [ -x "$candidate" ] && SANITIZER=$candidate
+done
+if [ -n "$SANITIZER" ]; then
+  # Without the caching allocator every tensor is its own allocation, so an out-of-bounds access
+  # cannot hide inside a pooled segment.
+  run_stage memcheck 55 "$OUT/memcheck.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
+    --tool memcheck --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
+  grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1 | sed 's/^/  memcheck: /' >> "$SUMMARY"
+else
+  note "[memcheck] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
+fi
+
+# ---- 4. decode benchmark --------------------------------------------------------------------
+if [ -f benchmarks/bench_decode.py ]; then
+  run_stage bench 100 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bf16,fp32 \
+    --json "$OUT/bench_decode_cuda.json" --plot "$OUT/bench_decode_cuda.png"
+  echo "  bench (last lines of bench.log):" >> "$SUMMARY"
+  tail -n 45 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
+else
+  note "[bench] SKIPPED: benchmarks/bench_decode.py is not in this checkout"
+  FAILED=1
+fi
+
+RESULT=$([ $FAILED -eq 0 ] && echo ok || echo FAILED)
+note "total $(( $(date +%s) - SCRIPT_START ))s; RESULT: $RESULT"
+exit $FAILED
