@@ -1,0 +1,787 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from paged_attention import block_manager as bm_module
+from paged_attention.block_manager import (
+    RELEASED,
+    AllocStatus,
+    BlockManager,
+    BlockManagerError,
+    DoubleFreeError,
+    DuplicateSequenceError,
+    OutOfBlocksError,
+    SwapError,
+    UnknownSequenceError,
+)
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def check_invariants(bm: BlockManager) -> None:
+    """Refcounts match the tables; every block is exactly one of free, cached-free or used."""
+    size = bm.block_size
+    expected = {
+        "device": np.zeros(bm.num_device_blocks, int),
+        "host": np.zeros(bm.num_host_blocks, int),
+    }
+    for seq_id in bm.seq_ids():
+        host = bm.is_swapped(seq_id)
+        table = bm.host_block_table(seq_id) if host else bm.block_table(seq_id)
+        assert len(table) == -(-bm.num_tokens(seq_id) // size)
+        live = [b for b in table if b != RELEASED]
+        assert len(set(live)) == len(live), f"sequence {seq_id} holds a block twice"
+        assert table[: len(table) - len(live)] == [RELEASED] * (len(table) - len(live))
+        np.add.at(expected["host" if host else "device"], live, 1)
+    assert expected["device"].tolist() == bm._device_refs.tolist()
+    assert expected["host"].tolist() == bm._host_refs.tolist()
+
+    used = set(np.flatnonzero(bm._device_refs).tolist())
+    free = list(bm._device_free)
+    cached_free = list(bm._evictable)
+    assert len(set(free)) == len(free)
+    assert not (set(free) & set(cached_free)) and not (set(free) & used)
+    assert not (set(cached_free) & used)
+    assert len(free) + len(cached_free) + len(used) == bm.num_device_blocks
+    host_used = set(np.flatnonzero(bm._host_refs).tolist())
+    host_free = list(bm._host_free)
+    assert len(set(host_free)) == len(host_free) and not (set(host_free) & host_used)
+    assert len(host_free) + len(host_used) == bm.num_host_blocks
+
+    # The prefix cache indexes exactly its entries, and only device blocks nobody writes to.
+    assert {e.hash: b for b, e in bm._cache_entries.items()} == bm._cache_map
+    assert set(cached_free) <= set(bm._cache_entries)
+    assert not (set(bm._cache_entries) & set(free))
+
+    stats = bm.stats()
+    assert stats.device.free_blocks + stats.device.used_blocks == bm.num_device_blocks
+    assert stats.host.free_blocks + stats.host.used_blocks == bm.num_host_blocks
+
+
+def snapshot(bm: BlockManager) -> dict:
+    """Everything observable and internal, for 'a failed call changes nothing' checks."""
+    seqs = {}
+    for seq_id in bm.seq_ids():
+        host = bm.is_swapped(seq_id)
+        seqs[seq_id] = (
+            host,
+            bm.host_block_table(seq_id) if host else bm.block_table(seq_id),
+            bm.num_tokens(seq_id),
+            bm.num_cached_tokens(seq_id),
+        )
+    chains = {s: (c.hash, c.uid, list(c.pending)) for s, c in bm._chains.items()}
+    return {
+        "seqs": seqs,
+        "device_refs": bm._device_refs.tolist(),
+        "host_refs": bm._host_refs.tolist(),
+        "device_free": list(bm._device_free),
+        "host_free": list(bm._host_free),
+        "evictable": list(bm._evictable),
+        "cache_map": dict(bm._cache_map),
+        "cache_entries": dict(bm._cache_entries),
+        "chains": chains,
+        "freed": list(bm._freed_ids),
+        "stats": bm.stats(),
+    }
+
+
+def assert_fails_cleanly(bm: BlockManager, error: type, call, *match: str) -> None:
+    before = snapshot(bm)
+    with pytest.raises(error) as info:
+        call()
+    for text in match:
+        assert text in str(info.value)
+    assert snapshot(bm) == before
+    check_invariants(bm)
+
+
+# ---------------------------------------------------------------------------- allocation
+
+
+def test_allocate_and_queries():
+    bm = BlockManager(10, 4)
+    bm.allocate(7, 9)
+    assert bm.has_seq(7) and not bm.has_seq(8)
+    assert bm.num_tokens(7) == 9
+    assert bm.block_table(7) == [0, 1, 2]
+    assert not bm.is_swapped(7)
+    assert bm.num_cached_tokens(7) == 0
+    assert bm.num_free_device_blocks() == 7
+    bm.allocate(8, 0)
+    assert bm.block_table(8) == [] and bm.num_tokens(8) == 0
+    table = bm.block_table(7)
+    table.append(99)
+    assert bm.block_table(7) == [0, 1, 2]
+    check_invariants(bm)
+
+
+def test_can_allocate_watermark():
+    bm = BlockManager(100, 4, watermark=0.1)  # 10 blocks held back
+    assert bm.can_allocate(4 * 90) is AllocStatus.OK
+    assert bm.can_allocate(4 * 91) is AllocStatus.NEVER
+    bm.allocate(1, 4 * 50)
+    assert bm.can_allocate(4 * 40) is AllocStatus.OK
+    assert bm.can_allocate(4 * 41) is AllocStatus.LATER
+    assert bm.can_allocate(list(range(4 * 41))) is AllocStatus.LATER
+    assert BlockManager(4, 4, max_blocks_per_seq=2).can_allocate(9) is AllocStatus.NEVER
+
+
+def test_table_grows_past_initial_width_and_rows_past_capacity():
+    bm = BlockManager(400, 1)
+    bm.allocate(0, 100)
+    bm.append_slots(0, 50)
+    assert bm.block_table(0) == list(range(150))
+    for seq_id in range(1, 200):
+        bm.allocate(seq_id, 1)
+    assert bm.block_table(199) == [348]
+    check_invariants(bm)
+
+
+def test_allocate_errors_leave_state_unchanged():
+    bm = BlockManager(4, 4, max_blocks_per_seq=3)
+    bm.allocate(1, 8)
+    assert_fails_cleanly(bm, DuplicateSequenceError, lambda: bm.allocate(1, 1), "1")
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.allocate(2, 9), "2", "3", "2 free")
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.allocate(3, 13), "max_blocks_per_seq")
+    assert_fails_cleanly(bm, ValueError, lambda: bm.allocate(4, -1))
+    assert issubclass(DuplicateSequenceError, ValueError)
+    assert issubclass(UnknownSequenceError, KeyError)
+
+
+# ---------------------------------------------------------------------------- copy-on-write
+
+
+def test_append_private_block_needs_no_copy():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, 5)
+    assert bm.append_slots(1) == []
+    assert bm.block_table(1) == [0, 1] and bm.num_tokens(1) == 6
+
+
+def test_append_opening_fresh_block_needs_no_copy():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, 4)
+    bm.fork(1, 2)  # the full shared block is never written
+    assert bm.append_slots(1) == []
+    assert bm.append_slots(2) == []
+    assert bm.block_table(1) == [0, 1] and bm.block_table(2) == [0, 2]
+    check_invariants(bm)
+
+
+def test_append_shared_partial_block_copies_once():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, 6)
+    bm.fork(1, 2)
+    assert bm.num_free_device_blocks() == 6  # fork allocates nothing
+    assert bm.append_slots(2) == [(1, 2)]
+    assert bm.block_table(2) == [0, 2] and bm.block_table(1) == [0, 1]
+    assert bm.append_slots(1) == []  # now private again
+    check_invariants(bm)
+
+
+def test_fan_out_of_one_block_to_several_children():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 2)
+    for child in (1, 2, 3):
+        bm.fork(0, child)
+    assert bm._device_refs[0] == 4
+    pairs = [p for child in (1, 2, 3) for p in bm.append_slots(child)]
+    assert pairs == [(0, 1), (0, 2), (0, 3)]
+    assert bm.append_slots(0) == []  # the last holder writes in place
+    assert bm.block_table(0) == [0]
+    check_invariants(bm)
+
+
+def test_decode_step_batch_sharing_a_block_copies_for_all_but_one():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 2)
+    bm.fork(0, 1)
+    bm.fork(0, 2)
+    pairs, tables, lens, slots = bm.decode_step([0, 1, 2])
+    assert pairs == [(0, 1), (0, 2)]
+    assert tables.tolist() == [[1], [2], [0]]  # the last sharer in the batch writes in place
+    assert lens.tolist() == [3, 3, 3] and slots.tolist() == [6, 10, 2]
+    check_invariants(bm)
+
+
+def test_decode_step_shared_block_also_held_outside_batch():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 2)
+    bm.fork(0, 1)
+    pairs, *_ = bm.decode_step([1])
+    assert pairs == [(0, 1)]
+
+
+def test_append_errors_leave_state_unchanged():
+    bm = BlockManager(3, 4, max_blocks_per_seq=3)
+    bm.allocate(1, 6)
+    bm.fork(1, 2)
+    bm.allocate(3, 1)
+    # Seq 2 needs a copy of block 1 plus two fresh blocks; none are free.
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.append_slots(2, 4), "sequence 2")
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.append_slots(1, 20), "max_blocks")
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.decode_step([3, 2]), "needs 1")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.append_slots(9), "9")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.decode_step([1, 9]), "9")
+    assert_fails_cleanly(bm, DuplicateSequenceError, lambda: bm.decode_step([3, 3]), "twice")
+    assert_fails_cleanly(bm, ValueError, lambda: bm.append_slots(1, 2, tokens=[1]))
+    assert_fails_cleanly(bm, ValueError, lambda: bm.append_slots(1, -1))
+
+
+# ---------------------------------------------------------------------------- fork and free
+
+
+def test_fork_errors_and_free():
+    bm = BlockManager(8, 4, 8)
+    bm.allocate(1, 5)
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.fork(9, 10), "9")
+    assert_fails_cleanly(bm, DuplicateSequenceError, lambda: bm.fork(1, 1), "1")
+    bm.fork(1, 2)
+    bm.free(1)
+    assert bm.block_table(2) == [0, 1] and bm.num_free_device_blocks() == 6
+    bm.free(2)
+    assert bm.num_free_device_blocks() == 8
+    assert_fails_cleanly(bm, DoubleFreeError, lambda: bm.free(2), "2", "already freed")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.free(3), "3")
+    bm.allocate(2, 1)  # an id can be reused after free
+    bm.free(2)
+    bm.allocate(3, 1)
+    bm.swap_out([3])
+    assert_fails_cleanly(bm, SwapError, lambda: bm.fork(3, 4), "3")
+    check_invariants(bm)
+
+
+# ---------------------------------------------------------------------------- swapping
+
+
+def test_swap_keeps_sharing_and_round_trips():
+    bm = BlockManager(8, 4, 8)
+    bm.allocate(1, 6)
+    bm.fork(1, 2)
+    bm.append_slots(2, 3)  # seq 2: [0, 2, 3], seq 1: [0, 1]
+    assert bm.can_swap_out([1, 2])
+    out = bm.swap_out([1, 2])
+    assert sorted(d for d, _ in out) == [0, 1, 2, 3]  # the shared block moves once
+    assert bm.is_swapped(1) and bm.is_swapped(2)
+    host1, host2 = bm.host_block_table(1), bm.host_block_table(2)
+    assert host1[0] == host2[0] and bm._host_refs[host1[0]] == 2
+    assert bm.num_free_device_blocks() == 8
+    assert bm.can_swap_in([1, 2]) is AllocStatus.OK
+    back = bm.swap_in([1, 2])
+    assert sorted(h for h, _ in back) == sorted(h for _, h in out)
+    assert bm.block_table(1)[0] == bm.block_table(2)[0]
+    assert bm.num_free_host_blocks() == 8
+    check_invariants(bm)
+
+
+def test_swap_of_sequence_sharing_with_one_left_behind_copies():
+    bm = BlockManager(8, 4, 8)
+    bm.allocate(1, 6)
+    bm.fork(1, 2)
+    out = bm.swap_out([2])
+    assert [d for d, _ in out] == [0, 1]
+    assert bm.block_table(1) == [0, 1] and bm._device_refs[[0, 1]].tolist() == [1, 1]
+    assert bm.num_free_host_blocks() == 6
+    bm.swap_in([2])
+    assert bm.block_table(2) not in ([0, 1],) and len(set(bm.block_table(2)) & {0, 1}) == 0
+    check_invariants(bm)
+
+
+def test_swap_errors_leave_state_unchanged():
+    bm = BlockManager(6, 4, 2, watermark=0.0)
+    bm.allocate(1, 12)
+    bm.allocate(2, 4)
+    assert not bm.can_swap_out([1])
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.swap_out([1]), "3 host blocks", "2")
+    assert_fails_cleanly(bm, SwapError, lambda: bm.swap_in([2]), "[2]")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.swap_out([2, 5]), "5")
+    assert_fails_cleanly(bm, DuplicateSequenceError, lambda: bm.swap_out([2, 2]))
+    bm.swap_out([2])
+    assert_fails_cleanly(bm, SwapError, lambda: bm.swap_out([2]), "[2]")
+    assert_fails_cleanly(bm, SwapError, lambda: bm.append_slots(2), "2")
+    assert_fails_cleanly(bm, SwapError, lambda: bm.decode_step([1, 2]), "[2]")
+    assert_fails_cleanly(bm, SwapError, lambda: bm.block_table(2))
+    assert_fails_cleanly(bm, SwapError, lambda: bm.host_block_table(1))
+    assert_fails_cleanly(bm, SwapError, lambda: bm.block_tables_tensor([2]))
+    bm.allocate(3, 12)
+    assert bm.can_swap_in([2]) is AllocStatus.LATER
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.swap_in([2]), "1 device", "0 free")
+    assert BlockManager(4, 4, 8).can_swap_in([]) is AllocStatus.OK
+    bm.free(2)
+    assert bm.num_free_host_blocks() == 2
+    check_invariants(bm)
+
+
+# ---------------------------------------------------------------------------- prefix caching
+
+
+def test_prefix_cache_hit_shares_full_blocks_but_not_the_last_token():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    bm.allocate(1, prompt)
+    bm.allocate(2, prompt[:8] + [50, 51])
+    assert bm.block_table(2)[:2] == bm.block_table(1)[:2]
+    assert bm.num_cached_tokens(2) == 8
+    bm.allocate(3, prompt[:8])  # the whole prompt is cached, yet its last token is computed
+    assert bm.num_cached_tokens(3) == 4
+    assert bm.block_table(3)[0] == bm.block_table(1)[0]
+    assert bm.block_table(3)[1] != bm.block_table(1)[1]
+    bm.allocate(4, [99] + prompt[1:])  # first block differs: no hit at all, even later ones
+    assert bm.num_cached_tokens(4) == 0
+    bm.allocate(5, 10)  # a count cannot hit
+    assert bm.num_cached_tokens(5) == 0
+    check_invariants(bm)
+
+
+def test_prefix_cache_survives_free_and_evicts_lru():
+    bm = BlockManager(4, 2, enable_prefix_caching=True, watermark=0.0)
+    bm.allocate(1, [1, 2, 3, 4, 5])  # blocks 0,1 cached; block 2 holds [5]
+    bm.free(1)
+    assert bm.num_free_device_blocks() == 4 and len(bm._evictable) == 2
+    assert bm.can_allocate([1, 2, 3, 4, 6]) is AllocStatus.OK
+    bm.allocate(2, [1, 2, 3, 4, 6])
+    assert bm.num_cached_tokens(2) == 4 and bm.block_table(2)[:2] == [0, 1]
+    bm.free(2)
+    # Freed in reverse: block 1 (the chain's tail) is least recently used, then block 0.
+    assert list(bm._evictable) == [1, 0]
+    bm.allocate(3, 6)  # takes the two free blocks, then evicts block 1
+    assert bm.block_table(3) == [2, 3, 1]
+    assert 1 not in bm._cache_entries and 0 in bm._cache_entries
+    bm.free(3)
+    bm.allocate(4, [1, 2, 3, 4, 7])
+    assert bm.num_cached_tokens(4) == 2
+    check_invariants(bm)
+
+
+def test_prefix_cache_hash_collision_is_verified(monkeypatch):
+    monkeypatch.setattr(bm_module, "hash", lambda value: 7, raising=False)
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3])
+    bm.allocate(2, [5, 6, 3])  # same hash, other tokens: no hit
+    assert bm.num_cached_tokens(2) == 0
+    assert bm.block_table(2)[0] != bm.block_table(1)[0]
+    check_invariants(bm)
+
+
+def test_prefix_cache_hit_needs_same_predecessor():
+    # Blocks [3,4] after [1,2] and after [9,9] must not alias even when hashes collide.
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3, 4, 0])
+    bm.allocate(2, [9, 9, 3, 4, 0])
+    assert bm.num_cached_tokens(2) == 0
+
+
+def test_appended_tokens_become_cacheable():
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3])
+    bm.append_slots(1, 1, tokens=[4])
+    bm.decode_step([1], tokens=[5])
+    bm.decode_step([1], tokens=[6])
+    bm.allocate(2, [1, 2, 3, 4, 5, 6, 7])
+    assert bm.num_cached_tokens(2) == 6
+    assert bm.block_table(2)[:3] == bm.block_table(1)
+    bm.append_slots(2, 1)  # unknown token ids end caching for this sequence
+    bm.append_slots(2, 2, tokens=[8, 9])
+    bm.allocate(3, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    assert bm.num_cached_tokens(3) == 6
+    check_invariants(bm)
+
+
+def test_fork_children_cache_their_own_continuations():
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3])
+    bm.fork(1, 2)
+    bm.append_slots(1, 1, tokens=[4])
+    bm.append_slots(2, 1, tokens=[5])
+    bm.allocate(3, [1, 2, 3, 5, 0])
+    assert bm.block_table(3)[:2] == bm.block_table(2)
+    check_invariants(bm)
+
+
+def test_free_without_cache_forgets_unwritten_blocks():
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3])
+    bm.free(1, cache=False)
+    assert not bm._cache_entries and not bm._evictable
+    bm.allocate(2, [1, 2, 3])
+    assert bm.num_cached_tokens(2) == 0
+
+
+def test_prefix_hit_on_evictable_blocks_counts_against_free_space():
+    bm = BlockManager(3, 2, enable_prefix_caching=True, watermark=0.0)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    bm.free(1)
+    bm.allocate(2, [1, 2, 0])  # hits block 0, takes one fresh block
+    assert bm.can_allocate(4) is AllocStatus.LATER
+    assert bm.can_allocate(2) is AllocStatus.OK
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.allocate(3, [1, 2, 3, 4, 0]))
+
+
+def test_options_validation():
+    with pytest.raises(ValueError):
+        BlockManager(0, 16)
+    with pytest.raises(ValueError):
+        BlockManager(4, 16, sliding_window=0)
+    with pytest.raises(ValueError):
+        BlockManager(4, 16, sliding_window=8, enable_prefix_caching=True)
+    with pytest.raises(ValueError):
+        BlockManager(4, 16, max_blocks_per_seq=0)
+
+
+# ---------------------------------------------------------------------------- sliding window
+
+
+def test_sliding_window_releases_blocks_outside_the_window():
+    bm = BlockManager(8, 4, sliding_window=6)
+    bm.allocate(1, 10)  # blocks 0,1,2; the prompt's own attention still needs them all
+    assert bm.block_table(1) == [0, 1, 2]
+    bm.append_slots(1)  # position 10 attends 5..10: block 0 (0..3) is outside
+    assert bm.block_table(1) == [RELEASED, 1, 2]
+    assert bm.num_free_device_blocks() == 6
+    assert bm.block_tables_tensor([1]).tolist() == [[0, 1, 2]]
+    assert bm.block_tables_tensor([1], pad=7).tolist() == [[7, 1, 2]]
+    assert bm.slot_mapping_tensor([1], 11).tolist() == [-1] * 4 + list(range(4, 11))
+    pairs, tables, lens, slots = bm.decode_step([1])  # position 11 attends 6..11
+    assert tables.tolist() == [[0, 1, 2]] and lens.tolist() == [12] and slots.tolist() == [11]
+    pairs, tables, lens, slots = bm.decode_step([1])  # position 12 attends 7..12: opens block 3
+    assert bm.block_table(1) == [RELEASED, 1, 2, 3]
+    assert slots.tolist() == [12]
+    bm.append_slots(1, 2)  # first new token (position 13) attends 8..13: block 1 goes
+    assert bm.block_table(1) == [RELEASED, RELEASED, 2, 3]
+    check_invariants(bm)
+    bm.free(1)
+    assert bm.num_free_device_blocks() == 8
+
+
+def test_sliding_window_shared_release_and_swap():
+    bm = BlockManager(8, 2, 8, sliding_window=2)
+    bm.allocate(1, 4)
+    bm.fork(1, 2)
+    bm.decode_step([1, 2])  # both release block 0; each copies nothing (the last block opens)
+    assert bm.block_table(1)[0] == RELEASED and bm._device_refs[0] == 0
+    bm.swap_out([1, 2])
+    assert bm.host_block_table(1)[0] == RELEASED
+    bm.swap_in([1, 2])
+    check_invariants(bm)
+
+
+# ---------------------------------------------------------------------------- tensors and stats
+
+
+def test_step_tensors():
+    bm = BlockManager(16, 4)
+    bm.allocate(1, 5)
+    bm.allocate(2, 12)
+    tables = bm.block_tables_tensor([2, 1])
+    assert tables.dtype == torch.int32 and tables.tolist() == [[2, 3, 4], [0, 1, 0]]
+    assert bm.block_tables_tensor([2, 1], pad=-1).tolist() == [[2, 3, 4], [0, 1, -1]]
+    lens = bm.seq_lens_tensor([1, 2])
+    assert lens.dtype == torch.int32 and lens.tolist() == [5, 12]
+    slots = bm.slot_mapping_tensor([1, 2])
+    assert slots.dtype == torch.int64 and slots.tolist() == [4, 19]
+    assert bm.slot_mapping_tensor([1, 2], [5, 2]).tolist() == [0, 1, 2, 3, 4, 18, 19]
+    assert bm.slot_mapping_tensor([2, 1], 0).tolist() == []
+    with pytest.raises(ValueError, match="sequence 1 has 5 tokens"):
+        bm.slot_mapping_tensor([1], 6)
+    assert bm.block_tables_tensor([]).shape == (0, 0)
+    mapping = BlockManager.mapping_tensor([(1, 2), (3, 4)])
+    assert mapping.dtype == torch.int64 and mapping.tolist() == [[1, 2], [3, 4]]
+    assert BlockManager.mapping_tensor([]).shape == (0, 2)
+
+
+def test_decode_step_matches_append_slots_and_tensors():
+    rng = random.Random(0)
+    fast, slow = BlockManager(64, 4), BlockManager(64, 4)
+    for manager in (fast, slow):
+        manager.allocate(0, 7)
+        manager.allocate(1, 4)
+        manager.fork(0, 2)
+    ids = [2, 0, 1]
+    for _ in range(9):
+        rng.shuffle(ids)
+        pairs, tables, lens, slots = fast.decode_step(ids)
+        expected = [p for s in ids for p in slow.append_slots(s)]
+        assert pairs == expected
+        assert torch.equal(tables, slow.block_tables_tensor(ids))
+        assert torch.equal(lens, slow.seq_lens_tensor(ids))
+        assert torch.equal(slots, slow.slot_mapping_tensor(ids))
+    assert snapshot(fast) == snapshot(slow)
+
+
+def test_stats():
+    bm = BlockManager(8, 4, 4)
+    bm.allocate(1, 6)
+    bm.fork(1, 2)
+    bm.fork(1, 3)
+    bm.append_slots(3, 2)
+    stats = bm.stats(bytes_per_block=1000)
+    device = stats.device
+    assert (device.used_blocks, device.free_blocks, device.shared_blocks) == (3, 5, 2)
+    assert device.tokens_stored == 4 + 2 + 4  # block 0 once, block 1 (2 tokens), block 2
+    assert device.reserved_slots == 12 and device.empty_slots == 2
+    assert device.fragmentation == pytest.approx(2 / 12)
+    assert device.blocks_saved_by_sharing == 3  # 6 table entries in 3 blocks
+    assert stats.bytes_saved_by_sharing == 3000
+    assert stats.num_seqs == 3 and stats.num_swapped_seqs == 0
+    bm.swap_out([1, 2])
+    stats = bm.stats()
+    assert stats.host.used_blocks == 2 and stats.host.blocks_saved_by_sharing == 2
+    assert stats.num_swapped_seqs == 2 and stats.device.used_blocks == 2
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+class ShadowCache:
+    """One value per slot on each side; applies every mapping the manager returns and checks
+    that each sequence reads back exactly the values it wrote."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        size = bm.block_size
+        self.device = np.full(bm.num_device_blocks * size, -1, dtype=np.int64)
+        self.host = np.full(max(bm.num_host_blocks, 1) * size, -1, dtype=np.int64)
+        self.tokens: dict[int, list[int]] = {}  # what each sequence wrote, in order
+        self.values: dict[int, list[int]] = {}  # a value per token that depends on its prefix
+
+    @staticmethod
+    def _value(previous: int, token: int) -> int:
+        return (previous * 1_000_003 + token + 1) % (1 << 61)
+
+    def _copy(self, pairs, src, dst) -> None:
+        size = self.bm.block_size
+        for a, b in pairs:
+            dst[b * size : (b + 1) * size] = src[a * size : (a + 1) * size]
+
+    def _extend(self, seq_id: int, tokens: list[int]) -> None:
+        values = self.values.setdefault(seq_id, [])
+        self.tokens.setdefault(seq_id, []).extend(tokens)
+        for token in tokens:
+            values.append(self._value(values[-1] if values else 0, token))
+
+    def _write_last(self, seq_ids: list[int], counts: list[int], slots: torch.Tensor) -> None:
+        values = [
+            v for s, k in zip(seq_ids, counts) for v in self.values[s][len(self.values[s]) - k :]
+        ]
+        slots = slots.numpy()
+        keep = slots >= 0
+        self.device[slots[keep]] = np.asarray(values, dtype=np.int64)[keep]
+
+    def allocate(self, seq_id: int, tokens: list[int], as_count: bool) -> None:
+        self.bm.allocate(seq_id, len(tokens) if as_count else tokens)
+        self._extend(seq_id, tokens)
+        computed = len(tokens) - self.bm.num_cached_tokens(seq_id)
+        self._write_last([seq_id], [computed], self.bm.slot_mapping_tensor([seq_id], computed))
+
+    def append(self, seq_id: int, tokens: list[int], record: bool) -> None:
+        pairs = self.bm.append_slots(seq_id, len(tokens), tokens if record else None)
+        self._copy(pairs, self.device, self.device)
+        self._extend(seq_id, tokens)
+        self._write_last(
+            [seq_id], [len(tokens)], self.bm.slot_mapping_tensor([seq_id], len(tokens))
+        )
+
+    def decode(self, seq_ids: list[int], tokens: list[int], record: bool) -> None:
+        pairs, tables, lens, slots = self.bm.decode_step(seq_ids, tokens if record else None)
+        assert torch.equal(tables, self.bm.block_tables_tensor(seq_ids))
+        assert torch.equal(lens, self.bm.seq_lens_tensor(seq_ids))
+        self._copy(pairs, self.device, self.device)
+        for seq_id, token in zip(seq_ids, tokens):
+            self._extend(seq_id, [token])
+        self._write_last(seq_ids, [1] * len(seq_ids), slots)
+
+    def fork(self, parent: int, child: int) -> None:
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.values[child] = list(self.values[parent])
+
+    def free(self, seq_id: int) -> None:
+        self.bm.free(seq_id)
+        del self.tokens[seq_id], self.values[seq_id]
+
+    def swap_out(self, seq_ids: list[int]) -> None:
+        self._copy(self.bm.swap_out(seq_ids), self.device, self.host)
+
+    def swap_in(self, seq_ids: list[int]) -> None:
+        self._copy(self.bm.swap_in(seq_ids), self.host, self.device)
+
+    def check(self) -> None:
+        size = self.bm.block_size
+        window = self.bm.sliding_window
+        for seq_id, values in self.values.items():
+            host = self.bm.is_swapped(seq_id)
+            table = self.bm.host_block_table(seq_id) if host else self.bm.block_table(seq_id)
+            store = self.host if host else self.device
+            assert self.bm.num_tokens(seq_id) == len(values)
+            # With a window only what the next token attends is guaranteed (its own slot aside).
+            first = 0 if window is None else max(len(values) + 1 - window, 0)
+            for position in range(first, len(values)):
+                block = table[position // size]
+                assert block != RELEASED, (seq_id, position)
+                slot = block * size + position % size
+                assert store[slot] == values[position], (seq_id, position)
+
+
+def test_replay_random_workload():
+    for seed, options in enumerate(
+        [{"enable_prefix_caching": True}, {"sliding_window": 5}, {}] * 2
+    ):
+        rng = random.Random(seed)
+        bm = BlockManager(48, 4, 48, watermark=0.0, **options)
+        shadow = ShadowCache(bm)
+        next_id = 0
+        for _ in range(400):
+            live = [s for s in shadow.values if not bm.is_swapped(s)]
+            swapped = [s for s in shadow.values if bm.is_swapped(s)]
+            action = rng.random()
+            try:
+                if action < 0.2 or not live:
+                    prefix = [1, 2, 3, 4, 5, 6, 7, 8][: rng.randrange(9)]
+                    tokens = prefix + [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+                    shadow.allocate(next_id, tokens, as_count=rng.random() < 0.2)
+                    next_id += 1
+                elif action < 0.35:
+                    shadow.fork(rng.choice(live), next_id)
+                    next_id += 1
+                elif action < 0.55:
+                    tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+                    shadow.append(rng.choice(live), tokens, record=rng.random() < 0.8)
+                elif action < 0.75:
+                    batch = rng.sample(live, rng.randrange(1, len(live) + 1))
+                    shadow.decode(batch, [rng.randrange(4) for _ in batch], rng.random() < 0.8)
+                elif action < 0.85:
+                    shadow.free(rng.choice(live + swapped))
+                elif action < 0.93:
+                    shadow.swap_out(rng.sample(live, rng.randrange(1, len(live) + 1)))
+                elif swapped:
+                    shadow.swap_in(rng.sample(swapped, rng.randrange(1, len(swapped) + 1)))
+            except OutOfBlocksError:
+                for seq_id in rng.sample(list(shadow.values), len(shadow.values) // 2):
+                    shadow.free(seq_id)
+            check_invariants(bm)
+            shadow.check()
+        for seq_id in list(shadow.values):
+            shadow.free(seq_id)
+        check_invariants(bm)
+        assert bm.num_free_device_blocks() == 48 and bm.num_free_host_blocks() == 48
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random interleavings; after every step the invariants hold and every sequence reads
+    back what it wrote. Failing calls must leave the manager unchanged."""
+
+    options: dict = {"enable_prefix_caching": True}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(24, 2, 16, watermark=0.0, **self.options)
+        self.shadow = ShadowCache(self.bm)
+        self.next_id = 0
+
+    def _live(self) -> list[int]:
+        return [s for s in self.shadow.values if not self.bm.is_swapped(s)]
+
+    def _swapped(self) -> list[int]:
+        return [s for s in self.shadow.values if self.bm.is_swapped(s)]
+
+    def _attempt(self, action) -> None:
+        before = snapshot(self.bm)
+        try:
+            action()
+        except OutOfBlocksError:
+            assert snapshot(self.bm) == before
+
+    @rule(
+        prefix=st.integers(0, 6),
+        suffix=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+        as_count=st.booleans(),
+    )
+    def allocate(self, prefix, suffix, as_count):
+        tokens = [9, 8, 7, 6, 5, 4][:prefix] + suffix
+        seq_id = self.next_id
+        self.next_id += 1
+        self._attempt(lambda: self.shadow.allocate(seq_id, tokens, as_count))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._live()))
+        self.shadow.fork(parent, self.next_id)
+        self.next_id += 1
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def append(self, data, tokens):
+        seq_id = data.draw(st.sampled_from(self._live()))
+        record = data.draw(st.booleans())
+        self._attempt(lambda: self.shadow.append(seq_id, tokens, record))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def decode(self, data):
+        batch = data.draw(st.lists(st.sampled_from(self._live()), min_size=1, unique=True))
+        tokens = data.draw(st.lists(st.integers(0, 2), min_size=len(batch), max_size=len(batch)))
+        self._attempt(lambda: self.shadow.decode(batch, tokens, record=True))
+
+    @precondition(lambda self: self.shadow.values)
+    @rule(data=st.data())
+    def free(self, data):
+        self.shadow.free(data.draw(st.sampled_from(sorted(self.shadow.values))))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        batch = data.draw(st.lists(st.sampled_from(self._live()), min_size=1, unique=True))
+        self._attempt(lambda: self.shadow.swap_out(batch))
+
+    @precondition(lambda self: self._swapped())
+    @rule(data=st.data())
+    def swap_in(self, data):
+        batch = data.draw(st.lists(st.sampled_from(self._swapped()), min_size=1, unique=True))
+        self._attempt(lambda: self.shadow.swap_in(batch))
+
+    @invariant()
+    def consistent(self):
+        check_invariants(self.bm)
+        self.shadow.check()
+
+    def teardown(self):
+        for seq_id in list(self.shadow.values):
+            self.shadow.free(seq_id)
+        check_invariants(self.bm)
+        assert self.bm.num_free_device_blocks() == self.bm.num_device_blocks
+        assert self.bm.num_free_host_blocks() == self.bm.num_host_blocks
+
+
+class SlidingWindowMachine(BlockManagerMachine):
+    options = {"sliding_window": 3}
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestSlidingWindowMachine = SlidingWindowMachine.TestCase
+for _case in (TestBlockManagerMachine, TestSlidingWindowMachine):
+    _case.settings = settings(
+        max_examples=40,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+def test_errors_are_block_manager_errors():
+    for error in (
+        OutOfBlocksError,
+        UnknownSequenceError,
+        DuplicateSequenceError,
+        DoubleFreeError,
+        SwapError,
+    ):
+        assert issubclass(error, BlockManagerError)
