@@ -277,9 +277,7 @@ class BlockManager:
             self._cached_tokens[seq_id] = len(hits) * self.block_size
         if chain is not None:
             self._chains[seq_id] = chain
-            self._register_full_blocks(
-                seq_id, row, len(hits), tokens[len(hits) * self.block_size :]
-            )
+            self._register_full_blocks(seq_id, fresh, tokens[len(hits) * self.block_size :])
 
     def append_slots(
         self, seq_id: int, n: int = 1, tokens: Sequence[int] | None = None
@@ -321,39 +319,57 @@ class BlockManager:
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; nothing is allocated."""
-        parent = self._device_row(parent_id)
-        if child_id in self._row_of:
-            raise DuplicateSequenceError(f"cannot fork {parent_id} into existing {child_id}")
-        child = self._new_row(child_id)
-        self._table[child] = self._table[parent]
+        self.fork_many([parent_id], [child_id])
+
+    def fork_many(self, parent_ids: Sequence[int], child_ids: Sequence[int]) -> None:
+        """``fork(p, c)`` for every pair at once (a parent may repeat). With ``free_many`` this
+        reorders beams: fork each new beam from its chosen parent, then free the old beams."""
+        if len(parent_ids) != len(child_ids):
+            raise ValueError(f"fork_many got {len(parent_ids)} parents, {len(child_ids)} children")
+        parents = self._device_rows(parent_ids)
+        existing = [c for c in child_ids if c in self._row_of]
+        if existing or len(set(child_ids)) != len(child_ids):
+            raise DuplicateSequenceError(
+                f"cannot fork {list(parent_ids)} into existing or repeated children {existing}"
+            )
+        children = np.array([self._new_row(c) for c in child_ids], dtype=np.int64)
+        self._table[children] = self._table[parents]
         for array in (self._seq_lens, self._num_blocks, self._num_released):
-            array[child] = array[parent]
-        self._device_refs[self._live_blocks(child)] += 1
-        if parent_id in self._cached_tokens:
-            self._cached_tokens[child_id] = self._cached_tokens[parent_id]
-        if parent_id in self._chains:
-            self._chains[child_id] = self._chains[parent_id].copy()
+            array[children] = array[parents]
+        self._add_refs(self._device_refs, self._live_entries(children), 1)
+        for parent_id, child_id in zip(parent_ids, child_ids):
+            if parent_id in self._cached_tokens:
+                self._cached_tokens[child_id] = self._cached_tokens[parent_id]
+            if parent_id in self._chains:
+                self._chains[child_id] = self._chains[parent_id].copy()
 
     def free(self, seq_id: int, *, cache: bool = True) -> None:
         """Drop a sequence. ``cache=False`` also forgets its blocks that leave the prefix cache
         unreferenced (for a sequence whose forward pass never wrote them)."""
-        if seq_id not in self._row_of and seq_id in self._freed_ids:
-            raise DoubleFreeError(f"sequence {seq_id} was already freed")
-        row = self._row(seq_id)
-        blocks = self._live_blocks(row)
-        if self._on_host[row]:
-            self._drop_host_refs(blocks)
-        else:
-            self._drop_device_refs(blocks, cache=cache)
-        self._table[row, : self._num_blocks[row]] = 0
-        self._seq_lens[row] = self._num_blocks[row] = self._num_released[row] = 0
-        self._on_host[row] = False
-        del self._row_of[seq_id]
-        self._free_rows.append(row)
-        self._cached_tokens.pop(seq_id, None)
-        self._chains.pop(seq_id, None)
-        self._freed_ids[seq_id] = None
-        if len(self._freed_ids) > _MAX_REMEMBERED_FREES:
+        self.free_many([seq_id], cache=cache)
+
+    def free_many(self, seq_ids: Iterable[int], *, cache: bool = True) -> None:
+        """``free`` for several sequences at once."""
+        seq_ids = list(seq_ids)
+        for seq_id in seq_ids:
+            if seq_id not in self._row_of and seq_id in self._freed_ids:
+                raise DoubleFreeError(f"sequence {seq_id} was already freed")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise DoubleFreeError(f"a sequence appears twice in {seq_ids}")
+        rows = self._rows(seq_ids)
+        on_host = self._on_host[rows]
+        self._drop_device_refs(self._live_entries(rows[~on_host]), cache=cache)
+        self._drop_host_refs(self._live_entries(rows[on_host]))
+        self._table[rows] = 0
+        for array in (self._seq_lens, self._num_blocks, self._num_released, self._on_host):
+            array[rows] = 0
+        self._free_rows.extend(rows.tolist())
+        for seq_id in seq_ids:
+            del self._row_of[seq_id]
+            self._cached_tokens.pop(seq_id, None)
+            self._chains.pop(seq_id, None)
+            self._freed_ids[seq_id] = None
+        while len(self._freed_ids) > _MAX_REMEMBERED_FREES:
             self._freed_ids.popitem(last=False)
 
     # ------------------------------------------------------------------ swapping
@@ -373,11 +389,10 @@ class BlockManager:
                 f"{len(self._host_free)} free"
             )
         mapping = {block: self._host_free.popleft() for block in distinct}
-        for seq_id, row in zip(seq_ids, rows):
-            blocks = self._live_blocks(row)
-            self._drop_device_refs(blocks, cache=True)
-            self._move_row(row, [mapping[b] for b in blocks.tolist()], self._host_refs)
-            self._on_host[row] = True
+        self._drop_device_refs(self._live_entries(rows), cache=True)
+        self._move_rows(rows, mapping, self._host_refs)
+        self._on_host[rows] = True
+        for seq_id in seq_ids:
             self._chains.pop(seq_id, None)  # host copies never enter the prefix cache
         return list(mapping.items())
 
@@ -400,11 +415,9 @@ class BlockManager:
                 f"{self.num_free_device_blocks()} free"
             )
         mapping = dict(zip(distinct, self._take_device_blocks(len(distinct))))
-        for row in rows:
-            blocks = self._live_blocks(row)
-            self._drop_host_refs(blocks)
-            self._move_row(row, [mapping[b] for b in blocks.tolist()], self._device_refs)
-            self._on_host[row] = False
+        self._drop_host_refs(self._live_entries(rows))
+        self._move_rows(rows, mapping, self._device_refs)
+        self._on_host[rows] = False
         return list(mapping.items())
 
     # ------------------------------------------------------------------ step tensors
@@ -469,15 +482,17 @@ class BlockManager:
         if open_rows.size:
             longest = int(np.flatnonzero(opens & (num_blocks + 1 == widest))[0])
             self._check_table_fits(seq_ids[longest], widest)
-        self._check_decode_fits(rows, opens, shared, releases, last)
+        copying = self._copy_mask(last[shared])
+        copy_rows, copied = rows[shared][copying], last[shared][copying]
+        self._check_decode_fits(rows, open_rows.size + copy_rows.size, releases)
 
         for row in rows[releases].tolist():
             self._release_window(row, self._window_releases(row, int(self._seq_lens[row]) + 1))
-        pairs = []
-        for row in rows[shared].tolist():
-            index = int(self._num_blocks[row]) - 1
-            if self._device_refs[self._table[row, index]] > 1:  # an earlier sharer may have copied
-                pairs.append(self._copy_on_write(row, index))
+        copies = self._take_device_blocks(copy_rows.size)
+        if copies:
+            self._add_refs(self._device_refs, copied, -1)
+            self._device_refs[copies] = 1
+            self._table[copy_rows, self._num_blocks[copy_rows] - 1] = copies
         if open_rows.size:
             self._ensure_width(widest)
             fresh = self._take_device_blocks(open_rows.size)
@@ -494,7 +509,7 @@ class BlockManager:
         block_tables = self._batch_table(rows, 0)
         slots = self._table[rows, lens // size] * np.int64(size) + lens % size
         return (
-            pairs,
+            list(zip(copied.tolist(), copies)),
             torch.from_numpy(block_tables),
             torch.from_numpy((lens + 1).astype(np.int32)),
             torch.from_numpy(slots),
@@ -577,11 +592,11 @@ class BlockManager:
             raise SwapError(f"sequences {swapped} are swapped out to the host")
         return rows
 
-    def _swap_rows(self, seq_ids: Iterable[int], on_host: bool) -> list[int]:
+    def _swap_rows(self, seq_ids: Iterable[int], on_host: bool) -> np.ndarray:
         seq_ids = list(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise DuplicateSequenceError(f"a sequence appears twice in {seq_ids}")
-        rows = [self._row(s) for s in seq_ids]
+        rows = self._rows(seq_ids)
         wrong = [s for s, r in zip(seq_ids, rows) if self._on_host[r] != on_host]
         if wrong:
             where = "on the device" if not on_host else "swapped out"
@@ -621,32 +636,43 @@ class BlockManager:
             grown[:, :width] = self._table
             self._table = grown
 
-    def _live_blocks(self, row: int) -> np.ndarray:
-        return self._table[row, self._num_released[row] : self._num_blocks[row]]
-
     def _table_list(self, row: int) -> list[int]:
         table = self._table[row, : self._num_blocks[row]].tolist()
         table[: self._num_released[row]] = [RELEASED] * int(self._num_released[row])
         return table
 
-    def _batch_table(self, rows: np.ndarray, pad: int) -> np.ndarray:
+    def _live_mask(self, rows: np.ndarray) -> np.ndarray:
+        """For ``rows``' tables cut to the widest: which entries hold a (not released) block."""
         counts = self._num_blocks[rows]
-        width = int(counts.max()) if rows.size else 0
+        columns = np.arange(int(counts.max()) if rows.size else 0)
+        return (columns >= self._num_released[rows][:, None]) & (columns < counts[:, None])
+
+    def _live_entries(self, rows: np.ndarray) -> np.ndarray:
+        """The blocks in ``rows``' live table entries, row after row (a block may repeat)."""
+        if rows.size == 1:  # the common single-sequence case needs no mask
+            row = rows[0]
+            return self._table[row, self._num_released[row] : self._num_blocks[row]].copy()
+        live = self._live_mask(rows)
+        return self._table[rows, : live.shape[1]][live]
+
+    def _batch_table(self, rows: np.ndarray, pad: int) -> np.ndarray:
+        width = int(self._num_blocks[rows].max()) if rows.size else 0
         table = self._table[rows, :width]
         if pad != 0:
-            columns = np.arange(width)
-            unused = columns >= counts[:, None]
-            unused |= columns < self._num_released[rows][:, None]
-            table[unused] = pad
+            table[~self._live_mask(rows)] = pad
         return table
 
-    def _distinct_blocks(self, rows: list[int]) -> list[int]:
-        blocks = [self._live_blocks(r).tolist() for r in rows]
-        return list(dict.fromkeys(itertools.chain.from_iterable(blocks)))
+    def _distinct_blocks(self, rows: np.ndarray) -> list[int]:
+        return list(dict.fromkeys(self._live_entries(rows).tolist()))
 
-    def _move_row(self, row: int, new_blocks: list[int], new_refs: np.ndarray) -> None:
-        self._table[row, self._num_released[row] : self._num_blocks[row]] = new_blocks
-        np.add.at(new_refs, new_blocks, 1)
+    def _move_rows(self, rows: np.ndarray, mapping: dict[int, int], new_refs: np.ndarray) -> None:
+        """Point ``rows``' live entries at ``mapping[old block]`` in the other pool."""
+        live = self._live_mask(rows)
+        table = self._table[rows, : live.shape[1]]
+        moved = np.array([mapping[b] for b in table[live].tolist()], dtype=np.int32)
+        table[live] = moved
+        self._table[rows, : live.shape[1]] = table
+        self._add_refs(new_refs, moved, 1)
 
     # ------------------------------------------------------------------ internals: blocks
 
@@ -660,10 +686,26 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    @staticmethod
+    def _add_refs(refs: np.ndarray, blocks: np.ndarray, delta: int) -> None:
+        """``refs[b] += delta`` for every entry ``b`` of ``blocks``, which may repeat a block."""
+        if blocks.size > 256:  # ufunc.at is quick on a few entries, bincount on many
+            refs += (delta * np.bincount(blocks, minlength=refs.size)).astype(refs.dtype)
+        else:
+            np.add.at(refs, blocks, delta)
+
+    @staticmethod
+    def _drop_refs(refs: np.ndarray, blocks: np.ndarray) -> list[int]:
+        """Drop one reference per entry; the blocks left unreferenced, last entries first."""
+        if not blocks.size:
+            return []
+        BlockManager._add_refs(refs, blocks, -1)
+        backwards = blocks[::-1]
+        return list(dict.fromkeys(backwards[refs[backwards] == 0].tolist()))
+
     def _drop_device_refs(self, blocks: np.ndarray, cache: bool) -> None:
-        self._device_refs[blocks] -= 1  # a table never holds a block twice
-        # Reversed, so a chain's later blocks are evicted before the prefix they hang from.
-        for block in blocks[self._device_refs[blocks] == 0][::-1].tolist():
+        # Last entries first, so a chain's later blocks are evicted before its prefix.
+        for block in self._drop_refs(self._device_refs, blocks):
             entry = self._cache_entries.get(block)
             if entry is not None and cache:
                 self._evictable[block] = None
@@ -674,8 +716,7 @@ class BlockManager:
                 self._device_free.append(block)
 
     def _drop_host_refs(self, blocks: np.ndarray) -> None:
-        self._host_refs[blocks] -= 1
-        self._host_free.extend(blocks[self._host_refs[blocks] == 0].tolist())
+        self._host_free.extend(self._drop_refs(self._host_refs, blocks))
 
     def _copy_on_write(self, row: int, index: int) -> tuple[int, int]:
         old = int(self._table[row, index])
@@ -685,15 +726,22 @@ class BlockManager:
         self._table[row, index] = new
         return old, new
 
-    def _check_decode_fits(self, rows, opens, shared, releases, last) -> None:
-        """Raise OutOfBlocksError if a decode step over ``rows`` cannot get its blocks."""
-        needed = int(opens.sum())
-        if shared.any():
-            # Batch members sharing one last block: all but the last to write need a copy,
-            # and the last one too if a sequence outside the batch still holds the block.
-            sharers = np.unique(last[shared], return_counts=True)
-            for block, count in zip(*sharers):
-                needed += int(count) if self._device_refs[block] > count else int(count) - 1
+    def _copy_mask(self, last_blocks: np.ndarray) -> np.ndarray:
+        """Which of a batch's appends into shared last blocks copy, taken in batch order: every
+        sharer copies except the last one in the batch when no one outside it holds the block."""
+        if not last_blocks.size:
+            return np.zeros(0, dtype=bool)
+        _, group, group_sizes = np.unique(last_blocks, return_inverse=True, return_counts=True)
+        order = np.argsort(group, kind="stable")
+        rank = np.empty_like(order)  # position among the batch's sharers of the same block
+        rank[order] = np.arange(order.size) - np.repeat(
+            np.cumsum(group_sizes) - group_sizes, group_sizes
+        )
+        in_batch = group_sizes[group]
+        return (rank < in_batch - 1) | (self._device_refs[last_blocks] > in_batch)
+
+    def _check_decode_fits(self, rows: np.ndarray, needed: int, releases: np.ndarray) -> None:
+        """Raise OutOfBlocksError if a decode step needing ``needed`` blocks cannot get them."""
         freed = 0
         if releases.any():
             released = np.concatenate(
@@ -755,17 +803,14 @@ class BlockManager:
             chain_hash, chain_uid = block_hash, entry.uid
         return hits, _PrefixChain(chain_hash, chain_uid, [])
 
-    def _register_full_blocks(
-        self, seq_id: int, row: int, first_block: int, tokens: list[int]
-    ) -> None:
-        """Register the full blocks of ``tokens`` (the sequence's tokens from the start of block
-        ``first_block``) and keep the rest as the chain's pending tokens."""
+    def _register_full_blocks(self, seq_id: int, blocks: list[int], tokens: list[int]) -> None:
+        """Register the full blocks among ``blocks``, which hold ``tokens`` from their start,
+        and keep the rest as the chain's pending tokens."""
         chain = self._chains[seq_id]
         size = self.block_size
         num_full = len(tokens) // size
         for i in range(num_full):
-            block = int(self._table[row, first_block + i])
-            if not self._register(chain, block, tuple(tokens[i * size : (i + 1) * size])):
+            if not self._register(chain, blocks[i], tuple(tokens[i * size : (i + 1) * size])):
                 del self._chains[seq_id]
                 return
         chain.pending = tokens[num_full * size :]
@@ -800,4 +845,5 @@ class BlockManager:
             chain.pending.extend(tokens)
             return
         first_block = (old_len - len(chain.pending)) // self.block_size
-        self._register_full_blocks(seq_id, row, first_block, chain.pending + list(tokens))
+        blocks = self._table[row, first_block : self._num_blocks[row]].tolist()
+        self._register_full_blocks(seq_id, blocks, chain.pending + list(tokens))

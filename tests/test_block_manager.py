@@ -256,6 +256,43 @@ def test_fork_errors_and_free():
     check_invariants(bm)
 
 
+def test_fork_many_and_free_many_reorder_beams():
+    bm = BlockManager(16, 4, 8)
+    bm.allocate(0, 6)
+    bm.fork_many([0, 0, 0], [1, 2, 3])
+    assert bm._device_refs[[0, 1]].tolist() == [4, 4]
+    bm.decode_step([0, 1, 2, 3])  # beams diverge: three copies
+    # New beams 10..13 from parents 2, 2, 3, 0; the old beams go.
+    parents = [2, 2, 3, 0]
+    bm.fork_many(parents, [10, 11, 12, 13])
+    tables = {s: bm.block_table(s) for s in (0, 2, 3)}
+    bm.free_many([0, 1, 2, 3])
+    assert [bm.block_table(c) for c in (10, 11, 12, 13)] == [tables[p] for p in parents]
+    assert bm.stats().device.used_blocks == 1 + 3  # block 0 and the three surviving last blocks
+    check_invariants(bm)
+    pairs, *_ = bm.decode_step([10, 11, 12, 13])
+    assert len(pairs) == 1  # 10 and 11 share a last block: the first copies
+    bm.swap_out([12])
+    bm.free_many([10, 11, 12, 13])  # device and host at once
+    assert bm.num_free_device_blocks() == 16 and bm.num_free_host_blocks() == 8
+    check_invariants(bm)
+
+
+def test_fork_many_and_free_many_errors_leave_state_unchanged():
+    bm = BlockManager(16, 4)
+    bm.allocate(0, 6)
+    bm.allocate(1, 2)
+    bm.allocate(5, 2)
+    bm.free(5)
+    assert_fails_cleanly(bm, DuplicateSequenceError, lambda: bm.fork_many([0, 0], [2, 1]), "[1]")
+    assert_fails_cleanly(bm, DuplicateSequenceError, lambda: bm.fork_many([0, 1], [2, 2]))
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.fork_many([0, 9], [2, 3]), "9")
+    assert_fails_cleanly(bm, ValueError, lambda: bm.fork_many([0], [2, 3]))
+    assert_fails_cleanly(bm, DoubleFreeError, lambda: bm.free_many([0, 5]), "5")
+    assert_fails_cleanly(bm, DoubleFreeError, lambda: bm.free_many([0, 1, 0]), "twice")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.free_many([0, 7]), "7")
+
+
 # ---------------------------------------------------------------------------- swapping
 
 
@@ -374,6 +411,19 @@ def test_prefix_cache_hit_needs_same_predecessor():
     bm.allocate(1, [1, 2, 3, 4, 0])
     bm.allocate(2, [9, 9, 3, 4, 0])
     assert bm.num_cached_tokens(2) == 0
+
+
+def test_prefix_cache_hit_needs_same_predecessor_under_collisions(monkeypatch):
+    # A hash of the tokens alone: [3,4] after [1,2] and after [9,9] collide.
+    monkeypatch.setattr(bm_module, "hash", lambda value: hash(value[1]), raising=False)
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3, 4, 0])
+    bm.allocate(2, [9, 9, 3, 4, 0])
+    bm.allocate(3, [9, 9, 3, 4, 0])
+    assert bm.num_cached_tokens(3) == 2
+    assert bm.block_table(3)[0] == bm.block_table(2)[0]
+    assert bm.block_table(3)[1] not in (bm.block_table(1)[1], bm.block_table(2)[1])
+    check_invariants(bm)
 
 
 def test_appended_tokens_become_cacheable():
@@ -548,6 +598,8 @@ class ShadowCache:
         self.host = np.full(max(bm.num_host_blocks, 1) * size, -1, dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}  # what each sequence wrote, in order
         self.values: dict[int, list[int]] = {}  # a value per token that depends on its prefix
+        # The first position the latest computed token of each sequence attends (window).
+        self.attends_from: dict[int, int] = {}
 
     @staticmethod
     def _value(previous: int, token: int) -> int:
@@ -560,6 +612,8 @@ class ShadowCache:
 
     def _extend(self, seq_id: int, tokens: list[int]) -> None:
         values = self.values.setdefault(seq_id, [])
+        window = self.bm.sliding_window
+        self.attends_from[seq_id] = 0 if window is None else max(len(values) + 1 - window, 0)
         self.tokens.setdefault(seq_id, []).extend(tokens)
         for token in tokens:
             values.append(self._value(values[-1] if values else 0, token))
@@ -576,6 +630,7 @@ class ShadowCache:
         self.bm.allocate(seq_id, len(tokens) if as_count else tokens)
         self._extend(seq_id, tokens)
         computed = len(tokens) - self.bm.num_cached_tokens(seq_id)
+        assert computed >= 1 or not tokens, "the last prompt token must always be computed"
         self._write_last([seq_id], [computed], self.bm.slot_mapping_tensor([seq_id], computed))
 
     def append(self, seq_id: int, tokens: list[int], record: bool) -> None:
@@ -596,13 +651,28 @@ class ShadowCache:
         self._write_last(seq_ids, [1] * len(seq_ids), slots)
 
     def fork(self, parent: int, child: int) -> None:
-        self.bm.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-        self.values[child] = list(self.values[parent])
+        self.fork_many([parent], [child])
+
+    def fork_many(self, parents: list[int], children: list[int]) -> None:
+        if len(parents) == 1:
+            self.bm.fork(parents[0], children[0])
+        else:
+            self.bm.fork_many(parents, children)
+        for parent, child in zip(parents, children):
+            self.tokens[child] = list(self.tokens[parent])
+            self.values[child] = list(self.values[parent])
+            self.attends_from[child] = self.attends_from[parent]
 
     def free(self, seq_id: int) -> None:
-        self.bm.free(seq_id)
-        del self.tokens[seq_id], self.values[seq_id]
+        self.free_many([seq_id])
+
+    def free_many(self, seq_ids: list[int]) -> None:
+        if len(seq_ids) == 1:
+            self.bm.free(seq_ids[0])
+        else:
+            self.bm.free_many(seq_ids)
+        for seq_id in seq_ids:
+            del self.tokens[seq_id], self.values[seq_id], self.attends_from[seq_id]
 
     def swap_out(self, seq_ids: list[int]) -> None:
         self._copy(self.bm.swap_out(seq_ids), self.device, self.host)
@@ -612,15 +682,13 @@ class ShadowCache:
 
     def check(self) -> None:
         size = self.bm.block_size
-        window = self.bm.sliding_window
         for seq_id, values in self.values.items():
             host = self.bm.is_swapped(seq_id)
             table = self.bm.host_block_table(seq_id) if host else self.bm.block_table(seq_id)
             store = self.host if host else self.device
             assert self.bm.num_tokens(seq_id) == len(values)
-            # With a window only what the next token attends is guaranteed (its own slot aside).
-            first = 0 if window is None else max(len(values) + 1 - window, 0)
-            for position in range(first, len(values)):
+            # Every position the latest computed token attends is still there.
+            for position in range(self.attends_from[seq_id], len(values)):
                 block = table[position // size]
                 assert block != RELEASED, (seq_id, position)
                 slot = block * size + position % size
@@ -654,8 +722,14 @@ def test_replay_random_workload():
                 elif action < 0.75:
                     batch = rng.sample(live, rng.randrange(1, len(live) + 1))
                     shadow.decode(batch, [rng.randrange(4) for _ in batch], rng.random() < 0.8)
-                elif action < 0.85:
+                elif action < 0.8:
                     shadow.free(rng.choice(live + swapped))
+                elif action < 0.85:
+                    old = rng.sample(live, rng.randrange(1, len(live) + 1))
+                    parents = rng.choices(old, k=rng.randrange(1, 5))
+                    shadow.fork_many(parents, list(range(next_id, next_id + len(parents))))
+                    next_id += len(parents)
+                    shadow.free_many(old)
                 elif action < 0.93:
                     shadow.swap_out(rng.sample(live, rng.randrange(1, len(live) + 1)))
                 elif swapped:
@@ -735,6 +809,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         self.shadow.free(data.draw(st.sampled_from(sorted(self.shadow.values))))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def reorder_beams(self, data):
+        old = data.draw(st.lists(st.sampled_from(self._live()), min_size=1, unique=True))
+        parents = data.draw(st.lists(st.sampled_from(old), min_size=1, max_size=4))
+        children = list(range(self.next_id, self.next_id + len(parents)))
+        self.next_id += len(parents)
+        self.shadow.fork_many(parents, children)
+        self.shadow.free_many(old)
+
+    @precondition(lambda self: self.shadow.values)
+    @rule(data=st.data())
+    def free_many(self, data):
+        seqs = sorted(self.shadow.values)
+        self.shadow.free_many(data.draw(st.lists(st.sampled_from(seqs), min_size=1, unique=True)))
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())

@@ -1,0 +1,257 @@
+"""PagedKVCache: every layer's key/value cache tensors, and the execution of a manager's plans.
+
+The :class:`~paged_attention.block_manager.BlockManager` decides which block and slot holds every
+token; this class owns the memory those block ids index and carries out what the manager asks
+for: copy-on-write copies (``copy_blocks``, all layers in one call) and swaps between the device
+and host (``swap_blocks``). One block id addresses the same block in every layer, so
+:attr:`PagedKVCache.bytes_per_block` counts keys and values of all layers.
+
+Layout (DESIGN.md): per layer ``key_cache [num_blocks, num_kv_heads, head_size // x, block_size,
+x]`` with ``x = 16 // element_size`` and ``value_cache [num_blocks, num_kv_heads, head_size,
+block_size]``. An fp8 cache stores ``uint8`` and carries ``k_scale``/``v_scale``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from paged_attention import _ops
+from paged_attention.attention import AttentionMetadata
+from paged_attention.block_manager import BlockManager
+from paged_attention.reference import is_fp8
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def cache_dtype_for(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """The tensor dtype of a cache holding values of ``dtype`` stored as ``kv_cache_dtype``."""
+    if is_fp8(kv_cache_dtype):
+        return torch.uint8
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    return dtype
+
+
+def bytes_per_block(
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+) -> int:
+    """Bytes one block id occupies over all layers, keys and values together."""
+    element = _element_size(cache_dtype_for(dtype, kv_cache_dtype))
+    return 2 * num_layers * num_kv_heads * head_size * block_size * element
+
+
+def _host_available_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_for_budget(
+    block_bytes: int,
+    device: torch.device,
+    memory_budget: int | None = None,
+    memory_fraction: float | None = None,
+) -> int:
+    """How many blocks of ``block_bytes`` fit a budget: ``memory_budget`` bytes, or
+    ``memory_fraction`` of the device's free memory (CUDA) or of ``memory_budget`` when given
+    (any device), or of the host's available memory (CPU without a budget)."""
+    if memory_fraction is not None:
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        if memory_budget is not None:
+            total = memory_budget
+        elif device.type == "cuda":
+            total = torch.cuda.mem_get_info(device)[0]
+        else:
+            total = _host_available_bytes()
+        budget = int(total * memory_fraction)
+    elif memory_budget is not None:
+        budget = memory_budget
+    else:
+        raise ValueError("give num_blocks, memory_budget (bytes) or memory_fraction")
+    if budget < block_bytes:
+        raise ValueError(
+            f"a memory budget of {budget} bytes holds no KV block of {block_bytes} bytes"
+        )
+    return budget // block_bytes
+
+
+class PagedKVCache:
+    """Key and value caches of ``num_layers`` layers on ``device``, plus optional host swap space.
+
+    Size it with ``num_blocks`` or with a memory budget: ``memory_budget`` bytes, or
+    ``memory_fraction`` of free CUDA memory (of ``memory_budget`` when both are given; of the
+    host's available memory on CPU). ``dtype`` is the model's dtype; ``kv_cache_dtype`` is
+    ``"auto"`` (store ``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"`` with ``k_scale`` and
+    ``v_scale``. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
+    Blocks start zeroed: an unwritten slot never holds NaN.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        *,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        num_host_blocks: int = 0,
+        memory_budget: int | None = None,
+        memory_fraction: float | None = None,
+    ) -> None:
+        if num_layers <= 0 or num_kv_heads <= 0 or head_size <= 0 or block_size <= 0:
+            raise ValueError(
+                "num_layers, num_kv_heads, head_size and block_size must be positive, got "
+                f"{num_layers}, {num_kv_heads}, {head_size}, {block_size}"
+            )
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.cache_dtype = cache_dtype_for(dtype, kv_cache_dtype)
+        x = 16 // _element_size(self.cache_dtype)
+        if head_size % x:
+            raise ValueError(f"head_size must be a multiple of {x} for {self.cache_dtype} caches")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block(
+            num_layers, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype
+        )
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(
+                self.bytes_per_block, self.device, memory_budget, memory_fraction
+            )
+        elif memory_budget is not None or memory_fraction is not None:
+            raise ValueError("give either num_blocks or a memory budget, not both")
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.key_block_shape = (num_kv_heads, head_size // x, block_size, x)
+        self.value_block_shape = (num_kv_heads, head_size, block_size)
+
+        # One allocation per kind; layer l's cache is a contiguous view of it.
+        self._keys = self._allocate(num_blocks, self.key_block_shape, self.device)
+        self._values = self._allocate(num_blocks, self.value_block_shape, self.device)
+        self.key_caches: list[torch.Tensor] = list(self._keys.unbind(0))
+        self.value_caches: list[torch.Tensor] = list(self._values.unbind(0))
+        pin = self.device.type == "cuda"
+        host = torch.device("cpu")
+        self._host_keys = self._allocate(num_host_blocks, self.key_block_shape, host, pin)
+        self._host_values = self._allocate(num_host_blocks, self.value_block_shape, host, pin)
+        self.host_key_caches: list[torch.Tensor] = list(self._host_keys.unbind(0))
+        self.host_value_caches: list[torch.Tensor] = list(self._host_values.unbind(0))
+        self.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=self.device)
+        self.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=self.device)
+
+    def _allocate(
+        self, blocks: int, block_shape: tuple[int, ...], device: torch.device, pin: bool = False
+    ) -> torch.Tensor:
+        shape = (self.num_layers, blocks, *block_shape)
+        return torch.zeros(shape, dtype=self.cache_dtype, device=device, pin_memory=pin)
+
+    # ------------------------------------------------------------------ access
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_cache, value_cache)`` of one layer, as :class:`PagedAttention` takes them."""
+        return self.key_caches[index], self.value_caches[index]
+
+    @property
+    def device_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def host_bytes(self) -> int:
+        return self.num_host_blocks * self.bytes_per_block
+
+    def make_manager(self, **kwargs) -> BlockManager:
+        """A :class:`BlockManager` over exactly this cache's device and host blocks."""
+        return BlockManager(self.num_blocks, self.block_size, self.num_host_blocks, **kwargs)
+
+    # ------------------------------------------------------------------ executing plans
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+        """Copy-on-write: ``block[dst] = block[src]`` in every layer's keys and values, one call."""
+        mapping = self._mapping(pairs, self.device)
+        if mapping.shape[0]:
+            _ops.copy_blocks(self.key_caches, self.value_caches, mapping)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+        """Copy ``(device block, host block)`` pairs to host memory, for every layer."""
+        self._swap(pairs, self.key_caches, self.host_key_caches)
+        self._swap(pairs, self.value_caches, self.host_value_caches)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+        """Copy ``(host block, device block)`` pairs back to the device, for every layer."""
+        self._swap(pairs, self.host_key_caches, self.key_caches)
+        self._swap(pairs, self.host_value_caches, self.value_caches)
+
+    def _swap(self, pairs, sources: list[torch.Tensor], destinations: list[torch.Tensor]) -> None:
+        if not self.num_host_blocks:
+            raise ValueError("this PagedKVCache has no host blocks (num_host_blocks=0)")
+        mapping = self._mapping(pairs, torch.device("cpu"))
+        if mapping.shape[0]:
+            for src, dst in zip(sources, destinations):
+                _ops.swap_blocks(src, dst, mapping)
+
+    @staticmethod
+    def _mapping(pairs, device: torch.device) -> torch.Tensor:
+        if isinstance(pairs, torch.Tensor):
+            mapping = pairs.to(dtype=torch.int64).reshape(-1, 2)
+        else:
+            mapping = BlockManager.mapping_tensor(pairs)
+        return mapping.to(device, non_blocking=True)
+
+    # ------------------------------------------------------------------ step metadata
+
+    def metadata(
+        self,
+        manager: BlockManager,
+        seq_ids: Sequence[int],
+        query_lens: int | Sequence[int] = 1,
+    ) -> AttentionMetadata:
+        """Metadata of a step whose new tokens are the last ``query_lens`` tokens of each
+        sequence; their slots must already be reserved (``allocate``/``append_slots``)."""
+        seq_ids = list(seq_ids)
+        if isinstance(query_lens, int):
+            query_lens = [query_lens] * len(seq_ids)
+        seq_lens = manager.seq_lens_tensor(seq_ids)
+        return AttentionMetadata.build(
+            query_lens=list(query_lens),
+            seq_lens=seq_lens.tolist(),
+            block_tables=manager.block_tables_tensor(seq_ids),
+            slot_mapping=manager.slot_mapping_tensor(seq_ids, list(query_lens)),
+            device=self.device,
+            seq_lens_tensor=seq_lens,
+        )
+
+    def decode_metadata(self, manager: BlockManager, seq_ids: Sequence[int]) -> AttentionMetadata:
+        """Reserve one slot per sequence (``manager.decode_step``), run the copy-on-write copies
+        it asks for, and return the decode step's metadata."""
+        seq_ids = list(seq_ids)
+        pairs, block_tables, seq_lens, slots = manager.decode_step(seq_ids)
+        self.copy_blocks(pairs)
+        return AttentionMetadata.build(
+            query_lens=[1] * len(seq_ids),
+            seq_lens=seq_lens.tolist(),
+            block_tables=block_tables,
+            slot_mapping=slots,
+            device=self.device,
+            seq_lens_tensor=seq_lens,
+        )

@@ -1,0 +1,504 @@
+"""Hugging Face transformers on a paged KV cache.
+
+Importing this module registers an attention implementation named ``"paged_attention"``
+(``transformers.AttentionInterface``) and a matching mask function
+(``transformers.AttentionMaskInterface``, which hands the 2D padding mask through instead of
+building a dense ``[batch, 1, q, kv]`` mask)::
+
+    import paged_attention.integrations.transformers  # registers "paged_attention"
+    from paged_attention.integrations.transformers import PagedCache
+
+    model.set_attn_implementation("paged_attention")
+    out = model.generate(**inputs, past_key_values=PagedCache(model, num_blocks=1024))
+
+How it fits transformers' call order: every attention layer calls
+``past_key_values.update(key, value, layer_idx)`` and then the attention function. ``update``
+only hands the new keys and values on; the attention function stores them in the paged cache
+(``reshape_and_cache``, pad tokens skipped) and attends over each sequence's paged context. The
+first layer of a forward pass also does the step's bookkeeping in the block manager:
+
+* the first forward of a ``generate`` call allocates one sequence per batch row; rows that are
+  exact copies of the previous row (``num_return_sequences``, beams) *fork* its blocks instead;
+* later forwards append slots and run the copy-on-write copies the manager asks for, for all
+  layers in one ``copy_blocks`` call;
+* ``reorder_cache`` (beam search), ``batch_select_indices`` and ``batch_repeat_interleave``
+  become forks and frees of block tables: no key or value is copied, and the next step copies at
+  most the one partly filled last block of a beam that shares it.
+
+An engine drives the cache directly with :meth:`PagedCache.set_step`: it reserves slots in
+``cache.manager`` itself and feeds the new tokens of many sequences packed into one row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from paged_attention.attention import AttentionMetadata, PagedAttention
+from paged_attention.cache import PagedKVCache
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "paged_attention.integrations.transformers needs transformers 5.x: "
+        "pip install 'paged_attention[hf]'"
+    ) from error
+
+ATTN_IMPLEMENTATION = "paged_attention"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _interface(name: str, module_name: str):
+    """``transformers.<name>``, or from the module that defined it in releases that did not
+    export it at the top level."""
+    found = getattr(transformers, name, None)
+    if found is None:
+        import importlib
+
+        found = getattr(importlib.import_module(module_name), name)
+    return found
+
+
+AttentionInterface = _interface("AttentionInterface", "transformers.modeling_utils")
+AttentionMaskInterface = _interface("AttentionMaskInterface", "transformers.masking_utils")
+
+# The cache whose ``update`` ran last in this thread, and the key tensor it returned: the
+# attention function that follows in the same layer reads it (transformers does not pass the
+# cache to attention functions).
+_active = threading.local()
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"paged_attention"`` attention function: query ``[batch, heads, q, dim]``, key and
+    value ``[batch, kv_heads, q, dim]`` (this step's only); returns ``([batch, q, heads, dim],
+    None)``."""
+    state = getattr(_active, "value", None)
+    if state is None or state[1] is not key:
+        raise RuntimeError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" needs past_key_values=PagedCache(model, '
+            "...) and use_cache=True: the keys and values live in the paged cache"
+        )
+    _active.value = None
+    if dropout and module.training:
+        raise ValueError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" is for inference; got attention '
+            f"dropout {dropout} in training mode (call model.eval())"
+        )
+    cache: PagedCache = state[0]
+    out = cache._attend(
+        module.layer_idx,
+        query,
+        key,
+        value,
+        attention_mask,
+        module.scaling if scaling is None else scaling,
+        sliding_window or 0,
+        softcap or 0.0,
+    )
+    return out, None
+
+
+def paged_attention_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """Mask function of ``"paged_attention"``: causality and windows are the attention's job,
+    so only the 2D padding mask ``[batch, past + q]`` (or ``None``) is passed on."""
+    return attention_mask
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)
+
+
+def _text_config(model):
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    return getter() if getter is not None else config
+
+
+def _layer_windows(config) -> list[int]:
+    """Sliding window of each layer (0 = full attention), as the model's attention applies it."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and config.model_type != "mistral":
+        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    return [window] * config.num_hidden_layers
+
+
+class PagedCache(Cache):
+    """A ``transformers.Cache`` whose keys and values live in a :class:`PagedKVCache`, managed
+    by a :class:`~paged_attention.block_manager.BlockManager`.
+
+    ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``max_memory`` allows: bytes
+    (int) or a fraction (float) of free CUDA memory (of available host memory on CPU); with
+    neither, 90% of free memory on CUDA. ``num_host_blocks`` adds host swap space (for an
+    engine), ``kv_cache_dtype`` is ``"auto"`` or an fp8 format, and ``enable_prefix_caching``
+    lets sequences that an engine allocates with their token ids share cached prompt blocks.
+
+    Supports decoder-only Llama-, Mistral- and Qwen2-style models (GQA and sliding windows
+    included) with ``attn_implementation="paged_attention"``. One ``PagedCache`` serves one
+    ``generate`` call at a time; :meth:`reset` frees every block for the next one.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_memory: int | float | None = None,
+        *,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        config = _text_config(model)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"PagedCache supports decoder-only models with model_type in "
+                f"{SUPPORTED_MODEL_TYPES} (Llama-, Mistral- and Qwen2-style); got {model_type!r}"
+            )
+        super().__init__(layers=[])
+        parameter = next(model.parameters())
+        num_heads = config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.layer_windows = _layer_windows(config)
+
+        memory_budget = memory_fraction = None
+        if isinstance(max_memory, float):
+            memory_fraction = max_memory
+        elif max_memory is not None:
+            memory_budget = int(max_memory)
+        elif num_blocks is None:
+            if parameter.device.type != "cuda":
+                raise ValueError(
+                    "PagedCache on CPU needs num_blocks or max_memory (bytes, or a fraction of "
+                    "available host memory)"
+                )
+            memory_fraction = 0.9
+        self.kv = PagedKVCache(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            block_size,
+            num_blocks,
+            dtype=parameter.dtype,
+            device=parameter.device,
+            kv_cache_dtype=kv_cache_dtype,
+            num_host_blocks=num_host_blocks,
+            memory_budget=memory_budget,
+            memory_fraction=memory_fraction,
+        )
+        # When every layer slides over the same window, blocks that left it are released.
+        windows = set(self.layer_windows)
+        manager_window = windows.pop() if len(windows) == 1 else 0
+        self.manager = self.kv.make_manager(
+            watermark=0.0,
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=manager_window if manager_window and not enable_prefix_caching else None,
+        )
+        self._model_config = model.config
+        self._modules: dict[int, PagedAttention] = {}
+        self._ids = itertools.count()
+        self._rows: list[int | None] = []  # generate mode: the sequence of each batch row
+        self._seen = 0  # generate mode: tokens per row so far, padding included
+        self._engine_metadata: AttentionMetadata | None = None
+        self._metadata: AttentionMetadata | None = None
+        self._token_index: torch.Tensor | None = None
+        self._last_layer = self.num_layers
+        self._step_open = False
+        self.peak_blocks_in_use = 0
+
+    # ------------------------------------------------------------------ Cache API
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        implementation = getattr(self._model_config, "_attn_implementation", None)
+        if implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"PagedCache needs the model's attention implementation to be \""
+                f'{ATTN_IMPLEMENTATION}", got {implementation!r}: call '
+                f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") or load the model with '
+                f'attn_implementation="{ATTN_IMPLEMENTATION}"'
+            )
+        if layer_idx <= self._last_layer:
+            self._step_open = True  # the first layer of a new forward pass
+        self._last_layer = layer_idx
+        _active.value = (self, key_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        # transformers passed cache_position (a tensor) before it passed the query length.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self._seen + int(query_length), 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self._rows else -1
+
+    def reset(self) -> None:
+        """Free every sequence (all blocks return to the pool) and forget the batch."""
+        for seq_id in self.manager.seq_ids():
+            self.manager.free(seq_id, cache=True)
+        self._rows = []
+        self._seen = 0
+        self._engine_metadata = None
+        self._last_layer = self.num_layers
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues old row ``beam_idx[i]``, by forks and frees."""
+        self._remap_rows(beam_idx.tolist())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._remap_rows(torch.as_tensor(indices).tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` rows sharing its blocks (forks, no copy)."""
+        self._remap_rows([row for row in range(len(self._rows)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "PagedCache cannot crop (assisted generation and prompt lookup roll back the "
+            "cache); it supports greedy search, sampling, num_return_sequences and beam search"
+        )
+
+    # ------------------------------------------------------------------ engine API
+
+    def set_step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> None:
+        """Next forward: the new tokens of ``seq_ids`` packed into one row (batch 1, the caller
+        gives position_ids); their slots are already reserved in :attr:`manager` and their
+        copy-on-write pairs already run through ``kv.copy_blocks``."""
+        seq_ids, counts = list(seq_ids), [int(n) for n in num_new_tokens]
+        if len(seq_ids) != len(counts) or not seq_ids:
+            raise ValueError(
+                f"set_step needs one num_new_tokens per sequence, got {len(seq_ids)} sequences "
+                f"and {len(counts)} counts"
+            )
+        if min(counts) <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {counts}")
+        self._engine_metadata = self.kv.metadata(self.manager, seq_ids, counts)
+
+    def clear_step(self) -> None:
+        """Back to ``generate`` mode."""
+        self._engine_metadata = None
+
+    # ------------------------------------------------------------------ stats
+
+    def blocks_in_use(self) -> int:
+        return self.manager.num_device_blocks - self.manager.num_free_device_blocks()
+
+    def stats(self):
+        """The block manager's stats, bytes counted with this cache's bytes per block."""
+        return self.manager.stats(self.kv.bytes_per_block)
+
+    # ------------------------------------------------------------------ attention
+
+    def _module(self, layer_idx: int, num_heads: int, scale: float, window: int, cap: float):
+        module = self._modules.get(layer_idx)
+        if (
+            module is None
+            or module.num_heads != num_heads
+            or module.scale != float(scale)
+            or module.sliding_window != window
+            or module.logits_soft_cap != cap
+        ):
+            module = PagedAttention(
+                num_heads,
+                self.head_size,
+                self.num_kv_heads,
+                scale=scale,
+                sliding_window=window,
+                logits_soft_cap=cap,
+                kv_cache_dtype=self.kv.kv_cache_dtype,
+            )
+            self._modules[layer_idx] = module
+        return module
+
+    def _attend(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
+        batch, num_heads, q_len, head_size = query.shape
+        if self._step_open:
+            self._begin_step(batch, q_len, key, value, attention_mask)
+            self._step_open = False
+        packed = [
+            t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_size)
+            for t in (query, key, value)
+        ]
+        if self._token_index is not None:
+            packed = [t[self._token_index] for t in packed]
+        module = self._module(layer_idx, num_heads, scale, window, cap)
+        out = module(
+            *packed,
+            self.kv.layer(layer_idx),
+            self._metadata,
+            k_scale=self.kv.k_scale,
+            v_scale=self.kv.v_scale,
+        )
+        if self._token_index is not None:
+            full = out.new_zeros(batch * q_len, num_heads, head_size)
+            full[self._token_index] = out
+            out = full
+        return out.view(batch, q_len, num_heads, head_size)
+
+    def _begin_step(self, batch, q_len, key, value, attention_mask) -> None:
+        """Bookkeeping once per forward pass, before the first layer stores anything."""
+        if self._engine_metadata is not None:
+            if batch != 1 or q_len != self._engine_metadata.num_tokens:
+                raise ValueError(
+                    f"set_step announced {self._engine_metadata.num_tokens} packed tokens in one "
+                    f"row; the forward got input of shape [{batch}, {q_len}]"
+                )
+            self._metadata, self._token_index = self._engine_metadata, None
+            return
+        real = self._real_tokens(batch, q_len, attention_mask)
+        counts = [q_len] * batch if real is None else real.sum(dim=1).tolist()
+        if not self._rows:
+            self._rows = [None] * batch
+            duplicates = self._duplicate_rows(key, value, real)
+        elif batch != len(self._rows):
+            raise ValueError(
+                f"this PagedCache holds a batch of {len(self._rows)} rows but the input has "
+                f"{batch}; call cache.reset() before generating for a new batch"
+            )
+        else:
+            duplicates = [False] * batch
+
+        if all(n == 1 for n in counts) and None not in self._rows:
+            pairs, block_tables, seq_lens, slots = self.manager.decode_step(self._rows)
+            self.kv.copy_blocks(pairs)
+            metadata = AttentionMetadata.build(
+                [1] * batch, seq_lens.tolist(), block_tables, slots, self.kv.device, seq_lens
+            )
+        else:
+            metadata = self._grow_rows(counts, duplicates)
+        self._metadata = metadata
+        self._token_index = (
+            None if real is None else real.flatten().nonzero().squeeze(1).to(self.kv.device)
+        )
+        self._seen += q_len
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+    def _grow_rows(self, counts: list[int], duplicates: list[bool]) -> AttentionMetadata:
+        pairs, active, dropped = [], [], []
+        for row, count in enumerate(counts):
+            if count == 0:
+                continue
+            seq_id = self._rows[row]
+            if seq_id is None:
+                seq_id = self._rows[row] = next(self._ids)
+                if duplicates[row]:
+                    self.manager.fork(self._rows[row - 1], seq_id)
+                    dropped.append(len(active))
+                else:
+                    self.manager.allocate(seq_id, count)
+            else:
+                pairs += self.manager.append_slots(seq_id, count)
+            active.append((seq_id, count))
+        self.kv.copy_blocks(pairs)
+        seq_ids, query_lens = [s for s, _ in active], [n for _, n in active]
+        slots = self.manager.slot_mapping_tensor(seq_ids, query_lens)
+        starts = [0, *itertools.accumulate(query_lens)]
+        for index in dropped:  # a forked copy reads its parent's slots and writes none
+            slots[starts[index] : starts[index + 1]] = -1
+        seq_lens = self.manager.seq_lens_tensor(seq_ids)
+        return AttentionMetadata.build(
+            query_lens,
+            seq_lens.tolist(),
+            self.manager.block_tables_tensor(seq_ids),
+            slots,
+            self.kv.device,
+            seq_lens,
+        )
+
+    @staticmethod
+    def _real_tokens(batch, q_len, attention_mask) -> torch.Tensor | None:
+        """Bool ``[batch, q_len]`` on the host, True for the tokens to store and attend
+        (``None`` when all are)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f'attn_implementation="{ATTN_IMPLEMENTATION}" takes a 2D padding mask [batch, '
+                f"past + new tokens], got shape {tuple(attention_mask.shape)}"
+            )
+        real = attention_mask[:, -q_len:].to(device="cpu", dtype=torch.bool)
+        if real.shape != (batch, q_len):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected [{batch}, "
+                f">= {q_len}]"
+            )
+        return None if bool(real.all()) else real
+
+    @staticmethod
+    def _duplicate_rows(key, value, real) -> list[bool]:
+        """Rows whose first-layer keys, values and padding equal the previous row's: copies made
+        by generate's expansion, whose whole KV will be identical, so they fork instead."""
+        batch = key.shape[0]
+        if batch == 1:
+            return [False]
+        same = (key[1:] == key[:-1]).flatten(1).all(1) & (value[1:] == value[:-1]).flatten(1).all(1)
+        same = same.cpu()
+        if real is not None:
+            same &= (real[1:] == real[:-1]).all(1)
+        return [False, *same.tolist()]
+
+    def _remap_rows(self, sources: list[int]) -> None:
+        """New row ``i`` continues old row ``sources[i]``: the first taker keeps the sequence,
+        later ones fork it, and rows nobody takes are freed."""
+        if not self._rows:
+            return
+        if any(not 0 <= s < len(self._rows) for s in sources):
+            raise ValueError(f"row indices {sources} out of range for {len(self._rows)} rows")
+        taken: set[int] = set()
+        rows: list[int | None] = []
+        parents, children = [], []
+        for source in sources:
+            seq_id = self._rows[source]
+            if seq_id is not None and source in taken:
+                parents.append(seq_id)
+                seq_id = next(self._ids)
+                children.append(seq_id)
+            taken.add(source)
+            rows.append(seq_id)
+        if parents:
+            self.manager.fork_many(parents, children)
+        dropped = [s for row, s in enumerate(self._rows) if row not in taken and s is not None]
+        if dropped:
+            self.manager.free_many(dropped)
+        self._rows = rows
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())

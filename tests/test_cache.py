@@ -1,0 +1,203 @@
+"""PagedKVCache: layout, sizing, and execution of the block manager's copy and swap plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_attention import _ops, reference
+from paged_attention.block_manager import BlockManager
+from paged_attention.cache import PagedKVCache, bytes_per_block
+
+LAYERS, KV_HEADS, HEAD, BLOCK = 3, 2, 32, 8
+
+
+def make_cache(**kwargs) -> PagedKVCache:
+    args = dict(num_blocks=12, dtype=torch.float32, num_host_blocks=6)
+    args.update(kwargs)
+    return PagedKVCache(LAYERS, KV_HEADS, HEAD, BLOCK, **args)
+
+
+def fill_random(cache: PagedKVCache, generator_seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(generator_seed)
+    for tensor in (*cache.key_caches, *cache.value_caches):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_cache_dtype, x, storage",
+    [
+        (torch.float32, "auto", 4, torch.float32),
+        (torch.float16, "auto", 8, torch.float16),
+        (torch.bfloat16, "auto", 8, torch.bfloat16),
+        (torch.float16, "fp8", 16, torch.uint8),
+        (torch.float32, "fp8_e5m2", 16, torch.uint8),
+    ],
+)
+def test_layout_matches_design(dtype, kv_cache_dtype, x, storage):
+    cache = make_cache(dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_blocks=5)
+    assert len(cache.key_caches) == len(cache.value_caches) == LAYERS
+    for key_cache, value_cache in (cache.layer(i) for i in range(LAYERS)):
+        assert key_cache.shape == (5, KV_HEADS, HEAD // x, BLOCK, x)
+        assert value_cache.shape == (5, KV_HEADS, HEAD, BLOCK)
+        assert key_cache.dtype == value_cache.dtype == storage
+        assert key_cache.is_contiguous() and value_cache.is_contiguous()
+        assert not key_cache.any() and not value_cache.any()  # zeroed: no NaN in unwritten slots
+    element = torch.empty((), dtype=storage).element_size()
+    assert cache.bytes_per_block == 2 * LAYERS * KV_HEADS * HEAD * BLOCK * element
+    held = sum(t.numel() * t.element_size() for t in (*cache.key_caches, *cache.value_caches))
+    assert held == cache.device_bytes == 5 * cache.bytes_per_block
+    assert cache.k_scale.dtype == torch.float32 and cache.k_scale.shape == (1,)
+
+
+def test_layers_are_views_of_one_allocation():
+    cache = make_cache()
+    cache.key_caches[1][3].fill_(7.0)
+    assert cache._keys[1, 3].eq(7.0).all() and not cache._keys[0].any()
+
+
+def test_sized_from_memory_budget():
+    per_block = bytes_per_block(LAYERS, KV_HEADS, HEAD, BLOCK, torch.float16)
+    cache = PagedKVCache(LAYERS, KV_HEADS, HEAD, BLOCK, memory_budget=10 * per_block + 5)
+    assert cache.num_blocks == 10 and cache.device_bytes <= 10 * per_block + 5
+    half = PagedKVCache(
+        LAYERS, KV_HEADS, HEAD, BLOCK, memory_budget=10 * per_block, memory_fraction=0.5
+    )
+    assert half.num_blocks == 5
+
+
+def test_sized_from_fraction_of_host_memory(monkeypatch):
+    per_block = bytes_per_block(LAYERS, KV_HEADS, HEAD, BLOCK, torch.float32)
+    monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 40 * per_block)
+    cache = PagedKVCache(LAYERS, KV_HEADS, HEAD, BLOCK, dtype=torch.float32, memory_fraction=0.25)
+    assert cache.num_blocks == 10
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(), "num_blocks, memory_budget"),
+        (dict(num_blocks=4, memory_budget=1 << 20), "not both"),
+        (dict(memory_budget=100), "holds no KV block"),
+        (dict(memory_fraction=1.5, memory_budget=1 << 20), "memory_fraction"),
+        (dict(num_blocks=0), "num_blocks must be positive"),
+        (dict(num_blocks=4, num_host_blocks=-1), "num_host_blocks"),
+        (dict(num_blocks=4, kv_cache_dtype="int4"), "kv_cache_dtype"),
+        (dict(num_blocks=4, dtype=torch.int32), "dtype"),
+    ],
+)
+def test_bad_sizes_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PagedKVCache(LAYERS, KV_HEADS, HEAD, BLOCK, **kwargs)
+
+
+def test_head_size_must_fit_the_key_tiling():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PagedKVCache(1, 1, 24, BLOCK, 4, kv_cache_dtype="fp8")
+
+
+def test_copy_blocks_copies_every_layer_in_one_call(monkeypatch):
+    cache = make_cache()
+    fill_random(cache)
+    expected_k = [t.clone() for t in cache.key_caches]
+    expected_v = [t.clone() for t in cache.value_caches]
+    pairs = [(0, 5), (0, 6), (3, 1)]  # fan-out of one source to two destinations
+    reference.copy_blocks(expected_k, expected_v, BlockManager.mapping_tensor(pairs))
+    calls = []
+    real = _ops.copy_blocks
+    monkeypatch.setattr(_ops, "copy_blocks", lambda *a: calls.append(a) or real(*a))
+    cache.copy_blocks(pairs)
+    assert len(calls) == 1
+    for got, want in zip((*cache.key_caches, *cache.value_caches), (*expected_k, *expected_v)):
+        assert torch.equal(got, want)
+    cache.copy_blocks([])
+    assert len(calls) == 1  # nothing to copy, no call
+
+
+def test_swap_out_and_in_round_trip_through_the_manager():
+    cache = make_cache()
+    fill_random(cache, 1)
+    manager = cache.make_manager(watermark=0.0)
+    manager.allocate(0, 3 * BLOCK - 2)
+    manager.allocate(1, BLOCK + 1)
+    manager.fork(0, 2)  # shares all of seq 0's blocks: they must move once and stay shared
+    before = {
+        s: [
+            reference.gather_kv(k, v, torch.tensor(manager.block_table(s)), manager.num_tokens(s))
+            for k, v in (cache.layer(i) for i in range(LAYERS))
+        ]
+        for s in (0, 1, 2)
+    }
+    out_pairs = manager.swap_out([0, 2])
+    assert len(out_pairs) == 3
+    cache.swap_out(out_pairs)
+    for device_block, host_block in out_pairs:
+        for layer in range(LAYERS):
+            assert torch.equal(
+                cache.host_key_caches[layer][host_block], cache.key_caches[layer][device_block]
+            )
+        for layer in range(LAYERS):
+            cache.key_caches[layer][device_block] = 0
+            cache.value_caches[layer][device_block] = 0
+    manager.allocate(3, 2 * BLOCK)  # takes freed device blocks, so swap-in lands elsewhere
+    in_pairs = manager.swap_in([0, 2])
+    cache.swap_in(in_pairs)
+    for s in (0, 1, 2):
+        table = torch.tensor(manager.block_table(s))
+        for layer, (keys, values) in enumerate(before[s]):
+            k, v = reference.gather_kv(*cache.layer(layer), table, manager.num_tokens(s))
+            assert torch.equal(k, keys) and torch.equal(v, values)
+    assert manager.block_table(0) == manager.block_table(2)
+
+
+def test_swap_without_host_blocks_raises():
+    cache = make_cache(num_host_blocks=0)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        cache.swap_out([(0, 0)])
+
+
+def test_copy_blocks_accepts_a_mapping_tensor():
+    cache = make_cache()
+    fill_random(cache, 2)
+    cache.copy_blocks(torch.tensor([[2, 9]]))
+    assert torch.equal(cache.value_caches[2][9], cache.value_caches[2][2])
+
+
+def test_metadata_from_the_manager():
+    cache = make_cache()
+    manager = cache.make_manager(watermark=0.0)
+    manager.allocate(0, 11)
+    manager.allocate(1, 4)
+    manager.append_slots(1, 2)
+    meta = cache.metadata(manager, [0, 1], [11, 2])
+    assert meta.query_lens == [11, 2] and meta.seq_lens == [11, 6]
+    assert meta.context_lens == [0, 4] and meta.max_seq_len == 11 and not meta.is_decode
+    assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+    table0, table1 = manager.block_table(0), manager.block_table(1)
+    expected = [table0[p // BLOCK] * BLOCK + p % BLOCK for p in range(11)]
+    expected += [table1[0] * BLOCK + p for p in (4, 5)]
+    assert meta.slot_mapping.tolist() == expected
+    assert meta.block_tables[0, :2].tolist() == table0
+    assert meta.seq_lens_tensor.tolist() == [11, 6]
+
+
+def test_decode_metadata_runs_copy_on_write():
+    cache = make_cache()
+    fill_random(cache, 3)
+    manager = cache.make_manager(watermark=0.0)
+    manager.allocate(0, BLOCK + 3)  # last block partly filled
+    manager.fork(0, 1)
+    shared_last = manager.block_table(0)[-1]
+    meta = cache.decode_metadata(manager, [0, 1])
+    assert meta.is_decode and meta.seq_lens == [BLOCK + 4] * 2
+    tables = [manager.block_table(0), manager.block_table(1)]
+    assert tables[0][0] == tables[1][0]  # the full block stays shared
+    copies = [t[-1] for t in tables if t[-1] != shared_last]
+    assert len(copies) == 1  # exactly one of the two got a private copy
+    for layer in range(LAYERS):
+        assert torch.equal(cache.key_caches[layer][copies[0]], cache.key_caches[layer][shared_last])
+        assert torch.equal(
+            cache.value_caches[layer][copies[0]], cache.value_caches[layer][shared_last]
+        )
+    slots = meta.slot_mapping.tolist()
+    assert slots == [t[-1] * BLOCK + 3 for t in tables]
