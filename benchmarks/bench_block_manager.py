@@ -224,7 +224,7 @@ def benchmark(kind: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="results/bench_block_manager.json")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -252,6 +252,7 @@ def main() -> None:
             "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0],  # other work on the machine skews timings
         },
         "results": results,
     }

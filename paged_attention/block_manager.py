@@ -137,6 +137,9 @@ def _cdiv(a, b):
 
 
 class BlockManager:
+    """Block tables, reference counts and the prefix cache for a paged KV cache (see the
+    module docstring for the semantics)."""
+
     def __init__(
         self,
         num_device_blocks: int,
@@ -236,12 +239,12 @@ class BlockManager:
     def can_allocate(self, num_tokens_or_tokens: int | Sequence[int]) -> AllocStatus:
         num_tokens, tokens = self._token_args(num_tokens_or_tokens)
         num_blocks = _cdiv(num_tokens, self.block_size)
-        if self.num_device_blocks - num_blocks < self.watermark_blocks or not self._fits_table(
-            num_blocks
-        ):
+        # Judged without prefix hits, which eviction may take away before the sequence runs.
+        too_big = self.num_device_blocks - num_blocks < self.watermark_blocks
+        if too_big or not self._fits_table(num_blocks):
             return AllocStatus.NEVER
         hits = self._lookup_prefix(tokens)[0] if tokens is not None else []
-        needed = num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+        needed = self._blocks_to_take(num_blocks, hits)
         if self.num_free_device_blocks() - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -256,7 +259,7 @@ class BlockManager:
         num_blocks = _cdiv(num_tokens, self.block_size)
         self._check_table_fits(seq_id, num_blocks)
         hits, chain = self._lookup_prefix(tokens) if tokens is not None else ([], None)
-        needed = num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
+        needed = self._blocks_to_take(num_blocks, hits)
         if needed > self.num_free_device_blocks():
             raise OutOfBlocksError(
                 f"allocating sequence {seq_id} ({num_tokens} tokens) needs {needed} device "
@@ -358,8 +361,11 @@ class BlockManager:
             raise DoubleFreeError(f"a sequence appears twice in {seq_ids}")
         rows = self._rows(seq_ids)
         on_host = self._on_host[rows]
-        self._drop_device_refs(self._live_entries(rows[~on_host]), cache=cache)
-        self._drop_host_refs(self._live_entries(rows[on_host]))
+        device_rows, host_rows = rows[~on_host], rows[on_host]
+        if device_rows.size:
+            self._drop_device_refs(self._live_entries(device_rows), cache=cache)
+        if host_rows.size:
+            self._drop_host_refs(self._live_entries(host_rows))
         self._table[rows] = 0
         for array in (self._seq_lens, self._num_blocks, self._num_released, self._on_host):
             array[rows] = 0
@@ -525,8 +531,10 @@ class BlockManager:
     def stats(self, bytes_per_block: int = 0) -> BlockManagerStats:
         device_rows = [r for r in self._row_of.values() if not self._on_host[r]]
         host_rows = [r for r in self._row_of.values() if self._on_host[r]]
-        device = self._pool_stats(device_rows, self._device_refs, len(self._device_free))
-        host = self._pool_stats(host_rows, self._host_refs, len(self._host_free))
+        device = self._pool_stats(
+            device_rows, self._device_refs, len(self._device_free), len(self._evictable)
+        )
+        host = self._pool_stats(host_rows, self._host_refs, len(self._host_free), 0)
         saved = device.blocks_saved_by_sharing + host.blocks_saved_by_sharing
         return BlockManagerStats(
             device=device,
@@ -537,7 +545,9 @@ class BlockManager:
             bytes_saved_by_sharing=saved * bytes_per_block,
         )
 
-    def _pool_stats(self, rows: list[int], refs: np.ndarray, num_free: int) -> PoolStats:
+    def _pool_stats(
+        self, rows: list[int], refs: np.ndarray, num_free: int, num_cached: int
+    ) -> PoolStats:
         size = self.block_size
         filled = np.zeros(refs.size, dtype=np.int64)  # tokens held in each block
         for row in rows:
@@ -547,14 +557,13 @@ class BlockManager:
                 self._table[row, index],
                 np.minimum(size, self._seq_lens[row] - index * size),
             )
-        cached = len(self._evictable) if refs is self._device_refs else 0
         used = int(np.count_nonzero(refs))
         tokens = int(filled.sum())
         reserved = used * size
         return PoolStats(
             num_blocks=refs.size,
-            free_blocks=num_free + cached,
-            cached_free_blocks=cached,
+            free_blocks=num_free + num_cached,
+            cached_free_blocks=num_cached,
             used_blocks=used,
             shared_blocks=int(np.count_nonzero(refs > 1)),
             tokens_stored=tokens,
@@ -779,8 +788,14 @@ class BlockManager:
             if tokens < 0:
                 raise ValueError(f"token count must be >= 0, got {tokens}")
             return int(tokens), None
-        token_list = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-        return len(token_list), token_list
+        if not isinstance(tokens, list):  # only read (slices are kept), so a list needs no copy
+            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        return len(tokens), tokens
+
+    def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
+        """Free blocks a sequence of ``num_blocks`` consumes: its fresh blocks, and the hits
+        that sit unreferenced in the cache (they count as free until taken)."""
+        return num_blocks - len(hits) + sum(1 for b in hits if b in self._evictable)
 
     def _lookup_prefix(self, tokens: list[int]) -> tuple[list[int], _PrefixChain | None]:
         """Cached blocks holding a prefix of ``tokens`` (never the last token, which the model
@@ -790,7 +805,7 @@ class BlockManager:
         size = self.block_size
         hits: list[int] = []
         chain_hash, chain_uid = _ROOT_HASH, _ROOT_UID
-        for start in range(0, len(tokens) - 1 - size + 1, size):
+        for start in range(0, len(tokens) - size, size):  # blocks ending before the last token
             block_tokens = tuple(tokens[start : start + size])
             block_hash = hash((chain_hash, block_tokens))
             block = self._cache_map.get(block_hash)
@@ -804,32 +819,29 @@ class BlockManager:
         return hits, _PrefixChain(chain_hash, chain_uid, [])
 
     def _register_full_blocks(self, seq_id: int, blocks: list[int], tokens: list[int]) -> None:
-        """Register the full blocks among ``blocks``, which hold ``tokens`` from their start,
-        and keep the rest as the chain's pending tokens."""
+        """Put the full blocks among ``blocks`` (which hold ``tokens`` from their start) in the
+        cache, advancing the sequence's chain; keep the rest as the chain's pending tokens."""
         chain = self._chains[seq_id]
         size = self.block_size
         num_full = len(tokens) // size
+        chain_hash, chain_uid = chain.hash, chain.uid
         for i in range(num_full):
-            if not self._register(chain, blocks[i], tuple(tokens[i * size : (i + 1) * size])):
-                del self._chains[seq_id]
-                return
+            block_tokens = tuple(tokens[i * size : (i + 1) * size])
+            block_hash = hash((chain_hash, block_tokens))
+            existing = self._cache_map.get(block_hash)
+            if existing is None:
+                entry = _CacheEntry(block_hash, chain_uid, block_tokens, next(self._uids))
+                self._cache_map[block_hash] = blocks[i]
+                self._cache_entries[blocks[i]] = entry
+            else:
+                entry = self._cache_entries[existing]
+                if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+                    del self._chains[seq_id]  # a hash collision: stop caching this sequence
+                    return
+                # The same prefix is cached in another block; later blocks may hang from it.
+            chain_hash, chain_uid = block_hash, entry.uid
+        chain.hash, chain.uid = chain_hash, chain_uid
         chain.pending = tokens[num_full * size :]
-
-    def _register(self, chain: _PrefixChain, block: int, block_tokens: tuple[int, ...]) -> bool:
-        """Put a full block in the cache and advance the chain past it; False on a collision."""
-        block_hash = hash((chain.hash, block_tokens))
-        existing = self._cache_map.get(block_hash)
-        if existing is None:
-            entry = _CacheEntry(block_hash, chain.uid, block_tokens, next(self._uids))
-            self._cache_map[block_hash] = block
-            self._cache_entries[block] = entry
-        else:
-            entry = self._cache_entries[existing]
-            if entry.parent_uid != chain.uid or entry.tokens != block_tokens:
-                return False
-            # Same prefix already cached in another block: later blocks may hang from it.
-        chain.hash, chain.uid = block_hash, entry.uid
-        return True
 
     def _record_tokens(
         self, seq_id: int, row: int, old_len: int, tokens: Sequence[int] | None

@@ -349,6 +349,10 @@ def test_swap_errors_leave_state_unchanged():
     assert bm.can_swap_in([2]) is AllocStatus.LATER
     assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.swap_in([2]), "1 device", "0 free")
     assert BlockManager(4, 4, 8).can_swap_in([]) is AllocStatus.OK
+    big = BlockManager(10, 4, 20, watermark=0.2)  # 2 blocks held back
+    big.allocate(1, 36)  # 9 blocks: allocate itself ignores the watermark
+    big.swap_out([1])
+    assert big.can_swap_in([1]) is AllocStatus.NEVER
     bm.free(2)
     assert bm.num_free_host_blocks() == 2
     check_invariants(bm)
@@ -855,15 +859,16 @@ class SlidingWindowMachine(BlockManagerMachine):
     options = {"sliding_window": 3}
 
 
+_MACHINE_SETTINGS = settings(
+    max_examples=80,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = _MACHINE_SETTINGS
 TestSlidingWindowMachine = SlidingWindowMachine.TestCase
-for _case in (TestBlockManagerMachine, TestSlidingWindowMachine):
-    _case.settings = settings(
-        max_examples=40,
-        stateful_step_count=40,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+TestSlidingWindowMachine.settings = _MACHINE_SETTINGS
 
 
 def test_errors_are_block_manager_errors():
