@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention.block_manager import AllocStatus, OutOfBlocksError
-from paged_attention.integrations.transformers import PagedCache
+from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,9 @@ class _Request:
 
 
 class Engine:
-    """Continuous batching over ``model`` with a KV budget of ``num_blocks`` device blocks."""
+    """Continuous batching over ``model`` with a KV budget of ``num_blocks`` device blocks and
+    ``num_host_blocks`` of swap space (default: four times the budget). Switches ``model`` to the
+    ``"paged_attention"`` attention implementation."""
 
     def __init__(
         self,
@@ -122,6 +124,7 @@ class Engine:
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = PagedCache(

@@ -35,19 +35,28 @@ def prompts(count, seed=0, low=3, high=40):
 
 def full_logits(model, tokens):
     """Last-position logits recomputed from scratch, without any cache."""
-    with torch.inference_mode():
-        return model(torch.tensor([tokens]), use_cache=False).logits[0, -1].float()
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            return model(torch.tensor([tokens]), use_cache=False).logits[0, -1].float()
+    finally:
+        model.set_attn_implementation("paged_attention")
 
 
 def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    """transformers' own greedy generate() with its default cache and attention."""
+    model.set_attn_implementation("sdpa")
+    try:
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    finally:
+        model.set_attn_implementation("paged_attention")
     return out[0, len(prompt) :].tolist()
 
 
