@@ -204,9 +204,11 @@ class Engine:
             request = self._swapped[0]
             ids = [s.seq_id for s in request.seqs]
             host_blocks = {b for s in ids for b in manager.host_block_table(s)}
-            # Room for its blocks and a new block per sequence, or it would be preempted again.
+            # Room for its blocks and a new block per sequence, or it would be preempted again
+            # (unless it runs alone: then it gets the whole pool, or is aborted if that is short).
+            headroom = len(ids) if self._running else 0
             room = manager.num_free_device_blocks() - manager.watermark_blocks
-            if room < len(host_blocks) + len(ids):
+            if room < len(host_blocks) + headroom:
                 return
             pairs = manager.swap_in(ids)
             self.cache.kv.swap_in(pairs)

@@ -182,6 +182,18 @@ def test_request_outgrowing_the_whole_budget_is_aborted(model):
     assert "outgrew the whole KV budget" in out.rejected
 
 
+def test_preempted_request_that_cannot_resume_is_aborted(model):
+    # A (8 blocks at full length) preempts B; B's four samples then need more than the whole
+    # pool (one shared prompt block + two private blocks each): swapped in, then aborted.
+    a = prompts(1, seed=5, low=20, high=21)[0]
+    b = prompts(1, seed=6, low=10, high=11)[0]
+    work = [(a, SamplingParams(40)), (b, SamplingParams(12, temperature=1.0, n=4))]
+    engine, (out_a, out_b) = serve(model, work, num_blocks=8)
+    assert out_a.rejected is None and len(out_a.outputs[0]) == 40
+    assert "outgrew the whole KV budget" in out_b.rejected
+    assert engine.stats.swaps_out == engine.stats.swaps_in == 1
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
