@@ -24,14 +24,14 @@ DEFAULT_BUDGET_TOKENS = 1024
 
 
 def default_model(seed: int) -> torch.nn.Module:
-    """A 4-layer Llama (hidden 256, 8 query heads and 2 KV heads of size 32, vocab 1000)."""
+    """A 2-layer Llama (hidden 256, 8 query heads and 2 KV heads of size 32, vocab 1000)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=1000,
         hidden_size=256,
         intermediate_size=688,
-        num_hidden_layers=4,
+        num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         model_name = args.model
     else:
         model = default_model(args.seed)
-        model_name = "embedded Llama (4 layers, hidden 256, 8/2 heads, vocab 1000, random)"
+        model_name = "embedded Llama (2 layers, hidden 256, 8/2 heads, vocab 1000, random)"
     model.to(device)
     workload = default_workload(args.requests, model.config.vocab_size, args.seed)
     budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
@@ -194,6 +194,11 @@ def print_table(report: dict) -> None:
         ),
         ("generated tokens", f"{report['generated_tokens']}"),
         ("tokens/s", f"{report['tokens_per_s']:.1f} ({report['steps']} steps)"),
+        (
+            "wall time",
+            f"{report['wall_seconds']:.1f} s (serving {report['seconds']:.1f} s, the rest is "
+            "model setup and the generate() check)",
+        ),
         (
             "KV budget",
             f"{report['kv_budget_blocks']} blocks of {report['block_size']} tokens",
