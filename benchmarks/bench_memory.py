@@ -269,13 +269,17 @@ def plot(result: dict, path: str) -> None:
     left.set_title("Utilisation on the chat trace")
 
     sharing = result["sharing"]
-    labels = [f"parallel n={n}" for n in sharing["parallel_sampling_saving"]]
+    labels = [f"n={n}" for n in sharing["parallel_sampling_saving"]]
     labels += [f"beam {w}" for w in sharing["beam_search_saving"]]
     savings = list(sharing["parallel_sampling_saving"].values())
     savings += list(sharing["beam_search_saving"].values())
     right.bar(labels, [100 * s for s in savings], color=["tab:orange"] * 3 + ["tab:green"] * 3)
     right.set_ylabel("KV memory saved by sharing (%)")
-    right.set_title(f"Sharing, block size {sharing['block_size']}")
+    right.set_title(
+        f"Sharing: parallel sampling (n) and beam search, block size {sharing['block_size']}"
+    )
+    for x, saving in enumerate(savings):
+        right.text(x, 100 * saving + 1, f"{100 * saving:.1f}%", ha="center")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -84,8 +84,8 @@ class EngineStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     seconds: float = 0.0  # time spent in step()
-    # (seconds since the first step, device blocks in use, contiguous reservation in blocks)
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    # per step: (device blocks in use, blocks a max-length contiguous reservation would hold)
+    timeline: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -149,7 +149,6 @@ class Engine:
         self._swapped: deque[_Request] = deque()  # oldest admitted first
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
-        self._start: float | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -185,8 +184,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one packed forward pass; returns the requests that ended."""
         started = time.perf_counter()
-        if self._start is None:
-            self._start = started
         ended: list[RequestOutput] = []
         self._resume_swapped()
         decoding = self._reserve_decode_slots(ended)
@@ -434,9 +431,8 @@ class Engine:
 
     def _record(self, started: float) -> None:
         stats, manager = self.stats, self.manager
-        now = time.perf_counter()
         stats.steps += 1
-        stats.seconds += now - started
+        stats.seconds += time.perf_counter() - started
         in_use = manager.num_device_blocks - manager.num_free_device_blocks()
         contiguous_slots = sum(
             r.params.num_seqs * (len(r.prompt) + r.params.max_new_tokens) for r in self._running
@@ -446,7 +442,7 @@ class Engine:
         stats.peak_blocks = max(stats.peak_blocks, in_use)
         stats.peak_contiguous_blocks = max(stats.peak_contiguous_blocks, contiguous)
         stats.peak_blocks_saved_by_sharing = max(stats.peak_blocks_saved_by_sharing, saved)
-        stats.timeline.append((now - self._start, in_use, contiguous))
+        stats.timeline.append((in_use, contiguous))
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
