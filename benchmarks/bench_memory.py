@@ -263,7 +263,7 @@ def plot(result: dict, path: str) -> None:
     values = [100 * result["utilisation"][n]["utilisation"] for n in names]
     left.barh(names[::-1], values[::-1], color=["tab:gray"] * 2 + ["tab:blue"] * 3)
     left.set_xlabel("KV memory holding real tokens (%)")
-    left.set_xlim(0, 100)
+    left.set_xlim(0, 112)
     for y, v in enumerate(values[::-1]):
         left.text(v + 1, y, f"{v:.1f}%", va="center")
     left.set_title("Utilisation on the chat trace")
@@ -273,11 +273,10 @@ def plot(result: dict, path: str) -> None:
     labels += [f"beam {w}" for w in sharing["beam_search_saving"]]
     savings = list(sharing["parallel_sampling_saving"].values())
     savings += list(sharing["beam_search_saving"].values())
+    right.set_ylim(0, 100)
     right.bar(labels, [100 * s for s in savings], color=["tab:orange"] * 3 + ["tab:green"] * 3)
     right.set_ylabel("KV memory saved by sharing (%)")
-    right.set_title(
-        f"Sharing: parallel sampling (n) and beam search, block size {sharing['block_size']}"
-    )
+    right.set_title(f"Saved by sharing, block size {sharing['block_size']}")
     for x, saving in enumerate(savings):
         right.text(x, 100 * saving + 1, f"{100 * saving:.1f}%", ha="center")
     fig.tight_layout()
