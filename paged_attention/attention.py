@@ -247,18 +247,28 @@ class PagedAttention(nn.Module):
         for i, (n, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
             if n <= 1:
                 continue
+            # Only positions some query can attend: a window skips released or stale blocks.
+            start = max(0, seq_len - n - self.sliding_window + 1) if self.sliding_window else 0
             keys, values = gather_context(
                 key_cache,
                 value_cache,
                 metadata.block_tables[i],
+                start,
                 seq_len,
                 self.kv_cache_dtype,
                 k_scale,
                 v_scale,
                 query.dtype,
             )
-            out[starts[i] : starts[i + 1]] = self._prefill(
-                query[starts[i] : starts[i + 1]], keys, values
+            out[starts[i] : starts[i + 1]] = prefill_attention(
+                query[starts[i] : starts[i + 1]],
+                keys,
+                values,
+                self.scale,
+                self.alibi_slopes,
+                self.sliding_window,
+                self.logits_soft_cap,
+                key_start=start,
             )
         return out
 
@@ -281,41 +291,35 @@ class PagedAttention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
         )
 
-    def _prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """Causal attention of the last ``len(query)`` positions over ``len(keys)`` positions:
-        query ``[n, H, D]``, keys/values ``[L, Hkv, D]`` -> ``[n, H, D]``."""
-        return prefill_attention(
-            query,
-            keys,
-            values,
-            self.scale,
-            self.alibi_slopes,
-            self.sliding_window,
-            self.logits_soft_cap,
-        )
-
 
 def gather_context(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
-    seq_len: int,
+    start: int,
+    end: int,
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` keys and values of one sequence, ``[seq_len, num_kv_heads,
-    head_size]`` in ``dtype``, read through its block table (one gather per cache)."""
+    """Keys and values of positions ``start .. end - 1`` of one sequence, ``[end - start,
+    num_kv_heads, head_size]`` in ``dtype``, read through its block table (one gather per
+    cache; blocks wholly before ``start`` are not touched)."""
     _, num_kv_heads, head_size, block_size = value_cache.shape
-    blocks = block_table[: -(-seq_len // block_size)].long()
+    first = start // block_size
+    blocks = block_table[first : -(-end // block_size)].long()
     keys = key_cache[blocks].permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, head_size)
     values = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)
-    keys, values = keys[:seq_len], values[:seq_len]
+    offset = start - first * block_size
+    keys, values = (
+        keys[offset : end - first * block_size],
+        values[offset : end - first * block_size],
+    )
     if is_fp8(kv_cache_dtype):
         fp8 = _FP8_DTYPES[kv_cache_dtype]
-        keys = (keys.view(fp8).float() * k_scale).to(dtype)
-        values = (values.view(fp8).float() * v_scale).to(dtype)
+        keys = keys.view(fp8).float() * k_scale
+        values = values.view(fp8).float() * v_scale
     return keys.to(dtype), values.to(dtype)
 
 
@@ -327,14 +331,16 @@ def prefill_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of queries at positions ``L - n .. L - 1`` over keys ``0 .. L - 1``.
+    """Causal attention of the queries at positions ``L - n .. L - 1`` over the keys at
+    positions ``key_start .. L - 1``.
 
-    ``query`` ``[n, H, D]``, ``keys``/``values`` ``[L, Hkv, D]`` (``Hkv`` divides ``H``); returns
-    ``[n, H, D]`` in the query's dtype.
+    ``query`` ``[n, H, D]``, ``keys``/``values`` ``[L - key_start, Hkv, D]`` (``Hkv`` divides
+    ``H``); returns ``[n, H, D]`` in the query's dtype.
     """
     num_queries, num_keys = query.shape[0], keys.shape[0]
-    context = num_keys - num_queries
+    context = num_keys - num_queries  # keys before the first query
     q = query.transpose(0, 1)  # [H, n, D]
     k = keys.transpose(0, 1)  # [Hkv, L, D]
     v = values.transpose(0, 1)

@@ -10,7 +10,8 @@ Bookkeeping, following vLLM v0 and nano-vllm:
 * Every physical block has a reference count: the number of sequence tables pointing at it.
   ``fork`` shares all of a parent's blocks with the child; appending into a shared, partly
   filled last block first copies it (copy-on-write), returning the ``(src, dst)`` pair for the
-  caller to copy. A full shared block is never written, so it is never copied.
+  caller to copy. A full shared block is never written, so it is never copied. ``fork_many``
+  and ``free_many`` do the same for many sequences in one vectorised call (beam reordering).
 * With ``enable_prefix_caching`` every full block whose token ids are known is registered under
   a chained hash of its tokens and its predecessor's hash. ``allocate`` reuses registered
   blocks for a matching prompt prefix. A hit is verified against the stored tokens and the
@@ -25,15 +26,16 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   swapped sequences get their own copy on the other side and the original keeps its other
   references. (This is vLLM's behaviour; refusing would make any sequence that shares a cached
   prompt prefix impossible to swap.)
-* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``; blocks wholly
-  before that are released as the sequence grows. ``block_table`` shows released entries as
+* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``. Appending
+  releases the blocks wholly before the window of the first new token (``allocate`` keeps the
+  whole prompt: the prompt's own attention reads it). ``block_table`` shows released entries as
   ``RELEASED`` (-1); the tensors show them as the pad block id (0 unless the caller gives
-  another), a valid id the kernel never reads.
+  another), a valid id the kernel never reads, and ``slot_mapping_tensor`` gives -1 (skip).
 
 For speed all per-sequence state lives in preallocated numpy arrays (one table row per live
-sequence), so a decode step over a batch is a few vectorised operations plus Python work only
-for the sequences that open a block, copy one, or release one. Every public method validates
-before it mutates: a call that raises leaves the manager exactly as it was.
+sequence), so a decode step over a batch is a few vectorised operations, with Python loops only
+for sliding-window releases and for recording token ids in the prefix cache. Every public
+method validates before it mutates: a call that raises leaves the manager exactly as it was.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ RELEASED = -1
 
 _ROOT_HASH = 0
 _ROOT_UID = -1
-_MAX_REMEMBERED_FREES = 1 << 16
+_MAX_REMEMBERED_FREES = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 
 class AllocStatus(enum.Enum):
@@ -111,11 +112,11 @@ class BlockManagerStats:
     bytes_saved_by_sharing: int  # (device + host blocks saved) * bytes_per_block
 
 
-class _CacheEntry(NamedTuple):
-    hash: int
-    parent_uid: int  # uid of the predecessor block's entry, _ROOT_UID for a first block
-    tokens: tuple[int, ...]
-    uid: int  # never reused, so a stale child of an evicted block can never match
+# A prefix-cache entry, a plain tuple because allocate makes thousands (a NamedTuple costs 10x):
+# (hash, parent uid, token ids, uid). The parent uid is the predecessor block's entry uid
+# (_ROOT_UID for a first block); uids are never reused, so a stale child of an evicted block
+# can never match.
+_CacheEntry = tuple[int, int, tuple[int, ...], int]
 
 
 class _PrefixChain:
@@ -134,6 +135,13 @@ class _PrefixChain:
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    """Token ids as a list of ints (from a list, which is only read, an array or a tensor)."""
+    if isinstance(tokens, list):
+        return tokens
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
 class BlockManager:
@@ -290,8 +298,10 @@ class BlockManager:
         row = self._device_row(seq_id)
         if n < 0:
             raise ValueError(f"cannot append {n} tokens to sequence {seq_id}")
-        if tokens is not None and len(tokens) != n:
-            raise ValueError(f"append_slots({seq_id}, n={n}) got {len(tokens)} token ids")
+        if tokens is not None:
+            tokens = _as_list(tokens)
+            if len(tokens) != n:
+                raise ValueError(f"append_slots({seq_id}, n={n}) got {len(tokens)} token ids")
         if n == 0:
             return []
         old_len = int(self._seq_lens[row])
@@ -469,8 +479,10 @@ class BlockManager:
         rows = self._device_rows(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise DuplicateSequenceError(f"decode_step got a sequence twice: {list(seq_ids)}")
-        if tokens is not None and len(tokens) != len(seq_ids):
-            raise ValueError(f"decode_step got {len(tokens)} token ids for {len(seq_ids)} seqs")
+        if tokens is not None:
+            tokens = _as_list(tokens)
+            if len(tokens) != len(seq_ids):
+                raise ValueError(f"decode_step got {len(tokens)} token ids for {len(seq_ids)} seqs")
         size = self.block_size
         lens = self._seq_lens[rows]
         num_blocks = self._num_blocks[rows]
@@ -691,7 +703,7 @@ class BlockManager:
         blocks = [free.popleft() for _ in range(min(count, len(free)))]
         while len(blocks) < count:
             block, _ = self._evictable.popitem(last=False)
-            del self._cache_map[self._cache_entries.pop(block).hash]
+            self._uncache(block)
             blocks.append(block)
         return blocks
 
@@ -714,15 +726,18 @@ class BlockManager:
 
     def _drop_device_refs(self, blocks: np.ndarray, cache: bool) -> None:
         # Last entries first, so a chain's later blocks are evicted before its prefix.
-        for block in self._drop_refs(self._device_refs, blocks):
-            entry = self._cache_entries.get(block)
-            if entry is not None and cache:
-                self._evictable[block] = None
-            else:
-                if entry is not None:
-                    del self._cache_map[entry.hash]
-                    del self._cache_entries[block]
-                self._device_free.append(block)
+        unreferenced = self._drop_refs(self._device_refs, blocks)
+        cached = [b for b in unreferenced if b in self._cache_entries]
+        if cache:
+            self._evictable.update(dict.fromkeys(cached))
+            self._device_free.extend(b for b in unreferenced if b not in self._cache_entries)
+        else:
+            for block in cached:
+                self._uncache(block)
+            self._device_free.extend(unreferenced)
+
+    def _uncache(self, block: int) -> None:
+        del self._cache_map[self._cache_entries.pop(block)[0]]
 
     def _drop_host_refs(self, blocks: np.ndarray) -> None:
         self._host_free.extend(self._drop_refs(self._host_refs, blocks))
@@ -788,8 +803,7 @@ class BlockManager:
             if tokens < 0:
                 raise ValueError(f"token count must be >= 0, got {tokens}")
             return int(tokens), None
-        if not isinstance(tokens, list):  # only read (slices are kept), so a list needs no copy
-            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        tokens = _as_list(tokens)
         return len(tokens), tokens
 
     def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
@@ -811,11 +825,11 @@ class BlockManager:
             block = self._cache_map.get(block_hash)
             if block is None:
                 break
-            entry = self._cache_entries[block]
-            if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+            _, parent_uid, cached_tokens, uid = self._cache_entries[block]
+            if parent_uid != chain_uid or cached_tokens != block_tokens:
                 break  # a hash collision
             hits.append(block)
-            chain_hash, chain_uid = block_hash, entry.uid
+            chain_hash, chain_uid = block_hash, uid
         return hits, _PrefixChain(chain_hash, chain_uid, [])
 
     def _register_full_blocks(self, seq_id: int, blocks: list[int], tokens: list[int]) -> None:
@@ -830,16 +844,16 @@ class BlockManager:
             block_hash = hash((chain_hash, block_tokens))
             existing = self._cache_map.get(block_hash)
             if existing is None:
-                entry = _CacheEntry(block_hash, chain_uid, block_tokens, next(self._uids))
+                uid = next(self._uids)
                 self._cache_map[block_hash] = blocks[i]
-                self._cache_entries[blocks[i]] = entry
+                self._cache_entries[blocks[i]] = (block_hash, chain_uid, block_tokens, uid)
             else:
-                entry = self._cache_entries[existing]
-                if entry.parent_uid != chain_uid or entry.tokens != block_tokens:
+                _, parent_uid, cached_tokens, uid = self._cache_entries[existing]
+                if parent_uid != chain_uid or cached_tokens != block_tokens:
                     del self._chains[seq_id]  # a hash collision: stop caching this sequence
                     return
                 # The same prefix is cached in another block; later blocks may hang from it.
-            chain_hash, chain_uid = block_hash, entry.uid
+            chain_hash, chain_uid = block_hash, uid
         chain.hash, chain.uid = chain_hash, chain_uid
         chain.pending = tokens[num_full * size :]
 

@@ -38,6 +38,9 @@ def check_invariants(bm: BlockManager) -> None:
         assert len(set(live)) == len(live), f"sequence {seq_id} holds a block twice"
         assert table[: len(table) - len(live)] == [RELEASED] * (len(table) - len(live))
         np.add.at(expected["host" if host else "device"], live, 1)
+        for index, block in enumerate(table):  # cached blocks are full, so never written
+            if not host and block in bm._cache_entries:
+                assert (index + 1) * size <= bm.num_tokens(seq_id)
     assert expected["device"].tolist() == bm._device_refs.tolist()
     assert expected["host"].tolist() == bm._host_refs.tolist()
 
@@ -54,9 +57,16 @@ def check_invariants(bm: BlockManager) -> None:
     assert len(host_free) + len(host_used) == bm.num_host_blocks
 
     # The prefix cache indexes exactly its entries, and only device blocks nobody writes to.
-    assert {e.hash: b for b, e in bm._cache_entries.items()} == bm._cache_map
+    assert {entry[0]: b for b, entry in bm._cache_entries.items()} == bm._cache_map
     assert set(cached_free) <= set(bm._cache_entries)
     assert not (set(bm._cache_entries) & set(free))
+
+    # The batch tensor is the tables padded with 0, released entries 0 as well.
+    device_seqs = [s for s in bm.seq_ids() if not bm.is_swapped(s)]
+    tables = [[max(b, 0) for b in bm.block_table(s)] for s in device_seqs]
+    width = max(map(len, tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    assert bm.block_tables_tensor(device_seqs).tolist() == (padded if device_seqs else [])
 
     stats = bm.stats()
     assert stats.device.free_blocks + stats.device.used_blocks == bm.num_device_blocks
@@ -325,7 +335,7 @@ def test_swap_of_sequence_sharing_with_one_left_behind_copies():
     assert bm.block_table(1) == [0, 1] and bm._device_refs[[0, 1]].tolist() == [1, 1]
     assert bm.num_free_host_blocks() == 6
     bm.swap_in([2])
-    assert bm.block_table(2) not in ([0, 1],) and len(set(bm.block_table(2)) & {0, 1}) == 0
+    assert not set(bm.block_table(2)) & {0, 1}  # back in its own blocks, no longer shared
     check_invariants(bm)
 
 
@@ -432,10 +442,10 @@ def test_prefix_cache_hit_needs_same_predecessor_under_collisions(monkeypatch):
 
 def test_appended_tokens_become_cacheable():
     bm = BlockManager(16, 2, enable_prefix_caching=True)
-    bm.allocate(1, [1, 2, 3])
+    bm.allocate(1, torch.tensor([1, 2, 3]))
     bm.append_slots(1, 1, tokens=[4])
-    bm.decode_step([1], tokens=[5])
-    bm.decode_step([1], tokens=[6])
+    bm.decode_step([1], tokens=torch.tensor([5]))
+    bm.decode_step([1], tokens=np.array([6]))
     bm.allocate(2, [1, 2, 3, 4, 5, 6, 7])
     assert bm.num_cached_tokens(2) == 6
     assert bm.block_table(2)[:3] == bm.block_table(1)

@@ -176,7 +176,6 @@ class PagedCache(Cache):
         parameter = next(model.parameters())
         num_heads = config.num_attention_heads
         self.num_layers = config.num_hidden_layers
-        self.num_heads = num_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.layer_windows = _layer_windows(config)
@@ -210,7 +209,6 @@ class PagedCache(Cache):
         windows = set(self.layer_windows)
         manager_window = windows.pop() if len(windows) == 1 else 0
         self.manager = self.kv.make_manager(
-            watermark=0.0,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=manager_window if manager_window and not enable_prefix_caching else None,
         )
@@ -220,6 +218,7 @@ class PagedCache(Cache):
         self._rows: list[int | None] = []  # generate mode: the sequence of each batch row
         self._seen = 0  # generate mode: tokens per row so far, padding included
         self._engine_metadata: AttentionMetadata | None = None
+        self._engine_step_used = False
         self._metadata: AttentionMetadata | None = None
         self._token_index: torch.Tensor | None = None
         self._last_layer = self.num_layers
@@ -274,8 +273,7 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Free every sequence (all blocks return to the pool) and forget the batch."""
-        for seq_id in self.manager.seq_ids():
-            self.manager.free(seq_id, cache=True)
+        self.manager.free_many(self.manager.seq_ids())
         self._rows = []
         self._seen = 0
         self._engine_metadata = None
@@ -313,6 +311,7 @@ class PagedCache(Cache):
         if min(counts) <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {counts}")
         self._engine_metadata = self.kv.metadata(self.manager, seq_ids, counts)
+        self._engine_step_used = False
 
     def clear_step(self) -> None:
         """Back to ``generate`` mode."""
@@ -378,12 +377,18 @@ class PagedCache(Cache):
     def _begin_step(self, batch, q_len, key, value, attention_mask) -> None:
         """Bookkeeping once per forward pass, before the first layer stores anything."""
         if self._engine_metadata is not None:
+            if self._engine_step_used:
+                raise ValueError(
+                    "each forward in engine mode needs its own cache.set_step(...) (or call "
+                    "cache.clear_step() to return to generate mode)"
+                )
             if batch != 1 or q_len != self._engine_metadata.num_tokens:
                 raise ValueError(
                     f"set_step announced {self._engine_metadata.num_tokens} packed tokens in one "
                     f"row; the forward got input of shape [{batch}, {q_len}]"
                 )
             self._metadata, self._token_index = self._engine_metadata, None
+            self._engine_step_used = True
             return
         real = self._real_tokens(batch, q_len, attention_mask)
         counts = [q_len] * batch if real is None else real.sum(dim=1).tolist()

@@ -1,0 +1,393 @@
+"""Hugging Face transformers generate() on PagedCache: token-for-token equality with transformers'
+default cache on tiny Llama, Mistral (sliding window) and Qwen2 (mixed full/sliding layers)
+models built from fixed configs and seeds, block accounting, forks instead of copies, and the
+engine-facing packed step API."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
+
+BLOCK = 8
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA
+    head_dim=32,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+WINDOW = 12
+
+
+def build(kind: str, sliding_window: int | None = WINDOW):
+    if kind == "llama":
+        cls, config = LlamaForCausalLM, LlamaConfig(**COMMON)
+    elif kind == "mistral":
+        cls, config = MistralForCausalLM, MistralConfig(**COMMON, sliding_window=sliding_window)
+    else:  # layer 0 full attention, layer 1 sliding
+        config = Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1
+        )
+        cls = Qwen2ForCausalLM
+    torch.manual_seed(1234)
+    return cls(config).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def model(request):
+    return build(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build("llama")
+
+
+def left_padded(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, COMMON["vocab_size"], (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def generate_both(model, cache_kwargs=None, **kwargs):
+    """The same generate() call with transformers' default cache (sdpa) and with PagedCache."""
+    model.set_attn_implementation("sdpa")
+    torch.manual_seed(7)
+    expected = model.generate(**kwargs)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(model, **{"block_size": BLOCK, "num_blocks": 512, **(cache_kwargs or {})})
+    torch.manual_seed(7)
+    got = model.generate(**kwargs, past_key_values=cache)
+    model.set_attn_implementation("sdpa")
+    return expected, got, cache
+
+
+def test_greedy_left_padded_batch_matches_default_cache(model):
+    lengths = [5, 11, 17]
+    ids, mask = left_padded(lengths)
+    new = 40
+    expected, got, cache = generate_both(
+        model, input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False
+    )
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == ids.shape[1] + new - 1
+    stats = cache.stats()
+    assert stats.device.used_blocks == cache.blocks_in_use() > 0
+    stored = [n + new - 1 for n in lengths]  # pads never stored; the last token is never fed
+    if cache.manager.sliding_window is None:
+        assert stats.device.tokens_stored == sum(stored)
+        assert stats.device.used_blocks == sum(math.ceil(n / BLOCK) for n in stored)
+    else:  # blocks that left the window went back to the pool
+        assert stats.device.used_blocks <= len(lengths) * (math.ceil(WINDOW / BLOCK) + 1)
+    assert stats.bytes_per_block == cache.kv.bytes_per_block
+    cache.reset()
+    assert cache.blocks_in_use() == 0 and cache.stats().device.free_blocks == cache.kv.num_blocks
+    assert cache.stats().num_seqs == 0
+
+
+def test_sliding_window_changes_the_output():
+    """Without this the window equality tests above could pass with the window ignored."""
+    ids, mask = left_padded([17])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    windowed = generate_both(build("mistral"), **kwargs)[1]
+    full = generate_both(build("mistral", sliding_window=None), **kwargs)[1]
+    assert not torch.equal(windowed, full)
+
+
+def test_long_generation_crosses_many_blocks(llama):
+    ids, mask = left_padded([7, 13], seed=1)
+    new = 150
+    expected, got, cache = generate_both(
+        llama, input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False
+    )
+    assert torch.equal(got, expected)
+    assert cache.stats().device.used_blocks == math.ceil((7 + new - 1) / BLOCK) + math.ceil(
+        (13 + new - 1) / BLOCK
+    )
+
+
+def test_beam_search_matches_and_copies_at_most_one_block_per_beam(model, monkeypatch):
+    ids, mask = left_padded([6, 14], seed=2)
+    num_beams = 4
+    copies = []
+    real = PagedCache.__init__
+
+    def spying_init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        copy = self.kv.copy_blocks
+        self.kv.copy_blocks = lambda pairs: copies.append(len(pairs)) or copy(pairs)
+
+    monkeypatch.setattr(PagedCache, "__init__", spying_init)
+    expected, got, cache = generate_both(
+        model,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        num_beams=num_beams,
+        num_return_sequences=2,
+        do_sample=False,
+    )
+    assert torch.equal(got, expected)
+    rows = ids.shape[0] * num_beams
+    assert max(copies) <= rows  # each step copies at most each beam's partial last block
+    assert sum(copies) > 0  # beams did share a partial block and copy it on write
+    stats = cache.stats()
+    assert stats.device.blocks_saved_by_sharing > 0  # beams still share their prompt blocks
+    assert cache.peak_blocks_in_use < rows * math.ceil((14 + 30) / BLOCK)
+
+
+def test_sampling_with_several_return_sequences_forks_the_prompt(llama):
+    ids, mask = left_padded([9, 20], seed=3)
+    n = 4
+    expected, got, cache = generate_both(
+        llama,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=25,
+        do_sample=True,
+        top_k=20,
+        num_return_sequences=n,
+    )
+    assert torch.equal(got, expected)
+    # The copies forked the prompt: its full blocks are held once per prompt, not per copy.
+    full_prompt_blocks = 9 // BLOCK + 20 // BLOCK
+    private = sum(math.ceil((p + 24) / BLOCK) - p // BLOCK for p in (9, 20)) * n
+    assert cache.stats().device.used_blocks == full_prompt_blocks + private
+
+
+def test_prefill_of_expanded_copies_shares_every_block(llama):
+    ids, _ = left_padded([21], seed=4)
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(llama, block_size=BLOCK, num_blocks=64)
+    llama.generate(
+        input_ids=ids,
+        max_new_tokens=1,
+        do_sample=True,
+        num_return_sequences=4,
+        past_key_values=cache,
+    )
+    assert cache.blocks_in_use() == math.ceil(21 / BLOCK)
+    assert cache.stats().num_seqs == 4
+    llama.set_attn_implementation("sdpa")
+
+
+def step_logits(model, cache, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+
+
+def test_repeat_select_and_reorder_match_dynamic_cache(llama):
+    """The batch-reshaping Cache methods against DynamicCache's, step by step."""
+    ids, mask = left_padded([5, 12], seed=5)
+    paged = PagedCache(llama, block_size=BLOCK, num_blocks=64)
+    dense = DynamicCache(config=llama.config)
+
+    def both(ids, mask):
+        llama.set_attn_implementation("sdpa")
+        want = step_logits(llama, dense, ids, mask)
+        llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+        got = step_logits(llama, paged, ids, mask)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return got
+
+    logits = both(ids, mask)
+    used = paged.blocks_in_use()
+    for cache in (paged, dense):
+        cache.batch_repeat_interleave(2)
+    assert paged.blocks_in_use() == used  # forks, no copies
+    mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones(4, 1, dtype=torch.long)], 1)
+    logits = both(logits.argmax(-1).repeat_interleave(2)[:, None], mask)
+    beam_idx = torch.tensor([1, 1, 0, 3])
+    for cache in (paged, dense):
+        cache.reorder_cache(beam_idx)
+    mask = torch.cat([mask[beam_idx], torch.ones(4, 1, dtype=torch.long)], 1)
+    logits = both(logits.argmax(-1)[beam_idx][:, None], mask)
+    keep = torch.tensor([3, 0])
+    for cache in (paged, dense):
+        cache.batch_select_indices(keep)
+    mask = torch.cat([mask[keep], torch.ones(2, 1, dtype=torch.long)], 1)
+    both(logits.argmax(-1)[keep][:, None], mask)
+    assert paged.stats().num_seqs == 2
+    paged.reset()
+    assert paged.blocks_in_use() == 0
+    llama.set_attn_implementation("sdpa")
+
+
+def reference_logits(model, tokens):
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0]
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return logits
+
+
+def test_engine_packed_steps_match_per_sequence_forward(model):
+    """Packed prefill + decode mix in one row, slots reserved by the caller."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = {
+        s: torch.randint(3, 96, (n,), generator=gen).tolist() for s, n in enumerate([23, 9, 6])
+    }
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(model, block_size=BLOCK, num_blocks=64)
+    tokens = {s: [] for s in prompts}
+
+    def step(plan):
+        ids, positions, counts = [], [], []
+        for seq_id, new in plan:
+            if cache.manager.has_seq(seq_id):
+                cache.kv.copy_blocks(cache.manager.append_slots(seq_id, len(new)))
+            else:
+                cache.manager.allocate(seq_id, len(new))
+            start = len(tokens[seq_id])
+            tokens[seq_id] += new
+            ids += new
+            positions += range(start, start + len(new))
+            counts.append(len(new))
+        cache.set_step([s for s, _ in plan], counts)
+        with torch.no_grad():
+            logits = model(
+                input_ids=torch.tensor([ids]),
+                position_ids=torch.tensor([positions]),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[0]
+        cache.clear_step()
+        assert logits.shape[0] == len(ids)
+        for (seq_id, new), got in zip(plan, logits.split(counts)):
+            want = reference_logits(model, tokens[seq_id])[-len(new) :]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    step([(0, prompts[0][:15]), (1, prompts[1])])
+    step([(0, prompts[0][15:]), (1, [5])])  # chunked prefill after context + decode
+    step([(0, [7]), (2, prompts[2]), (1, [9])])  # decode + fresh prefill + decode
+    cache.manager.fork(1, 3)  # a parallel sample of sequence 1 shares its blocks
+    tokens[3] = list(tokens[1])
+    step([(1, [11]), (3, [12])])  # copy-on-write of their shared partial block
+    step([(3, [13, 14, 15])])
+    model.set_attn_implementation("sdpa")
+
+
+def test_set_step_validates():
+    model = build("llama")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
+    cache.manager.allocate(0, 3)
+    with pytest.raises(ValueError, match="one num_new_tokens per sequence"):
+        cache.set_step([0], [1, 2])
+    with pytest.raises(ValueError, match="positive"):
+        cache.set_step([0], [0])
+    cache.set_step([0], [3])
+    with pytest.raises(ValueError, match="3 packed tokens"):
+        model(
+            input_ids=torch.tensor([[4, 5]]),
+            position_ids=torch.tensor([[0, 1]]),
+            past_key_values=cache,
+        )
+    packed = dict(input_ids=torch.tensor([[4, 5, 6]]), position_ids=torch.tensor([[0, 1, 2]]))
+    cache.set_step([0], [3])
+    model(**packed, past_key_values=cache)
+    with pytest.raises(ValueError, match="its own cache.set_step"):
+        model(**packed, past_key_values=cache)
+
+
+def test_unsupported_model_names_what_is_supported():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"llama.*mistral.*qwen2"):
+        PagedCache(gpt2, num_blocks=8)
+
+
+def test_wrong_attention_implementation_raises(llama):
+    llama.set_attn_implementation("sdpa")
+    cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
+    with pytest.raises(ValueError, match='set_attn_implementation\\("paged_attention"\\)'):
+        llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache)
+
+
+def test_attention_without_paged_cache_raises(llama):
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        with pytest.raises(RuntimeError, match="PagedCache"):
+            llama(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    finally:
+        llama.set_attn_implementation("sdpa")
+
+
+def test_unsupported_options_raise(llama):
+    cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="num_blocks or max_memory"):
+        PagedCache(llama)
+    budget = 20 * cache.kv.bytes_per_block
+    assert PagedCache(llama, BLOCK, max_memory=budget).kv.num_blocks == 20
+
+
+def test_new_batch_needs_reset(llama):
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
+    llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache)
+    with pytest.raises(ValueError, match="reset"):
+        llama.generate(
+            input_ids=torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]),
+            max_new_tokens=2,
+            past_key_values=cache,
+        )
+    cache.reset()
+    out = llama.generate(
+        input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache
+    )
+    assert out.shape == (1, 5)
+    llama.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
+    ids, mask = left_padded([9, 14], seed=9)
+    step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    new = torch.tensor([[17], [42]])
+    dense = DynamicCache(config=llama.config)
+    llama.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = [
+            llama(input_ids=ids, attention_mask=mask, past_key_values=dense).logits,
+            llama(input_ids=new, attention_mask=step_mask, past_key_values=dense).logits,
+        ]
+        llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = PagedCache(llama, BLOCK, 32, kv_cache_dtype=kv_cache_dtype)
+        got = [
+            llama(input_ids=ids, attention_mask=mask, past_key_values=cache).logits,
+            llama(input_ids=new, attention_mask=step_mask, past_key_values=cache).logits,
+        ]
+    llama.set_attn_implementation("sdpa")
+    assert cache.kv.key_caches[0].dtype == torch.uint8
+    assert cache.kv.bytes_per_block * 4 == PagedCache(llama, BLOCK, 1).kv.bytes_per_block
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=0.06, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0.06, rtol=0)
+    assert not torch.equal(got[0][real], want[0][real])  # the values really were quantised
