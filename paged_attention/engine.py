@@ -248,8 +248,7 @@ class Engine:
         self.stats.blocks_swapped_out += len(pairs)
 
     def _abort(self, request: _Request) -> RequestOutput:
-        for seq in request.seqs:
-            self.manager.free(seq.seq_id)
+        self.manager.free_many(s.seq_id for s in request.seqs)
         return self._rejection(
             request,
             f"its {len(request.seqs)} sequences outgrew the whole KV budget "
@@ -346,10 +345,9 @@ class Engine:
         tokens = _sample(logits, params, request.generator).tolist()
         if not request.prefilled:
             parent = request.seqs[0].seq_id
-            for _ in range(params.n - 1):
-                child = _Sequence(next(self._seq_ids), [])
-                self.manager.fork(parent, child.seq_id)
-                request.seqs.append(child)
+            children = [_Sequence(next(self._seq_ids), []) for _ in range(params.n - 1)]
+            self.manager.fork_many([parent] * len(children), [c.seq_id for c in children])
+            request.seqs += children
         for seq, token in zip(request.seqs, tokens):
             seq.tokens.append(token)
             self._check_finished(seq, params)
@@ -369,32 +367,35 @@ class Engine:
         for rank, (score, index) in enumerate(zip(top_scores.tolist(), top.tolist())):
             parent, token = beams[index // vocab], index % vocab
             if token in self.eos_token_ids:
-                if rank < width:
+                if rank < width:  # a finished hypothesis holds no blocks: seq_id -1
                     tokens = [*parent.tokens, token]
                     request.done.append(_Sequence(-1, tokens, score, "eos"))
             elif len(chosen) < width:
                 chosen.append((parent, token, score))
 
-        picked = {parent.seq_id for parent, _, _ in chosen}
-        for beam in beams:
-            if beam.seq_id not in picked:
-                self.manager.free(beam.seq_id)
-        next_beams, reused = [], set()
+        # A parent's first child keeps its sequence, later children fork it; the beams
+        # nobody picked are freed. Copy-on-write of shared last blocks happens next step.
+        next_beams, reused, parents, forks = [], set(), [], []
         for parent, token, score in chosen:
             seq_id = parent.seq_id
             if seq_id in reused:
                 seq_id = next(self._seq_ids)
-                self.manager.fork(parent.seq_id, seq_id)
+                parents.append(parent.seq_id)
+                forks.append(seq_id)
             reused.add(seq_id)
             next_beams.append(_Sequence(seq_id, [*parent.tokens, token], score))
+        self.manager.fork_many(parents, forks)
+        self.manager.free_many(b.seq_id for b in beams if b.seq_id not in reused)
         request.seqs = next_beams
         self.stats.generated_tokens += len(next_beams)
 
-        if len(request.done) >= width or len(next_beams[0].tokens) == params.max_new_tokens:
-            for beam in next_beams:
-                beam.finish_reason = "length"
-                self.manager.free(beam.seq_id)
-            request.done += next_beams
+        finished_early = len(request.done) >= width
+        if finished_early or len(next_beams[0].tokens) == params.max_new_tokens:
+            self.manager.free_many(b.seq_id for b in next_beams)
+            if not finished_early:
+                for beam in next_beams:
+                    beam.finish_reason = "length"
+                request.done += next_beams
             request.done.sort(key=lambda b: b.score / len(b.tokens), reverse=True)
             del request.done[width:]
             request.seqs = []
@@ -406,10 +407,9 @@ class Engine:
             seq.finish_reason = "length"
 
     def _retire_finished(self, request: _Request) -> None:
-        for seq in request.seqs:
-            if seq.finish_reason is not None:
-                self.manager.free(seq.seq_id)
-                request.done.append(seq)
+        finished = [s for s in request.seqs if s.finish_reason is not None]
+        self.manager.free_many(s.seq_id for s in finished)
+        request.done += finished
         request.seqs = [s for s in request.seqs if s.finish_reason is None]
 
     # ------------------------------------------------------------------ results and stats

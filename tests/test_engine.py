@@ -125,7 +125,7 @@ def test_tiny_top_p_is_greedy(model):
     ]
 
 
-def reference_beam_search(model, prompt, width, max_new_tokens):
+def reference_beam_search(model, prompt, width, max_new_tokens, eos=2):
     """The engine's beam rules, recomputing every beam's logits without a cache."""
     beams, done = [([], 0.0)], []
     while True:
@@ -136,13 +136,14 @@ def reference_beam_search(model, prompt, width, max_new_tokens):
         candidates.sort(key=lambda c: -c[0])
         beams = []
         for rank, (score, tokens) in enumerate(candidates[: 2 * width]):
-            if tokens[-1] == 2:
+            if tokens[-1] == eos:
                 if rank < width:
                     done.append((tokens, score))
             elif len(beams) < width:
                 beams.append((tokens, score))
         if len(done) >= width or len(beams[0][0]) == max_new_tokens:
-            done += beams
+            if len(done) < width:  # out of length: the live beams compete too
+                done += beams
             done.sort(key=lambda d: -d[1] / len(d[0]))
             return [tokens for tokens, _ in done[:width]]
 
@@ -154,6 +155,21 @@ def test_beam_search_matches_a_cacheless_reference(model):
         expected = reference_beam_search(model, prompt, params.beam_width, 8)
         assert out.outputs == expected
     assert engine.stats.cow_copies > 0
+
+
+def test_eos_ends_samples_and_beams(model):
+    # Make the prompt's most likely next token the EOS token: greedy stops at once, beams
+    # collect EOS hypotheses and stop early.
+    prompt = prompts(1, seed=4)[0]
+    eos = int(full_logits(model, prompt).argmax())
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=eos)
+    greedy, beams = engine.generate(
+        [prompt, prompt], [SamplingParams(10), SamplingParams(10, beam_width=3)]
+    )
+    assert greedy.outputs == [[eos]] and greedy.finish_reasons == ["eos"]
+    assert beams.outputs == reference_beam_search(model, prompt, 3, 10, eos=eos)
+    assert "eos" in beams.finish_reasons
+    assert engine.manager.seq_ids() == []
 
 
 def test_requests_wait_when_the_pool_is_full(model):
