@@ -238,6 +238,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: 1 for the embedded model, which is too small to "
+        "gain from more and stalls when idle-spinning threads share busy cores; torch's "
+        "default with --model)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=DEFAULT_PLOT, help="PNG of KV memory over time")
 
@@ -247,8 +254,15 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("error: --requests must be >= 1")
     if args.kv_budget is not None and args.kv_budget < 1:
         raise SystemExit("error: --kv-budget must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("error: --threads must be >= 1")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or (previous_threads if args.model else 1))
     started = time.perf_counter()
-    report = run(args)
+    try:
+        report = run(args)
+    finally:
+        torch.set_num_threads(previous_threads)
     report["wall_seconds"] = time.perf_counter() - started
     if args.json:
         print(json.dumps(report))

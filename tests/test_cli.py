@@ -48,7 +48,9 @@ def test_small_demo_with_swapping(tmp_path, capsys):
 
 
 def test_table_output(tmp_path, capsys):
+    threads = torch.get_num_threads()
     assert main(["demo", "--requests", "4", "--plot", str(tmp_path / "kv.png")]) == 0
+    assert torch.get_num_threads() == threads  # the demo's thread setting does not leak
     out = capsys.readouterr().out
     assert "greedy outputs == transformers generate()  yes (" in out
     assert "contiguous max-length reservation" in out
@@ -65,6 +67,8 @@ def test_local_checkpoint(tmp_path, capsys):
         "3",
         "--block-size",
         "8",
+        "--threads",
+        "1",
         "--plot",
         str(tmp_path / "kv.png"),
     )
@@ -97,7 +101,11 @@ def test_module_entry_point(tmp_path):
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--requests", "0"], "--requests"), (["--kv-budget", "0"], "--kv-budget")],
+    [
+        (["--requests", "0"], "--requests"),
+        (["--kv-budget", "0"], "--kv-budget"),
+        (["--threads", "0"], "--threads"),
+    ],
 )
 def test_bad_arguments(args, message, capsys):
     with pytest.raises(SystemExit, match=message):
