@@ -63,32 +63,72 @@ inline f32x16 load_floats(const float* p) {
 
 inline void store_floats(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Sixteen consecutive cache elements as fp32. `lut` maps an fp8 byte to its scaled value.
-inline f32x16 load16(const float* p, const float*) { return load_floats(p); }
+// A cache tile is read 64 bytes at a time ("a chunk"). A chunk of cache_t becomes
+// kVectorsPerChunk<cache_t> 16-lane fp32 vectors, de-interleaved: lane l of vector v holds element
+// l * kVectorsPerChunk + v. That order needs only shifts and masks to convert bf16, fp16 and fp8;
+// the query and probability patterns are laid out in the same order, so the products line up.
+template <typename cache_t>
+constexpr int kVectorsPerChunk = sizeof(cache_t) == 4 ? 1 : 4 / static_cast<int>(sizeof(cache_t));
+template <typename cache_t>
+constexpr int kElementsPerChunk = 64 / static_cast<int>(sizeof(cache_t));
 
-inline f32x16 load16(const c10::BFloat16* p, const float*) {
-  u16x16 bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return bit_cast<f32x16>(__builtin_convertvector(bits, u32x16) << 16);
+inline u32x16 load_words(const void* p) {
+  u32x16 w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
 }
 
-// fp16 -> fp32 by bit manipulation: exact for normals, subnormals, infinities and NaN.
-inline f32x16 load16(const c10::Half* p, const float*) {
-  u16x16 bits16;
-  std::memcpy(&bits16, p, sizeof(bits16));
-  const u32x16 bits = __builtin_convertvector(bits16, u32x16);
+// fp16 bits (low 16 bits of each lane) -> fp32; exact, including subnormals, inf and NaN.
+inline f32x16 half_bits_to_float(u32x16 bits) {
   const u32x16 sign = (bits & 0x8000u) << 16;
   // Exponent and mantissa moved into fp32 position, then rescaled by 2^(127 - 15).
-  f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fffu) << 13) * splat(0x1.0p112f);
-  const i32x16 inf_or_nan = (bits & 0x7c00u) == 0x7c00u;
-  const u32x16 mag_bits = bit_cast<u32x16>(magnitude) | (bit_cast<u32x16>(inf_or_nan) & 0x7f800000u);
-  return bit_cast<f32x16>(mag_bits | sign);
+  const f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fffu) << 13) * 0x1.0p112f;
+  const u32x16 inf_or_nan = bit_cast<u32x16>((bits & 0x7c00u) == 0x7c00u) & 0x7f800000u;
+  return bit_cast<f32x16>(bit_cast<u32x16>(magnitude) | inf_or_nan | sign);
 }
 
-inline f32x16 load16(const uint8_t* p, const float* lut) {
-  f32x16 v;
-  for (int i = 0; i < kLanes; ++i) v[i] = lut[p[i]];
-  return v;
+// fp8 bits (low 8 bits of each lane) -> fp32, the same way: the exponent-mantissa bits are moved
+// to the top of the fp32 exponent field and the bias difference is multiplied in (exact).
+inline f32x16 fp8_bits_to_float(u32x16 bits, c10::Float8_e4m3fn) {
+  const u32x16 sign = (bits & 0x80u) << 24;
+  const f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fu) << 20) * 0x1.0p120f;
+  const u32x16 nan = bit_cast<u32x16>((bits & 0x7fu) == 0x7fu) & 0x7fc00000u;  // e4m3fn: no inf
+  return bit_cast<f32x16>(bit_cast<u32x16>(magnitude) | nan | sign);
+}
+
+inline f32x16 fp8_bits_to_float(u32x16 bits, c10::Float8_e5m2) {
+  const u32x16 sign = (bits & 0x80u) << 24;
+  const f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fu) << 21) * 0x1.0p112f;
+  const u32x16 inf_or_nan = bit_cast<u32x16>((bits & 0x7cu) == 0x7cu) & 0x7f800000u;
+  return bit_cast<f32x16>(bit_cast<u32x16>(magnitude) | inf_or_nan | sign);
+}
+
+inline void load_chunk(const float* p, float, f32x16* out) { out[0] = load_floats(p); }
+
+inline void load_chunk(const c10::BFloat16* p, float, f32x16* out) {
+  const u32x16 w = load_words(p);
+  out[0] = bit_cast<f32x16>(w << 16);
+  out[1] = bit_cast<f32x16>(w & 0xffff0000u);
+}
+
+inline void load_chunk(const c10::Half* p, float, f32x16* out) {
+  const u32x16 w = load_words(p);
+  out[0] = half_bits_to_float(w);
+  out[1] = half_bits_to_float(w >> 16);
+}
+
+template <typename Fp8>
+inline void load_fp8_chunk(const Fp8* p, float scale, f32x16* out) {
+  const u32x16 w = load_words(p);
+  for (int v = 0; v < 4; ++v) out[v] = fp8_bits_to_float(w >> (8 * v), Fp8{}) * scale;
+}
+
+inline void load_chunk(const c10::Float8_e4m3fn* p, float scale, f32x16* out) {
+  load_fp8_chunk(p, scale, out);
+}
+
+inline void load_chunk(const c10::Float8_e5m2* p, float scale, f32x16* out) {
+  load_fp8_chunk(p, scale, out);
 }
 
 inline f32x16 zero_where_not(f32x16 v, i32x16 keep) {
@@ -150,15 +190,15 @@ struct AttentionParams {
   const int32_t* seq_lens;
   const float* alibi_slopes;  // null without ALiBi
   float scale;
-  float logits_soft_cap;  // 0: none
+  float logits_soft_cap;   // 0: none
   int64_t sliding_window;  // 0: none
   int64_t num_seqs;
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t head_size;
   int64_t block_size;
-  const float* key_lut;  // fp8 caches: byte -> dequantised value (k_scale applied)
-  const float* value_lut;
+  float key_scale;  // fp8 caches: dequantisation scales (1 otherwise)
+  float value_scale;
   // v1: out [num_seqs, num_heads, head_size]. v2: tmp_out [num_seqs, num_heads, partitions,
   // head_size] plus max_logits/exp_sums [num_seqs, num_heads, partitions].
   void* out;
@@ -184,23 +224,55 @@ class AlignedFloats {
   float* data_ = nullptr;
 };
 
-// Per-thread buffers, sized once per parallel chunk. "Vectors" are runs of 16 floats.
-struct Scratch {
-  AlignedFloats query_patterns;  // [group_pad][head_size / x] vectors: x-dim chunk tiled 16 / x
-  AlignedFloats logits;          // [group][logit_stride]: logits, then probabilities
-  AlignedFloats accumulators;    // [group][value slots] vectors
-  AlignedFloats block_logits;    // [group_pad][block_size]
-  AlignedFloats prob_patterns;   // [group][block_size / 16 or 1] vectors
-  int64_t logit_stride;
-};
-
-constexpr int kHeadTile = 4;  // query heads whose key dot products share registers
+constexpr int kHeadTile = 4;     // query heads whose multiply-adds share a loaded cache vector
+constexpr int kChunkTile = 2;    // cache chunks whose multiply-adds share a loaded pattern
+constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// Blocks are scattered in memory, so the hardware prefetchers cannot run ahead across them; the
+// kernel requests the tiles it will read next itself.
+constexpr int64_t kKeyPrefetchBlocks = 2;
+
 inline void prefetch_tile(const void* tile, int64_t bytes) {
   const char* p = static_cast<const char*>(tile);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats.
+struct Scratch {
+  AlignedFloats query_patterns;  // [group_pad][head_size / 4] vectors
+  AlignedFloats logits;          // [group][logit_stride]: logits, then exp(logit - max)
+  AlignedFloats block_logits;    // [group_pad][block_size]
+  AlignedFloats prob_patterns;   // [kValueBlocks][group_pad][patterns per block] vectors
+  AlignedFloats accumulators;    // [group_pad][value chunks per tile] vectors
+  int64_t logit_stride;
+
+  void resize(int64_t group, int64_t head_size, int64_t block_size, int64_t max_tokens) {
+    const int64_t group_pad = round_up(group, kHeadTile);
+    logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
+    query_patterns.resize(group_pad * head_size / 4 * kLanes);
+    logits.resize(group * logit_stride);
+    block_logits.resize(group_pad * block_size);
+    // At most 4 vectors per chunk times 2 chunks per value row (fp32, block size 32).
+    prob_patterns.resize(kValueBlocks * group_pad * 8 * kLanes);
+    // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
+    accumulators.resize(group_pad * head_size * block_size);
+  }
+};
+
+// Sums the lanes of v in groups of `width` (2, 4, 8 or 16); the sums land in lanes k * width.
+inline f32x16 group_sum(f32x16 v, int64_t width) {
+  switch (width) {
+    case 2:
+      return group_sum<2>(v);
+    case 4:
+      return group_sum<4>(v);
+    case 8:
+      return group_sum<8>(v);
+    default:
+      return group_sum<16>(v);
+  }
 }
 
 // Attends the query heads of one KV head to tokens [begin, end) of one sequence (end > begin).
@@ -209,75 +281,78 @@ template <typename scalar_t, typename cache_t>
 inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int64_t kv_head,
                           int64_t begin, int64_t end, float* out, float* max_logit,
                           float* exp_sum) {
-  constexpr int64_t x = 16 / sizeof(cache_t);
+  constexpr int k = kVectorsPerChunk<cache_t>;
+  constexpr int64_t chunk_elems = kElementsPerChunk<cache_t>;
+  constexpr int64_t x = 16 / sizeof(cache_t);  // key layout: elements per 16 bytes
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t group_pad = round_up(group, kHeadTile);
-  const int64_t chunks = head_size / x;
   const int64_t seq_len = p.seq_lens[seq];
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const cache_t* key_base = static_cast<const cache_t*>(p.key_cache) + kv_head * p.key_head_stride;
   const cache_t* value_base =
       static_cast<const cache_t*>(p.value_cache) + kv_head * p.value_head_stride;
-  const int64_t tile_bytes = head_size * block_size * static_cast<int64_t>(sizeof(cache_t));
   const int64_t first_block = begin / block_size;
   const int64_t end_block = (end + block_size - 1) / block_size;
   const int64_t n = end - begin;
 
-  // Query heads of the group, scaled, as one 16-lane pattern per x-dim chunk.
+  // ---- Pass 1: logits. A key chunk holds 4 tokens x 16 dims in the order of load_chunk: lane l
+  // of vector v is token 4m + l / 4, dim c * x + (l % 4) * k + v (m: chunk within a dim-row c).
+  // The query pattern of (c, v) holds, for every lane, the matching query element times scale.
+  const int64_t dim_rows = head_size / x;
+  const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
   float* query_patterns = s.query_patterns.data();
   for (int64_t g = 0; g < group_pad; ++g) {
     const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
-                        (kv_head * group + g) * p.query_head_stride;
-    for (int64_t c = 0; c < chunks; ++c) {
-      f32x16 pattern{};
-      if (g < group) {
-        for (int i = 0; i < kLanes; ++i) {
-          pattern[i] = static_cast<float>(q[c * x + i % x]) * p.scale;
+                        (kv_head * group + std::min(g, group - 1)) * p.query_head_stride;
+    for (int64_t c = 0; c < dim_rows; ++c) {
+      for (int v = 0; v < k; ++v) {
+        f32x16 pattern{};
+        for (int l = 0; g < group && l < kLanes; ++l) {
+          pattern[l] = static_cast<float>(q[c * x + (l % 4) * k + v]) * p.scale;
         }
+        store_floats(query_patterns + (g * patterns_per_head + c * k + v) * kLanes, pattern);
       }
-      store_floats(query_patterns + (g * chunks + c) * kLanes, pattern);
     }
   }
-
-  // Pass 1: logits. Each block's tile is multiplied in storage order; invalid slots of a partial
-  // block produce logits that are simply not copied out.
   float* logits = s.logits.data();
   float* block_logits = s.block_logits.data();
-  const int64_t vectors_per_chunk = block_size * x / kLanes;  // even: 2 ... 32
-  constexpr int64_t tokens_per_vector = kLanes / x;
+  const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
+  const int64_t tile_bytes = head_size * block_size * sizeof(cache_t);
   for (int64_t b = first_block; b < end_block; ++b) {
-    if (b + 2 < end_block) {
-      prefetch_tile(key_base + block_table[b + 2] * p.key_block_stride, tile_bytes);
+    if (b + kKeyPrefetchBlocks < end_block) {
+      prefetch_tile(key_base + block_table[b + kKeyPrefetchBlocks] * p.key_block_stride,
+                    tile_bytes);
     }
     const cache_t* tile = key_base + block_table[b] * p.key_block_stride;
     for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
-      for (int64_t j = 0; j < vectors_per_chunk; j += 2) {
-        f32x16 acc[kHeadTile][2] = {};
-        for (int64_t c = 0; c < chunks; ++c) {
-          const cache_t* k = tile + c * block_size * x + j * kLanes;
-          const f32x16 k0 = load16(k, p.key_lut);
-          const f32x16 k1 = load16(k + kLanes, p.key_lut);
-#pragma GCC unroll 4
-          for (int g = 0; g < kHeadTile; ++g) {
-            const f32x16 q = load_floats(query_patterns + ((g0 + g) * chunks + c) * kLanes);
-            acc[g][0] += q * k0;
-            acc[g][1] += q * k1;
+      const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
+      for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kChunkTile) {
+        f32x16 acc[kHeadTile][kChunkTile] = {};
+        for (int64_t c = 0; c < dim_rows; ++c) {
+          f32x16 keys[kChunkTile][k];
+          for (int m = 0; m < kChunkTile; ++m) {
+            load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems, p.key_scale, keys[m]);
+          }
+          for (int v = 0; v < k; ++v) {
+            for (int g = 0; g < kHeadTile; ++g) {
+              const f32x16 q = load_floats(qp + (g * patterns_per_head + c * k + v) * kLanes);
+              for (int m = 0; m < kChunkTile; ++m) acc[g][m] += q * keys[m][v];
+            }
           }
         }
-#pragma GCC unroll 4
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int h = 0; h < 2; ++h) {
-            const f32x16 sums = group_sum<x>(acc[g][h]);
-            for (int64_t t = 0; t < tokens_per_vector; ++t) {
-              block_logits[(g0 + g) * block_size + (j + h) * tokens_per_vector + t] =
-                  sums[t * x];
-            }
+          for (int m = 0; m < kChunkTile; ++m) {
+            const f32x16 sums = group_sum<4>(acc[g][m]);
+            float* dst = block_logits + (g0 + g) * block_size + (m0 + m) * 4;
+            for (int t = 0; t < 4; ++t) dst[t] = sums[4 * t];
           }
         }
       }
     }
+    // Slots outside [begin, end) (the tail of the last block, or before a sliding window)
+    // produced logits from whatever the cache holds there; they are not copied out.
     const int64_t lo = std::max(begin, b * block_size);
     const int64_t hi = std::min(end, (b + 1) * block_size);
     for (int64_t g = 0; g < group; ++g) {
@@ -287,12 +362,13 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     }
   }
 
-  // Soft-cap, ALiBi, then the max-subtracted exponentials, 16 tokens at a time.
+  // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, 16 tokens at a time.
   const int64_t h0 = kv_head * group;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < group; ++g) {
     float* row = logits + g * s.logit_stride;
     const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + g] : 0.0f;
-    f32x16 row_max = splat(-std::numeric_limits<float>::infinity());
+    f32x16 row_max = splat(-kInf);
     for (int64_t t = 0; t < n; t += kLanes) {
       const i32x16 valid = lane_index() < static_cast<int32_t>(n - t);
       f32x16 v = load_floats(row + t);
@@ -303,7 +379,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
                            static_cast<float>(begin + t - seq_len + 1);
         v += slope * rel;
       }
-      v = valid ? v : splat(-std::numeric_limits<float>::infinity());
+      v = valid ? v : splat(-kInf);
       store_floats(row + t, v);
       row_max = v > row_max ? v : row_max;
     }
@@ -322,79 +398,116 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     exp_sum[g] = sum;
   }
 
-  // Pass 2: values. Slot = one head dim (two for block_size 8) of lane-wise partial sums.
-  const int64_t lane_group = std::min<int64_t>(block_size, kLanes);  // tokens per vector
-  const int64_t vectors_per_row = block_size / lane_group;           // 1 or 2
-  const int64_t slots = head_size * lane_group / kLanes;
-  float* acc = s.accumulators.data();
-  std::fill(acc, acc + group * slots * kLanes, 0.0f);
+  // ---- Pass 2: values. Chunk m of a value tile, vector v, lane l is element e = m * chunk_elems
+  // + l * k + v, i.e. head dim e / block_size and token e % block_size. The probability pattern
+  // holds each lane's token probability; the pattern repeats every chunk when a chunk spans whole
+  // rows, and every 2 chunks when a row spans two chunks (fp32, block size 32).
+  const int64_t chunks_per_row = std::max<int64_t>(1, block_size / chunk_elems);
+  const int64_t patterns = k * chunks_per_row;
+  const int64_t value_chunks = head_size * block_size / chunk_elems;
+  float* acc_mem = s.accumulators.data();
+  std::fill(acc_mem, acc_mem + group_pad * value_chunks * kLanes, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
-  for (int64_t b = first_block; b < end_block; ++b) {
-    if (b + 2 < end_block) {
-      prefetch_tile(value_base + block_table[b + 2] * p.value_block_stride, tile_bytes);
-    }
-    const cache_t* tile = value_base + block_table[b] * p.value_block_stride;
-    const int64_t block_start = b * block_size;
-    const bool partial = block_start < begin || block_start + block_size > end;
-    i32x16 keep[2];
-    for (int64_t r = 0; r < vectors_per_row; ++r) {
-      const i32x16 pos = (lane_index() % static_cast<int32_t>(lane_group)) +
-                         static_cast<int32_t>(block_start - begin + r * lane_group);
-      keep[r] = (pos >= 0) & (pos < static_cast<int32_t>(n));
-      for (int64_t g = 0; g < group; ++g) {
-        f32x16 probs;
-        const float* row = logits + g * s.logit_stride;
-        for (int i = 0; i < kLanes; ++i) probs[i] = keep[r][i] ? row[pos[i]] : 0.0f;
-        store_floats(prob_patterns + (g * vectors_per_row + r) * kLanes, probs);
+  const int64_t pattern_block_stride = group_pad * patterns * kLanes;
+  i32x16 keep[kValueBlocks][8];  // lanes of valid tokens, per block and pattern
+  bool partial[kValueBlocks];
+  for (int64_t b0 = first_block; b0 < end_block; b0 += kValueBlocks) {
+    const int64_t nb = std::min<int64_t>(kValueBlocks, end_block - b0);
+    const cache_t* tiles[kValueBlocks];
+    for (int64_t i = 0; i < nb; ++i) {
+      if (b0 + kValueBlocks + i < end_block) {  // the next group of blocks
+        prefetch_tile(value_base + block_table[b0 + kValueBlocks + i] * p.value_block_stride,
+                      tile_bytes);
+      }
+      const int64_t block_start = (b0 + i) * block_size;
+      tiles[i] = value_base + block_table[b0 + i] * p.value_block_stride;
+      partial[i] = block_start < begin || block_start + block_size > end;
+      for (int64_t pat = 0; pat < patterns; ++pat) {
+        const int64_t v = pat % k;
+        const int64_t row_chunk = pat / k;
+        const i32x16 token = (static_cast<int32_t>(row_chunk * chunk_elems + v) +
+                              lane_index() * k) %
+                             static_cast<int32_t>(block_size);
+        const i32x16 pos = token + static_cast<int32_t>(block_start - begin);
+        keep[i][pat] = (pos >= 0) & (pos < static_cast<int32_t>(n));
+        for (int64_t g = 0; g < group_pad; ++g) {
+          f32x16 probs{};
+          if (g < group) {
+            const float* row = logits + g * s.logit_stride;
+            for (int l = 0; l < kLanes; ++l) probs[l] = keep[i][pat][l] ? row[pos[l]] : 0.0f;
+          }
+          store_floats(prob_patterns + i * pattern_block_stride + (g * patterns + pat) * kLanes,
+                       probs);
+        }
       }
     }
-    for (int64_t slot = 0; slot < slots; ++slot) {
-      for (int64_t r = 0; r < vectors_per_row; ++r) {
-        f32x16 v = load16(tile + (slot * vectors_per_row + r) * kLanes, p.value_lut);
-        if (partial) v = zero_where_not(v, keep[r]);  // never let 0 * NaN into the sum
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = acc + (g * slots + slot) * kLanes;
-          store_floats(a, load_floats(a) +
-                              load_floats(prob_patterns + (g * vectors_per_row + r) * kLanes) * v);
+    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
+      for (int64_t m0 = 0; m0 < value_chunks; m0 += kChunkTile) {
+        f32x16 acc[kHeadTile][kChunkTile];
+        for (int g = 0; g < kHeadTile; ++g) {
+          for (int m = 0; m < kChunkTile; ++m) {
+            acc[g][m] = load_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
+          }
+        }
+        for (int64_t i = 0; i < nb; ++i) {
+          f32x16 values[kChunkTile][k];
+          for (int m = 0; m < kChunkTile; ++m) {
+            load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
+          }
+          const float* pp = prob_patterns + i * pattern_block_stride + g0 * patterns * kLanes;
+          for (int m = 0; m < kChunkTile; ++m) {
+            const int64_t pat0 = ((m0 + m) % chunks_per_row) * k;
+            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+              for (int v = 0; v < k; ++v) values[m][v] = zero_where_not(values[m][v], keep[i][pat0 + v]);
+            }
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeadTile; ++g) {
+                acc[g][m] += load_floats(pp + (g * patterns + pat0 + v) * kLanes) * values[m][v];
+              }
+            }
+          }
+        }
+        for (int g = 0; g < kHeadTile; ++g) {
+          for (int m = 0; m < kChunkTile; ++m) {
+            store_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
+          }
         }
       }
     }
   }
+  // Fold the lane-wise sums into head dims: a chunk covers rows_per_chunk rows of lanes_per_row
+  // lanes each, or (chunks_per_row > 1) part of one row.
+  const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_elems / block_size);
+  const int64_t lanes_per_row = kLanes / rows_per_chunk;
+  std::fill(out, out + group * head_size, 0.0f);
   for (int64_t g = 0; g < group; ++g) {
-    const float inv_sum = 1.0f / exp_sum[g];
-    for (int64_t slot = 0; slot < slots; ++slot) {
-      const f32x16 v = load_floats(acc + (g * slots + slot) * kLanes);
-      if (lane_group == kLanes) {
-        out[g * head_size + slot] = group_sum<16>(v)[0] * inv_sum;
-      } else {
-        const f32x16 sums = group_sum<8>(v);
-        out[g * head_size + 2 * slot] = sums[0] * inv_sum;
-        out[g * head_size + 2 * slot + 1] = sums[8] * inv_sum;
+    for (int64_t m = 0; m < value_chunks; ++m) {
+      const f32x16 sums =
+          group_sum(load_floats(acc_mem + (g * value_chunks + m) * kLanes), lanes_per_row);
+      const int64_t first_row = m / chunks_per_row * rows_per_chunk;
+      for (int64_t r = 0; r < rows_per_chunk; ++r) {
+        out[g * head_size + first_row + r] += sums[r * lanes_per_row];
       }
     }
+    const float inv_sum = 1.0f / exp_sum[g];
+    for (int64_t d = 0; d < head_size; ++d) out[g * head_size + d] *= inv_sum;
   }
 }
 
 // Runs units [unit_begin, unit_end) of (sequence, KV head, partition), in that nesting order.
 template <typename scalar_t, typename cache_t>
 inline void run_units(const AttentionParams& p, int64_t unit_begin, int64_t unit_end) {
-  constexpr int64_t x = 16 / sizeof(cache_t);
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t group_pad = round_up(group, kHeadTile);
   int64_t max_tokens = 0;
   for (int64_t u = unit_begin; u < unit_end; ++u) {
-    max_tokens = std::max<int64_t>(max_tokens, p.seq_lens[u / (p.num_kv_heads * p.num_partitions)]);
+    max_tokens =
+        std::max<int64_t>(max_tokens, p.seq_lens[u / (p.num_kv_heads * p.num_partitions)]);
   }
   max_tokens = std::min(max_tokens, p.partition_size);
   if (p.sliding_window > 0) max_tokens = std::min(max_tokens, p.sliding_window);
 
   Scratch s;
-  s.logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
-  s.query_patterns.resize(group_pad * (p.head_size / x) * kLanes);
-  s.logits.resize(group * s.logit_stride);
-  s.accumulators.resize(group * p.head_size * kLanes);
-  s.block_logits.resize(group_pad * p.block_size);
-  s.prob_patterns.resize(group * 2 * kLanes);
+  s.resize(group, p.head_size, p.block_size, max_tokens);
   std::vector<float> result(group * p.head_size);
   std::vector<float> max_logit(group);
   std::vector<float> exp_sum(group);
@@ -408,8 +521,7 @@ inline void run_units(const AttentionParams& p, int64_t unit_begin, int64_t unit
     int64_t end = seq_len;
     begin = std::max(begin, partition * p.partition_size);
     end = std::min(end, (partition + 1) * p.partition_size);
-    const bool empty = begin >= end;
-    if (empty) {
+    if (begin >= end) {
       std::fill(result.begin(), result.end(), 0.0f);
       std::fill(max_logit.begin(), max_logit.end(), -std::numeric_limits<float>::infinity());
       std::fill(exp_sum.begin(), exp_sum.end(), 0.0f);
@@ -493,15 +605,6 @@ void run_all_units(const AttentionParams& p) {
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-// Dequantisation table of one fp8 format: entry i is the value of byte i times the scale.
-template <typename Fp8>
-std::vector<float> fp8_lut(const at::Tensor& scale) {
-  const float s = scale.item<float>();
-  std::vector<float> lut(256);
-  for (int i = 0; i < 256; ++i) lut[i] = dequantize_fp8<Fp8>(static_cast<uint8_t>(i), s);
-  return lut;
-}
-
 // Fills the parameters shared by v1 and v2 and runs the kernel for the given output target.
 void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tensor& query,
                    const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -532,27 +635,22 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
   p.block_size = dims.block_size;
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
 
-  std::vector<float> key_lut;
-  std::vector<float> value_lut;
-  PA_DISPATCH_QUERY_TYPES(query.scalar_type(),
-                                  "paged_attention_cpu", [&] {
+  p.key_scale = 1.0f;
+  p.value_scale = 1.0f;
+  if (dims.cache_dtype != CacheDtype::kAuto) {
+    p.key_scale = k_scale.item<float>();
+    p.value_scale = v_scale.item<float>();
+  }
+  PA_DISPATCH_QUERY_TYPES(query.scalar_type(), "paged_attention_cpu", [&] {
     switch (dims.cache_dtype) {
       case CacheDtype::kAuto:
         run_all_units<scalar_t, scalar_t>(p);
         break;
       case CacheDtype::kFp8E4M3:
-        key_lut = fp8_lut<c10::Float8_e4m3fn>(k_scale);
-        value_lut = fp8_lut<c10::Float8_e4m3fn>(v_scale);
-        p.key_lut = key_lut.data();
-        p.value_lut = value_lut.data();
-        run_all_units<scalar_t, uint8_t>(p);
+        run_all_units<scalar_t, c10::Float8_e4m3fn>(p);
         break;
       case CacheDtype::kFp8E5M2:
-        key_lut = fp8_lut<c10::Float8_e5m2>(k_scale);
-        value_lut = fp8_lut<c10::Float8_e5m2>(v_scale);
-        p.key_lut = key_lut.data();
-        p.value_lut = value_lut.data();
-        run_all_units<scalar_t, uint8_t>(p);
+        run_all_units<scalar_t, c10::Float8_e5m2>(p);
         break;
     }
   });

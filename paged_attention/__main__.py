@@ -1,0 +1,27 @@
+"""Command line: ``python -m paged_attention demo [options]`` (also the ``paged-attention``
+console script)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from paged_attention import demo
+
+    parser = argparse.ArgumentParser(prog="paged-attention", description="PagedAttention tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo.add_arguments(
+        commands.add_parser(
+            "demo",
+            help="serve a seeded workload with continuous batching in a small KV budget",
+            description=demo.__doc__.split("\n\n")[0],
+        )
+    )
+    args = parser.parse_args(argv)
+    return demo.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""CPU paged_attention_v1/v2 against reference.py.
+
+The grid covers every head size, block size, query dtype and feature at least once rather than
+their full product. Caches are NaN-filled outside the stored tokens and their block tables are
+scattered with unused trailing entries (tests/conftest.py), so any read of a slot that holds no
+token shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_paged_kv
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import paged_attention
+from paged_attention import reference
+
+ops = torch.ops.paged_attention
+
+# Output tolerances per query dtype. The reference computes in float32 from the same cache values
+# and casts once, so low-precision outputs may differ from it by one rounding step.
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=2e-6),
+    torch.float16: dict(rtol=2**-10, atol=2**-12),
+    torch.bfloat16: dict(rtol=2**-7, atol=2**-9),
+}
+
+
+def make_query(num_seqs, num_heads, head_size, dtype, seed=1, fused_qkv=False):
+    generator = torch.Generator().manual_seed(seed)
+    if not fused_qkv:
+        return torch.randn(num_seqs, num_heads, head_size, generator=generator).to(dtype)
+    # A slice of a fused QKV projection: strided in the sequence and head dims.
+    qkv = torch.randn(num_seqs, 3 * num_heads, head_size, generator=generator).to(dtype)
+    return qkv[:, num_heads : 2 * num_heads]
+
+
+def attention_args(
+    query, kv, num_heads, *, alibi=False, sliding_window=0, soft_cap=0.0, scale=None
+):
+    slopes = None
+    if alibi:
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
+    return (
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.num_kv_heads,
+        kv.head_size**-0.5 if scale is None else scale,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.block_size,
+        kv.max_seq_len,
+        slopes,
+        kv.kv_cache_dtype,
+        kv.k_scale,
+        kv.v_scale,
+        sliding_window,
+        soft_cap,
+    )
+
+
+def v2_scratch(query, max_seq_len, extra_partitions=0):
+    num_seqs, num_heads, head_size = query.shape
+    partitions = paged_attention.num_partitions(max_seq_len) + extra_partitions
+    exp_sums = torch.full((num_seqs, num_heads, partitions), 123.0)
+    max_logits = torch.full_like(exp_sums, 123.0)
+    tmp_out = torch.full((num_seqs, num_heads, partitions, head_size), 123.0, dtype=query.dtype)
+    return exp_sums, max_logits, tmp_out
+
+
+def run_v1(args):
+    out = torch.full(args[0].shape, 7.0, dtype=args[0].dtype)
+    ops.paged_attention_v1(out, *args)
+    return out
+
+
+def run_v2(args, extra_partitions=0):
+    query = args[0]
+    out = torch.full(query.shape, 7.0, dtype=query.dtype)
+    scratch = v2_scratch(query, args[8], extra_partitions)
+    ops.paged_attention_v2(out, *scratch, *args)
+    return out, scratch
+
+
+def run_reference_v1(args):
+    out = torch.empty(args[0].shape, dtype=args[0].dtype)
+    reference.paged_attention_v1(out, *args)
+    return out
+
+
+def check_v1_v2(args, tolerance_dtype=None):
+    """Both kernels against the reference, and the v2 partition outputs too."""
+    query = args[0]
+    tol = TOLERANCES[tolerance_dtype or query.dtype]
+    expected = run_reference_v1(args)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(run_v1(args), expected, **tol)
+    out, (exp_sums, max_logits, tmp_out) = run_v2(args)
+    torch.testing.assert_close(out, expected, **tol)
+    ref_out = torch.empty_like(out)
+    ref_scratch = v2_scratch(query, args[8])
+    reference.paged_attention_v2(ref_out, *ref_scratch, *args)
+    torch.testing.assert_close(max_logits, ref_scratch[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exp_sums, ref_scratch[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tmp_out, ref_scratch[2], **tol)
+
+
+# --------------------------------------------------------------------------------------------
+# Coverage grid
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 120, 128, 192, 256])
+def test_head_sizes(head_size):
+    kv = make_paged_kv(3, [1, 37, 300], 2, head_size, 16, torch.float32, seed=head_size)
+    query = make_query(3, 8, head_size, torch.float32)
+    check_v1_v2(attention_args(query, kv, 8))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_block_sizes_and_dtypes(block_size, dtype):
+    kv = make_paged_kv(4, [5, 16, 129, 700], 2, 64, block_size, dtype, seed=block_size)
+    query = make_query(4, 8, 64, dtype)
+    check_v1_v2(attention_args(query, kv, 8))
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (16, 2), (8, 1), (6, 1), (12, 4)]
+)
+def test_gqa_ratios(num_heads, num_kv_heads):
+    """Group sizes 1, 4, 8, MQA and groups that are not a multiple of the kernel's head tile."""
+    kv = make_paged_kv(3, [3, 64, 530], num_kv_heads, 128, 16, torch.bfloat16)
+    query = make_query(3, num_heads, 128, torch.bfloat16)
+    check_v1_v2(attention_args(query, kv, num_heads))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    ("dtype", "block_size"), [(torch.bfloat16, 16), (torch.float16, 8), (torch.float32, 32)]
+)
+def test_fp8_cache(kv_cache_dtype, dtype, block_size):
+    kv = make_paged_kv(3, [1, 100, 600], 2, 128, block_size, dtype, kv_cache_dtype)
+    assert kv.key_cache.dtype == torch.uint8
+    query = make_query(3, 8, 128, dtype)
+    check_v1_v2(attention_args(query, kv, 8))
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(alibi=True),
+        dict(sliding_window=1),
+        dict(sliding_window=37),
+        dict(sliding_window=600),
+        dict(soft_cap=5.0),
+        dict(soft_cap=30.0, alibi=True, sliding_window=100),
+        dict(scale=0.5),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features(features, dtype):
+    kv = make_paged_kv(4, [1, 40, 513, 1200], 2, 64, 16, dtype, seed=3)
+    query = make_query(4, 8, 64, dtype)
+    check_v1_v2(attention_args(query, kv, 8, **features))
+
+
+def test_soft_cap_is_applied():
+    """A cap far below the logits' spread must change the result (guards against a no-op)."""
+    kv = make_paged_kv(1, 50, 1, 64, 16, torch.float32)
+    query = make_query(1, 1, 64, torch.float32) * 20
+    plain = run_v1(attention_args(query, kv, 1))
+    capped = run_v1(attention_args(query, kv, 1, soft_cap=1.0))
+    assert (plain - capped).abs().max() > 1e-2
+
+
+def test_seq_len_zero_and_one():
+    kv = make_paged_kv(3, [0, 1, 0], 2, 64, 16, torch.float32)
+    query = make_query(3, 4, 64, torch.float32)
+    args = attention_args(query, kv, 4)
+    out = run_v1(args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    # One token: the output is that token's value row exactly (softmax weight 1).
+    _, values = reference.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables[1], 1)
+    torch.testing.assert_close(out[1], values[0].repeat_interleave(2, dim=0), rtol=0, atol=0)
+    v2_out, (exp_sums, max_logits, tmp_out) = run_v2(args)
+    torch.testing.assert_close(v2_out, out, rtol=0, atol=0)
+    assert torch.equal(exp_sums[0], torch.zeros_like(exp_sums[0]))
+    assert torch.isneginf(max_logits[0]).all()
+    assert torch.equal(tmp_out[0], torch.zeros_like(tmp_out[0]))
+
+
+def test_all_sequences_empty():
+    kv = make_paged_kv(2, [0, 0], 1, 32, 8, torch.float32)
+    query = make_query(2, 2, 32, torch.float32)
+    args = attention_args(query, kv, 2)
+    assert torch.equal(run_v1(args), torch.zeros_like(query))
+    assert torch.equal(run_v2(args)[0], torch.zeros_like(query))
+
+
+def test_strided_query_from_fused_qkv():
+    kv = make_paged_kv(3, [9, 200, 777], 2, 128, 16, torch.bfloat16)
+    query = make_query(3, 8, 128, torch.bfloat16, fused_qkv=True)
+    assert not query.is_contiguous()
+    check_v1_v2(attention_args(query, kv, 8))
+
+
+def test_nan_slots_never_reach_the_output():
+    """Partial last blocks and a window starting mid-block: the NaN-filled slots around the
+    attended tokens sit in the same tiles the kernel reads."""
+    kv = make_paged_kv(3, [7, 45, 520], 2, 64, 32, torch.float32)
+    assert kv.value_cache.isnan().any()
+    query = make_query(3, 8, 64, torch.float32)
+    for window in (0, 11):
+        args = attention_args(query, kv, 8, sliding_window=window)
+        assert not run_v1(args).isnan().any()
+        assert not run_v2(args)[0].isnan().any()
+
+
+def test_extra_partitions_and_v1_v2_agreement():
+    """Scratch with more partitions than needed: the spare ones hold -inf / 0 / 0."""
+    kv = make_paged_kv(2, [1030, 300], 2, 64, 16, torch.float32)
+    query = make_query(2, 4, 64, torch.float32)
+    args = attention_args(query, kv, 4)
+    out, (exp_sums, max_logits, tmp_out) = run_v2(args, extra_partitions=2)
+    torch.testing.assert_close(out, run_v1(args), rtol=1e-5, atol=1e-6)
+    assert torch.isneginf(max_logits[1, :, 1:]).all()
+    assert torch.equal(exp_sums[1, :, 1:], torch.zeros_like(exp_sums[1, :, 1:]))
+    assert torch.equal(tmp_out[0, :, 3:], torch.zeros_like(tmp_out[0, :, 3:]))
+
+
+def test_block_table_order_does_not_matter():
+    kv = make_paged_kv(1, 200, 1, 64, 16, torch.float32)
+    query = make_query(1, 2, 64, torch.float32)
+    out = run_v1(attention_args(query, kv, 2))
+    # Move the blocks to reversed physical positions and remap the table.
+    used = kv.block_tables[0, :13].long()
+    new_ids = torch.arange(kv.num_blocks - 1, kv.num_blocks - 14, -1)
+    for cache in (kv.key_cache, kv.value_cache):
+        cache[new_ids] = cache[used].clone()
+    kv.block_tables[0, :13] = new_ids.to(torch.int32)
+    torch.testing.assert_close(run_v1(attention_args(query, kv, 2)), out, rtol=0, atol=0)
+
+
+def test_thread_count_does_not_change_the_result():
+    kv = make_paged_kv(5, [100, 2000, 1, 600, 900], 2, 64, 16, torch.float32)
+    query = make_query(5, 8, 64, torch.float32)
+    args = attention_args(query, kv, 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_v1(args), run_v2(args)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(run_v1(args), single[0])
+    assert torch.equal(run_v2(args)[0], single[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("context", "dtype", "block_size"), [(8192, torch.bfloat16, 16), (32768, torch.float32, 32)]
+)
+def test_long_context(context, dtype, block_size):
+    kv = make_paged_kv(2, [context, context - 77], 1, 64, block_size, dtype, nan_fill=False)
+    query = make_query(2, 4, 64, dtype)
+    check_v1_v2(attention_args(query, kv, 4))
+
+
+# --------------------------------------------------------------------------------------------
+# Random shapes
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+    lens=st.lists(st.integers(0, 700), min_size=1, max_size=3),
+    num_kv_heads=st.integers(1, 3),
+    group=st.integers(1, 5),
+    head_size=st.sampled_from([32, 64, 80, 96, 112, 120, 128, 192, 256]),
+    block_size=st.sampled_from([8, 16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    kv_cache_dtype=st.sampled_from(["auto", "fp8_e4m3", "fp8_e5m2"]),
+    sliding_window=st.sampled_from([0, 0, 5, 300]),
+    alibi=st.booleans(),
+    soft_cap=st.sampled_from([0.0, 0.0, 10.0]),
+)
+def test_random_shapes(
+    lens,
+    num_kv_heads,
+    group,
+    head_size,
+    block_size,
+    dtype,
+    kv_cache_dtype,
+    sliding_window,
+    alibi,
+    soft_cap,
+):
+    if kv_cache_dtype != "auto" and head_size % 16:
+        head_size = 128  # fp8 keys come in 16-element chunks: head_size must be a multiple of 16
+    num_heads = num_kv_heads * group
+    kv = make_paged_kv(
+        len(lens), lens, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, seed=len(lens)
+    )
+    query = make_query(len(lens), num_heads, head_size, dtype)
+    args = attention_args(
+        query, kv, num_heads, alibi=alibi, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    expected = run_reference_v1(args)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(run_v1(args), expected, **tol)
+    torch.testing.assert_close(run_v2(args)[0], expected, **tol)
+
+
+# --------------------------------------------------------------------------------------------
+# Every instruction-set variant of the kernel
+
+
+def test_narrower_instruction_sets_agree():
+    """The kernel is compiled for AVX-512, AVX2 and baseline x86-64 and picked at run time from
+    torch's CPU capability; forcing each through ATEN_CPU_CAPABILITY must give the same result
+    as the reference (each variant runs in a fresh interpreter)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        sys.path.insert(0, "tests")
+        from test_attention_cpu import make_paged_kv, make_query, attention_args, check_v1_v2
+        for dtype, cache in ((torch.float32, "auto"), (torch.bfloat16, "auto"),
+                             (torch.float16, "fp8_e5m2"), (torch.bfloat16, "fp8_e4m3")):
+            kv = make_paged_kv(2, [19, 530], 2, 80, 8, dtype, cache)
+            check_v1_v2(attention_args(make_query(2, 6, 80, dtype), kv, 6, alibi=True,
+                                       soft_cap=20.0))
+        print("ok", torch.backends.cpu.get_cpu_capability())
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for capability in ("avx2", "default"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        result = subprocess.run(
+            [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.startswith("ok")
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing
+
+
+def test_opcheck():
+    kv = make_paged_kv(2, [20, 600], 2, 64, 16, torch.float32)
+    query = make_query(2, 4, 64, torch.float32)
+    args = attention_args(query, kv, 4, alibi=True)
+    out = torch.empty_like(query)
+    torch.library.opcheck(ops.paged_attention_v1, (out, *args))
+    torch.library.opcheck(ops.paged_attention_v2, (out, *v2_scratch(query, args[8]), *args))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_torch_compile_fullgraph(version):
+    kv = make_paged_kv(2, [30, 1500], 2, 64, 16, torch.bfloat16)
+    query = make_query(2, 8, 64, torch.bfloat16)
+
+    def step(q, key_cache, value_cache, block_tables, seq_lens):
+        out = paged_attention.paged_attention(
+            q, key_cache, value_cache, block_tables, seq_lens, max_seq_len=1500, version=version
+        )
+        return out * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    inputs = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    expected = run_reference_v1(attention_args(query, kv, 8)) * 2
+    torch.testing.assert_close(compiled(*inputs), expected, **TOLERANCES[torch.bfloat16])
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+def bad_call(version=1, **changes):
+    kv = make_paged_kv(2, [10, 40], 2, 64, 16, torch.float32)
+    query = make_query(2, 4, 64, torch.float32)
+    args = list(attention_args(query, kv, 4))
+    names = [
+        "query",
+        "key_cache",
+        "value_cache",
+        "num_kv_heads",
+        "scale",
+        "block_tables",
+        "seq_lens",
+        "block_size",
+        "max_seq_len",
+        "alibi_slopes",
+        "kv_cache_dtype",
+        "k_scale",
+        "v_scale",
+        "sliding_window",
+        "logits_soft_cap",
+    ]
+    scratch = list(v2_scratch(query, 40))
+    out = torch.empty_like(query)
+    for name, change in changes.items():
+        if name in names:
+            args[names.index(name)] = change(args[names.index(name)])
+        elif name == "out":
+            out = change(out)
+        else:
+            index = ["exp_sums", "max_logits", "tmp_out"].index(name)
+            scratch[index] = change(scratch[index])
+    if version == 1:
+        ops.paged_attention_v1(out, *args)
+    else:
+        ops.paged_attention_v2(out, *scratch, *args)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(query=lambda q: torch.randn(2, 4, 48)), "head_size 48 is not supported"),
+        (dict(query=lambda q: q.double()), "query must be float32, float16 or bfloat16"),
+        (dict(key_cache=lambda k: k.half(), value_cache=lambda v: v.half()), "key_cache must be"),
+        (dict(block_size=lambda b: 64), "block_size 64 is not supported"),
+        (dict(block_tables=lambda t: t.long()), "block_tables must be Int"),
+        (dict(seq_lens=lambda s: s.long()), "seq_lens must be Int"),
+        (dict(block_tables=lambda t: t.index_fill(1, torch.tensor([1]), 10**6)), "out of range"),
+        (dict(block_tables=lambda t: t.index_fill(1, torch.tensor([0]), -1)), "out of range"),
+        (dict(seq_lens=lambda s: torch.tensor([10, 41], dtype=torch.int32)), "max_seq_len"),
+        (dict(max_seq_len=lambda m: 10**6), "exceeds what block_tables can address"),
+        (dict(num_kv_heads=lambda n: 3), "must be a positive multiple of num_kv_heads"),
+        (dict(kv_cache_dtype=lambda d: "int8"), "kv_cache_dtype must be one of"),
+        (dict(out=lambda o: o.half()), "out must have the dtype of query"),
+        (dict(alibi_slopes=lambda a: torch.ones(3)), "alibi_slopes must have shape"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_inputs_raise(version, changes, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        bad_call(version, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(exp_sums=lambda e: e[:, :, :0]), "exp_sums must have shape"),
+        (dict(max_logits=lambda m: m.double()), "max_logits must be Float"),
+        (dict(tmp_out=lambda t: t[:, :, :, :32].contiguous()), "tmp_out must have shape"),
+        (dict(tmp_out=lambda t: t[:, :, :, :32]), "tmp_out must be contiguous"),
+        (dict(tmp_out=lambda t: t.half()), "tmp_out must have the dtype of query"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_v2_scratch_raises(changes, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        bad_call(2, **changes)
+
+
+def test_fp8_head_size_must_fill_key_chunks():
+    query = make_query(1, 2, 120, torch.bfloat16)
+    key_cache = torch.zeros(4, 1, 7, 16, 16, dtype=torch.uint8)
+    value_cache = torch.zeros(4, 1, 120, 16, dtype=torch.uint8)
+    scale = torch.ones(1)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"head_size \(120\) must be a multiple of x"):
+        ops.paged_attention_v1(
+            torch.empty_like(query),
+            query,
+            key_cache,
+            value_cache,
+            1,
+            1.0,
+            tables,
+            lens,
+            16,
+            1,
+            None,
+            "fp8",
+            scale,
+            scale,
+        )
+
+
+def test_seq_len_beyond_block_table_raises():
+    kv = make_paged_kv(1, 16, 1, 64, 16, torch.float32)
+    query = make_query(1, 1, 64, torch.float32)
+    args = list(attention_args(query, kv, 1))
+    args[5] = kv.block_tables[:, :1].contiguous()  # one block = 16 tokens
+    args[6] = torch.tensor([17], dtype=torch.int32)
+    args[8] = 16
+    with pytest.raises((RuntimeError, ValueError), match="seq_lens"):
+        ops.paged_attention_v1(torch.empty_like(query), *args)
+    assert math.isfinite(float(run_v1(attention_args(query, kv, 1)).sum()))
