@@ -590,8 +590,17 @@ cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream
 
   const auto kernel = paged_attention_kernel<scalar_t, kCache, kRowsPerThread>;
   if (shared_bytes > 48 * 1024) {
-    const cudaError_t status = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
+    // Always raise the limit to the device maximum (the caller checked shared_bytes against it):
+    // host threads launching with different sizes then cannot lower it under each other.
+    int device = 0;
+    int max_bytes = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status == cudaSuccess) {
+      status = cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    if (status == cudaSuccess) {
+      status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_bytes);
+    }
     if (status != cudaSuccess) return status;
   }
   const dim3 grid(p.num_seqs, p.num_kv_heads * launch.head_chunks, v2 ? p.num_partitions : 1);

@@ -11,6 +11,12 @@
 #include "cuda/launchers.h"
 #include "fp8.h"
 
+// copy_blocks passes up to kMaxCopyTensorsPerLaunch tensor descriptors (10 KiB) as kernel
+// parameters, which CUDA allows from 12.1 on (4 KiB before).
+#if CUDART_VERSION < 12010
+#error "paged_attention's CUDA kernels need CUDA 12.1 or newer"
+#endif
+
 namespace paged_attention::cuda {
 
 namespace {

@@ -64,8 +64,12 @@ cudaStream_t current_stream(const at::Tensor& t) {
 // The attention kernel reads 16-byte vectors from every block of every head.
 void check_vector_aligned(const at::Tensor& cache, const char* name) {
   const int64_t element = static_cast<int64_t>(cache.element_size());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 &&
-                  (cache.stride(0) * element) % 16 == 0 && (cache.stride(1) * element) % 16 == 0,
+  // A stride of a size-1 dim is never used to address anything.
+  const auto aligned_stride = [&](int64_t dim) {
+    return cache.size(dim) == 1 || (cache.stride(dim) * element) % 16 == 0;
+  };
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && aligned_stride(0) &&
+                  aligned_stride(1),
               name, " must start on a 16-byte boundary with block and head strides that are "
                     "multiples of 16 bytes (got strides ",
               cache.strides(), ")");
@@ -268,7 +272,10 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
   TORCH_CHECK(first.is_cuda(), "copy_blocks: the caches must be CUDA tensors, got ",
               first.device());
   const int64_t num_blocks = first.size(0);
-  if (debug_checks_enabled()) check_block_mapping(block_mapping, num_blocks, num_blocks);
+  // A mapping already on the host is checked for free; a device one only in debug mode.
+  if (block_mapping.is_cpu() || debug_checks_enabled()) {
+    check_block_mapping(block_mapping, num_blocks, num_blocks);
+  }
   const c10::cuda::CUDAGuard guard(first.device());
   const at::Tensor mapping = mapping_on(block_mapping, first.device());
   std::vector<CopyTensor> tensors;
@@ -317,7 +324,9 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
               "swap_blocks: src and dst must be CUDA or CPU tensors, got ", src.device(), " and ",
               dst.device());
   if (block_mapping.size(0) == 0) return;
-  if (debug_checks_enabled()) check_block_mapping(block_mapping, src.size(0), dst.size(0));
+  if (block_mapping.is_cpu() || debug_checks_enabled()) {
+    check_block_mapping(block_mapping, src.size(0), dst.size(0));
+  }
   const at::Tensor& gpu_side = src.is_cuda() ? src : dst;
   const c10::cuda::CUDAGuard guard(gpu_side.device());
   const cudaStream_t stream = current_stream(gpu_side);
@@ -339,6 +348,7 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
     return;
   }
   const at::Tensor mapping = block_mapping.to(at::kCPU).contiguous();
+  check_block_mapping(mapping, src.size(0), dst.size(0));  // on the host now, so check it
   const int64_t* pairs = mapping.data_ptr<int64_t>();
   const char* src_base = static_cast<const char*>(src.data_ptr());
   char* dst_base = static_cast<char*>(dst.data_ptr());
