@@ -231,11 +231,12 @@ constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers to
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // Blocks are scattered in memory, so the hardware prefetchers cannot run ahead across them; the
-// kernel requests the tiles it will read next itself.
+// kernel requests the tiles it will read next itself, a few lines at a time between its
+// multiply-adds (a burst of requests would stall once the line-fill buffers are full).
 constexpr int64_t kKeyPrefetchBlocks = 2;
 
-inline void prefetch_tile(const void* tile, int64_t bytes) {
-  const char* p = static_cast<const char*>(tile);
+inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
@@ -319,18 +320,19 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   float* logits = s.logits.data();
   float* block_logits = s.block_logits.data();
   const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
-  const int64_t tile_bytes = head_size * block_size * sizeof(cache_t);
   for (int64_t b = first_block; b < end_block; ++b) {
-    if (b + kKeyPrefetchBlocks < end_block) {
-      prefetch_tile(key_base + block_table[b + kKeyPrefetchBlocks] * p.key_block_stride,
-                    tile_bytes);
-    }
+    const cache_t* ahead = b + kKeyPrefetchBlocks < end_block
+                               ? key_base + block_table[b + kKeyPrefetchBlocks] * p.key_block_stride
+                               : nullptr;
     const cache_t* tile = key_base + block_table[b] * p.key_block_stride;
     for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
       const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
       for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kChunkTile) {
         f32x16 acc[kHeadTile][kChunkTile] = {};
         for (int64_t c = 0; c < dim_rows; ++c) {
+          if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
+            prefetch_lines(ahead + c * block_size * x, block_size * 16);
+          }
           f32x16 keys[kChunkTile][k];
           for (int m = 0; m < kChunkTile; ++m) {
             load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems, p.key_scale, keys[m]);
@@ -409,35 +411,50 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   std::fill(acc_mem, acc_mem + group_pad * value_chunks * kLanes, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
   const int64_t pattern_block_stride = group_pad * patterns * kLanes;
+  int32_t pattern_tokens[8][kLanes];  // token of each lane of each pattern, within a block
+  for (int64_t pat = 0; pat < patterns; ++pat) {
+    for (int l = 0; l < kLanes; ++l) {
+      pattern_tokens[pat][l] = static_cast<int32_t>(((pat / k) * chunk_elems + pat % k + l * k) %
+                                                    block_size);
+    }
+  }
   i32x16 keep[kValueBlocks][8];  // lanes of valid tokens, per block and pattern
   bool partial[kValueBlocks];
+  const cache_t* tiles[kValueBlocks];
+  const cache_t* next_tiles[kValueBlocks];
   for (int64_t b0 = first_block; b0 < end_block; b0 += kValueBlocks) {
     const int64_t nb = std::min<int64_t>(kValueBlocks, end_block - b0);
-    const cache_t* tiles[kValueBlocks];
+    const int64_t next_nb = std::min<int64_t>(kValueBlocks, end_block - b0 - nb);
+    for (int64_t i = 0; i < next_nb; ++i) {
+      next_tiles[i] = value_base + block_table[b0 + nb + i] * p.value_block_stride;
+    }
     for (int64_t i = 0; i < nb; ++i) {
-      if (b0 + kValueBlocks + i < end_block) {  // the next group of blocks
-        prefetch_tile(value_base + block_table[b0 + kValueBlocks + i] * p.value_block_stride,
-                      tile_bytes);
-      }
       const int64_t block_start = (b0 + i) * block_size;
       tiles[i] = value_base + block_table[b0 + i] * p.value_block_stride;
       partial[i] = block_start < begin || block_start + block_size > end;
+      float* patterns_out = prob_patterns + i * pattern_block_stride;
       for (int64_t pat = 0; pat < patterns; ++pat) {
-        const int64_t v = pat % k;
-        const int64_t row_chunk = pat / k;
-        const i32x16 token = (static_cast<int32_t>(row_chunk * chunk_elems + v) +
-                              lane_index() * k) %
-                             static_cast<int32_t>(block_size);
-        const i32x16 pos = token + static_cast<int32_t>(block_start - begin);
-        keep[i][pat] = (pos >= 0) & (pos < static_cast<int32_t>(n));
+        const int32_t* token = pattern_tokens[pat];
         for (int64_t g = 0; g < group_pad; ++g) {
-          f32x16 probs{};
-          if (g < group) {
-            const float* row = logits + g * s.logit_stride;
-            for (int l = 0; l < kLanes; ++l) probs[l] = keep[i][pat][l] ? row[pos[l]] : 0.0f;
+          float* dst = patterns_out + (g * patterns + pat) * kLanes;
+          const float* row = logits + std::min(g, group - 1) * s.logit_stride;
+          if (g >= group) {
+            std::fill(dst, dst + kLanes, 0.0f);
+          } else if (!partial[i]) {
+            const float* probs = row + (block_start - begin);
+            for (int l = 0; l < kLanes; ++l) dst[l] = probs[token[l]];
+          } else {
+            for (int l = 0; l < kLanes; ++l) {
+              const int64_t pos = block_start - begin + token[l];
+              dst[l] = pos >= 0 && pos < n ? row[pos] : 0.0f;
+            }
           }
-          store_floats(prob_patterns + i * pattern_block_stride + (g * patterns + pat) * kLanes,
-                       probs);
+        }
+        if (partial[i]) {
+          for (int l = 0; l < kLanes; ++l) {
+            const int64_t pos = block_start - begin + token[l];
+            keep[i][pat][l] = pos >= 0 && pos < n ? -1 : 0;
+          }
         }
       }
     }
@@ -447,6 +464,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         for (int g = 0; g < kHeadTile; ++g) {
           for (int m = 0; m < kChunkTile; ++m) {
             acc[g][m] = load_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
+          }
+        }
+        if (g0 == 0) {  // the same chunks of the next group's tiles
+          for (int64_t i = 0; i < next_nb; ++i) {
+            prefetch_lines(next_tiles[i] + m0 * chunk_elems, kChunkTile * 64);
           }
         }
         for (int64_t i = 0; i < nb; ++i) {
