@@ -22,6 +22,7 @@
 #include <ATen/Version.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -206,6 +207,7 @@ struct AttentionParams {
   float* exp_sums;
   int64_t num_partitions;  // 1 for v1
   int64_t partition_size;  // tokens per unit; v1: unlimited
+  int64_t max_unit_tokens;  // the most tokens any unit attends to
 };
 
 // A float buffer whose data starts on a 64-byte boundary (vectors are loaded and stored through
@@ -225,7 +227,6 @@ class AlignedFloats {
 };
 
 constexpr int kHeadTile = 4;     // query heads whose multiply-adds share a loaded cache vector
-constexpr int kChunkTile = 2;    // cache chunks whose multiply-adds share a loaded pattern
 constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -285,6 +286,9 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   constexpr int k = kVectorsPerChunk<cache_t>;
   constexpr int64_t chunk_elems = kElementsPerChunk<cache_t>;
   constexpr int64_t x = 16 / sizeof(cache_t);  // key layout: elements per 16 bytes
+  // Chunks whose multiply-adds share one loaded query/probability pattern: 4 when the
+  // accumulators and converted chunks still fit in 32 vector registers, else 2.
+  constexpr bool kWideTile = k <= 2;
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -327,30 +331,36 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     const cache_t* tile = key_base + block_table[b] * p.key_block_stride;
     for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
       const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
-      for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kChunkTile) {
-        f32x16 acc[kHeadTile][kChunkTile] = {};
+      // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
+      auto chunk_logits = [&]<int kTile>(int64_t m0) {
+        f32x16 acc[kHeadTile][kTile] = {};
         for (int64_t c = 0; c < dim_rows; ++c) {
           if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
             prefetch_lines(ahead + c * block_size * x, block_size * 16);
           }
-          f32x16 keys[kChunkTile][k];
-          for (int m = 0; m < kChunkTile; ++m) {
+          f32x16 keys[kTile][k];
+          for (int m = 0; m < kTile; ++m) {
             load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems, p.key_scale, keys[m]);
           }
           for (int v = 0; v < k; ++v) {
             for (int g = 0; g < kHeadTile; ++g) {
               const f32x16 q = load_floats(qp + (g * patterns_per_head + c * k + v) * kLanes);
-              for (int m = 0; m < kChunkTile; ++m) acc[g][m] += q * keys[m][v];
+              for (int m = 0; m < kTile; ++m) acc[g][m] += q * keys[m][v];
             }
           }
         }
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kChunkTile; ++m) {
+          for (int m = 0; m < kTile; ++m) {
             const f32x16 sums = group_sum<4>(acc[g][m]);
             float* dst = block_logits + (g0 + g) * block_size + (m0 + m) * 4;
             for (int t = 0; t < 4; ++t) dst[t] = sums[4 * t];
           }
         }
+      };
+      if (kWideTile && key_chunks_per_row % 4 == 0) {
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) chunk_logits.template operator()<4>(m0);
+      } else {
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 2) chunk_logits.template operator()<2>(m0);
       }
     }
     // Slots outside [begin, end) (the tail of the last block, or before a sliding window)
@@ -459,42 +469,54 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
       }
     }
     for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
-      for (int64_t m0 = 0; m0 < value_chunks; m0 += kChunkTile) {
-        f32x16 acc[kHeadTile][kChunkTile];
+      // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
+      // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
+      auto chunk_values = [&]<int kTile>(int64_t m0) {
+        f32x16 acc[kHeadTile][kTile];
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kChunkTile; ++m) {
+          for (int m = 0; m < kTile; ++m) {
             acc[g][m] = load_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
           }
         }
         if (g0 == 0) {  // the same chunks of the next group's tiles
           for (int64_t i = 0; i < next_nb; ++i) {
-            prefetch_lines(next_tiles[i] + m0 * chunk_elems, kChunkTile * 64);
+            prefetch_lines(next_tiles[i] + m0 * chunk_elems, kTile * 64);
           }
         }
         for (int64_t i = 0; i < nb; ++i) {
-          f32x16 values[kChunkTile][k];
-          for (int m = 0; m < kChunkTile; ++m) {
+          f32x16 values[kTile][k];
+          for (int m = 0; m < kTile; ++m) {
             load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
           }
-          const float* pp = prob_patterns + i * pattern_block_stride + g0 * patterns * kLanes;
-          for (int m = 0; m < kChunkTile; ++m) {
-            const int64_t pat0 = ((m0 + m) % chunks_per_row) * k;
-            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
-              for (int v = 0; v < k; ++v) values[m][v] = zero_where_not(values[m][v], keep[i][pat0 + v]);
-            }
-            for (int v = 0; v < k; ++v) {
-              for (int g = 0; g < kHeadTile; ++g) {
-                acc[g][m] += load_floats(pp + (g * patterns + pat0 + v) * kLanes) * values[m][v];
+          if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+            for (int m = 0; m < kTile; ++m) {
+              for (int v = 0; v < k; ++v) {
+                values[m][v] =
+                    zero_where_not(values[m][v], keep[i][(m % chunks_per_row) * k + v]);
               }
+            }
+          }
+          const float* pp = prob_patterns + i * pattern_block_stride + g0 * patterns * kLanes;
+          for (int v = 0; v < k; ++v) {
+            for (int g = 0; g < kHeadTile; ++g) {
+              const f32x16 even = load_floats(pp + (g * patterns + v) * kLanes);
+              const f32x16 odd =
+                  chunks_per_row > 1 ? load_floats(pp + (g * patterns + k + v) * kLanes) : even;
+              for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
             }
           }
         }
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kChunkTile; ++m) {
+          for (int m = 0; m < kTile; ++m) {
             store_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
           }
         }
+      };
+      int64_t m0 = 0;
+      if (kWideTile) {
+        for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
       }
+      for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
     }
   }
   // Fold the lane-wise sums into head dims: a chunk covers rows_per_chunk rows of lanes_per_row
@@ -516,25 +538,21 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   }
 }
 
-// Runs units [unit_begin, unit_end) of (sequence, KV head, partition), in that nesting order.
+// Runs units of (sequence, KV head, partition), numbered in that nesting order, taking the next
+// unnumbered one from `next_unit` until none is left. Taking units one at a time balances
+// sequences of different lengths (and threads slowed by other work on the machine).
 template <typename scalar_t, typename cache_t>
-inline void run_units(const AttentionParams& p, int64_t unit_begin, int64_t unit_end) {
+inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
   const int64_t group = p.num_heads / p.num_kv_heads;
-  int64_t max_tokens = 0;
-  for (int64_t u = unit_begin; u < unit_end; ++u) {
-    max_tokens =
-        std::max<int64_t>(max_tokens, p.seq_lens[u / (p.num_kv_heads * p.num_partitions)]);
-  }
-  max_tokens = std::min(max_tokens, p.partition_size);
-  if (p.sliding_window > 0) max_tokens = std::min(max_tokens, p.sliding_window);
-
+  const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
   Scratch s;
-  s.resize(group, p.head_size, p.block_size, max_tokens);
+  s.resize(group, p.head_size, p.block_size, p.max_unit_tokens);
   std::vector<float> result(group * p.head_size);
   std::vector<float> max_logit(group);
   std::vector<float> exp_sum(group);
 
-  for (int64_t u = unit_begin; u < unit_end; ++u) {
+  for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < units;
+       u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t partition = u % p.num_partitions;
     const int64_t kv_head = (u / p.num_partitions) % p.num_kv_heads;
     const int64_t seq = u / (p.num_partitions * p.num_kv_heads);
@@ -569,8 +587,8 @@ inline void run_units(const AttentionParams& p, int64_t unit_begin, int64_t unit
 // so each copy is compiled for its own target.
 #define PA_DEFINE_VARIANT(name, attributes)                                                   \
   template <typename scalar_t, typename cache_t>                                              \
-  attributes void name(const AttentionParams& p, int64_t unit_begin, int64_t unit_end) {     \
-    run_units<scalar_t, cache_t>(p, unit_begin, unit_end);                                    \
+  attributes void name(const AttentionParams& p, std::atomic<int64_t>& next_unit) {         \
+    run_units<scalar_t, cache_t>(p, next_unit);                                               \
   }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -608,13 +626,23 @@ Isa selected_isa() {
 template <typename scalar_t, typename cache_t>
 void run_all_units(const AttentionParams& p) {
   const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), units);
   const Isa isa = selected_isa();
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next_unit{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
 #ifdef PA_HAVE_X86_VARIANTS
-    if (isa == Isa::kAvx512) return run_units_avx512<scalar_t, cache_t>(p, begin, end);
-    if (isa == Isa::kAvx2) return run_units_avx2<scalar_t, cache_t>(p, begin, end);
+      if (isa == Isa::kAvx512) {
+        run_units_avx512<scalar_t, cache_t>(p, next_unit);
+        continue;
+      }
+      if (isa == Isa::kAvx2) {
+        run_units_avx2<scalar_t, cache_t>(p, next_unit);
+        continue;
+      }
 #endif
-    run_units_baseline<scalar_t, cache_t>(p, begin, end);
+      run_units_baseline<scalar_t, cache_t>(p, next_unit);
+    }
   });
 }
 
@@ -655,6 +683,8 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
   p.num_kv_heads = dims.num_kv_heads;
   p.head_size = dims.head_size;
   p.block_size = dims.block_size;
+  p.max_unit_tokens = std::min(dims.max_seq_len, p.partition_size);
+  if (sliding_window > 0) p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window);
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
 
   p.key_scale = 1.0f;
