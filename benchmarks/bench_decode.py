@@ -196,6 +196,9 @@ def method_flex(case):
         seq_lengths=(1, num_blocks * BLOCK_SIZE),
     )
     query = case["query"].unsqueeze(2)
+    # A fresh compilation per shape: past torch._dynamo's recompile limit, torch.compile would
+    # silently fall back to the unfused eager implementation.
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def run():

@@ -13,9 +13,11 @@
 // Tile layouts (DESIGN.md), per block and KV head, both contiguous:
 //   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
 //   values [head_size][block_size]
-// A 16-lane vector read from a key tile holds 16/x tokens times x head dims; a vector read from a
-// value tile holds one head dim of 16 tokens (two dims of 8 tokens when block_size is 8). The
-// multiply-adds accumulate lane-wise and a shuffle tree sums groups of lanes at the end.
+// Tiles are read in 64-byte chunks, in storage order, each converted to fp32 vectors in a
+// de-interleaved lane order (see load_chunk). The query and the probabilities are laid out once
+// per unit/block in the matching order ("patterns"), the multiply-adds accumulate lane-wise, and
+// a shuffle tree sums groups of lanes at the end: a key chunk always holds 4 tokens x 4 lanes, a
+// value chunk holds whole head-dim rows (or half a row for fp32 with block size 32).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -37,8 +39,9 @@ namespace paged_attention::cpu {
 
 namespace {
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors only cross inlined helpers
+// 64-byte vectors are passed only between inlined helpers, so their ABI never matters (the
+// warning would otherwise be issued for the baseline variant, at the end of the file).
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 constexpr int kLanes = 16;
 using f32x16 = float __attribute__((vector_size(64)));
@@ -139,10 +142,18 @@ inline f32x16 zero_where_not(f32x16 v, i32x16 keep) {
 // After group_sum<W>, lane k * W holds the sum of lanes [k * W, (k + 1) * W).
 template <int W>
 inline f32x16 group_sum(f32x16 v) {
-  if constexpr (W >= 16) v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  if constexpr (W >= 8) v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  if constexpr (W >= 4) v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  if constexpr (W >= 2) v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  if constexpr (W >= 16) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  }
+  if constexpr (W >= 8) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  }
+  if constexpr (W >= 4) {
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  }
+  if constexpr (W >= 2) {
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
   return v;
 }
 
@@ -168,7 +179,8 @@ inline f32x16 vexp(f32x16 x) {
 // tanh(y) = 1 - 2 / (e^2y + 1), with an odd Taylor series near 0 where that form cancels.
 inline f32x16 vtanh(f32x16 y) {
   const f32x16 y2 = y * y;
-  const f32x16 series = y * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f + y2 * (-17.0f / 315.0f))));
+  const f32x16 series =
+      y * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f + y2 * (-17.0f / 315.0f))));
   const f32x16 general = 1.0f - 2.0f / (vexp(2.0f * y) + 1.0f);
   return y2 < 0.0625f * 0.0625f ? series : general;
 }
@@ -308,16 +320,17 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t dim_rows = head_size / x;
   const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
   float* query_patterns = s.query_patterns.data();
-  for (int64_t g = 0; g < group_pad; ++g) {
+  std::fill(query_patterns + group * patterns_per_head * kLanes,
+            query_patterns + group_pad * patterns_per_head * kLanes, 0.0f);  // padding heads
+  for (int64_t g = 0; g < group; ++g) {
     const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
-                        (kv_head * group + std::min(g, group - 1)) * p.query_head_stride;
+                        (kv_head * group + g) * p.query_head_stride;
     for (int64_t c = 0; c < dim_rows; ++c) {
       for (int v = 0; v < k; ++v) {
-        f32x16 pattern{};
-        for (int l = 0; g < group && l < kLanes; ++l) {
+        float* pattern = query_patterns + (g * patterns_per_head + c * k + v) * kLanes;
+        for (int l = 0; l < kLanes; ++l) {
           pattern[l] = static_cast<float>(q[c * x + (l % 4) * k + v]) * p.scale;
         }
-        store_floats(query_patterns + (g * patterns_per_head + c * k + v) * kLanes, pattern);
       }
     }
   }
@@ -358,9 +371,13 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         }
       };
       if (kWideTile && key_chunks_per_row % 4 == 0) {
-        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) chunk_logits.template operator()<4>(m0);
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
+          chunk_logits.template operator()<4>(m0);
+        }
       } else {
-        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 2) chunk_logits.template operator()<2>(m0);
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 2) {
+          chunk_logits.template operator()<2>(m0);
+        }
       }
     }
     // Slots outside [begin, end) (the tail of the last block, or before a sliding window)
@@ -645,8 +662,6 @@ void run_all_units(const AttentionParams& p) {
     }
   });
 }
-
-#pragma GCC diagnostic pop
 
 // The query dtypes the kernels support (the checks reject others first).
 #define PA_DISPATCH_QUERY_TYPES(TYPE, NAME, ...)             \
