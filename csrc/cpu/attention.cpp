@@ -13,15 +13,18 @@
 // Tile layouts (DESIGN.md), per block and KV head, both contiguous:
 //   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
 //   values [head_size][block_size]
-// A 16-lane vector read from a key tile holds 16/x tokens times x head dims; a vector read from a
-// value tile holds one head dim of 16 tokens (two dims of 8 tokens when block_size is 8). The
-// multiply-adds accumulate lane-wise and a shuffle tree sums groups of lanes at the end.
+// Tiles are read in 64-byte chunks, in storage order, each converted to fp32 vectors in a
+// de-interleaved lane order (see load_chunk). The query and the probabilities are laid out once
+// per unit/block in the matching order ("patterns"), the multiply-adds accumulate lane-wise, and
+// a shuffle tree sums groups of lanes at the end: a key chunk always holds 4 tokens x 4 lanes, a
+// value chunk holds whole head-dim rows (or half a row for fp32 with block size 32).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,8 +39,9 @@ namespace paged_attention::cpu {
 
 namespace {
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors only cross inlined helpers
+// 64-byte vectors are passed only between inlined helpers, so their ABI never matters (the
+// warning would otherwise be issued for the baseline variant, at the end of the file).
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 constexpr int kLanes = 16;
 using f32x16 = float __attribute__((vector_size(64)));
@@ -138,10 +142,18 @@ inline f32x16 zero_where_not(f32x16 v, i32x16 keep) {
 // After group_sum<W>, lane k * W holds the sum of lanes [k * W, (k + 1) * W).
 template <int W>
 inline f32x16 group_sum(f32x16 v) {
-  if constexpr (W >= 16) v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  if constexpr (W >= 8) v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  if constexpr (W >= 4) v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  if constexpr (W >= 2) v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  if constexpr (W >= 16) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  }
+  if constexpr (W >= 8) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  }
+  if constexpr (W >= 4) {
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  }
+  if constexpr (W >= 2) {
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
   return v;
 }
 
@@ -167,7 +179,8 @@ inline f32x16 vexp(f32x16 x) {
 // tanh(y) = 1 - 2 / (e^2y + 1), with an odd Taylor series near 0 where that form cancels.
 inline f32x16 vtanh(f32x16 y) {
   const f32x16 y2 = y * y;
-  const f32x16 series = y * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f + y2 * (-17.0f / 315.0f))));
+  const f32x16 series =
+      y * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f + y2 * (-17.0f / 315.0f))));
   const f32x16 general = 1.0f - 2.0f / (vexp(2.0f * y) + 1.0f);
   return y2 < 0.0625f * 0.0625f ? series : general;
 }
@@ -206,6 +219,7 @@ struct AttentionParams {
   float* exp_sums;
   int64_t num_partitions;  // 1 for v1
   int64_t partition_size;  // tokens per unit; v1: unlimited
+  int64_t max_unit_tokens;  // the most tokens any unit attends to
 };
 
 // A float buffer whose data starts on a 64-byte boundary (vectors are loaded and stored through
@@ -225,17 +239,17 @@ class AlignedFloats {
 };
 
 constexpr int kHeadTile = 4;     // query heads whose multiply-adds share a loaded cache vector
-constexpr int kChunkTile = 2;    // cache chunks whose multiply-adds share a loaded pattern
 constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // Blocks are scattered in memory, so the hardware prefetchers cannot run ahead across them; the
-// kernel requests the tiles it will read next itself.
+// kernel requests the tiles it will read next itself, a few lines at a time between its
+// multiply-adds (a burst of requests would stall once the line-fill buffers are full).
 constexpr int64_t kKeyPrefetchBlocks = 2;
 
-inline void prefetch_tile(const void* tile, int64_t bytes) {
-  const char* p = static_cast<const char*>(tile);
+inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
@@ -284,6 +298,9 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   constexpr int k = kVectorsPerChunk<cache_t>;
   constexpr int64_t chunk_elems = kElementsPerChunk<cache_t>;
   constexpr int64_t x = 16 / sizeof(cache_t);  // key layout: elements per 16 bytes
+  // Chunks whose multiply-adds share one loaded query/probability pattern: 4 when the
+  // accumulators and converted chunks still fit in 32 vector registers, else 2.
+  constexpr bool kWideTile = k <= 2;
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -303,51 +320,63 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t dim_rows = head_size / x;
   const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
   float* query_patterns = s.query_patterns.data();
-  for (int64_t g = 0; g < group_pad; ++g) {
+  std::fill(query_patterns + group * patterns_per_head * kLanes,
+            query_patterns + group_pad * patterns_per_head * kLanes, 0.0f);  // padding heads
+  for (int64_t g = 0; g < group; ++g) {
     const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
-                        (kv_head * group + std::min(g, group - 1)) * p.query_head_stride;
+                        (kv_head * group + g) * p.query_head_stride;
     for (int64_t c = 0; c < dim_rows; ++c) {
       for (int v = 0; v < k; ++v) {
-        f32x16 pattern{};
-        for (int l = 0; g < group && l < kLanes; ++l) {
+        float* pattern = query_patterns + (g * patterns_per_head + c * k + v) * kLanes;
+        for (int l = 0; l < kLanes; ++l) {
           pattern[l] = static_cast<float>(q[c * x + (l % 4) * k + v]) * p.scale;
         }
-        store_floats(query_patterns + (g * patterns_per_head + c * k + v) * kLanes, pattern);
       }
     }
   }
   float* logits = s.logits.data();
   float* block_logits = s.block_logits.data();
   const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
-  const int64_t tile_bytes = head_size * block_size * sizeof(cache_t);
   for (int64_t b = first_block; b < end_block; ++b) {
-    if (b + kKeyPrefetchBlocks < end_block) {
-      prefetch_tile(key_base + block_table[b + kKeyPrefetchBlocks] * p.key_block_stride,
-                    tile_bytes);
-    }
+    const cache_t* ahead = b + kKeyPrefetchBlocks < end_block
+                               ? key_base + block_table[b + kKeyPrefetchBlocks] * p.key_block_stride
+                               : nullptr;
     const cache_t* tile = key_base + block_table[b] * p.key_block_stride;
     for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
       const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
-      for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kChunkTile) {
-        f32x16 acc[kHeadTile][kChunkTile] = {};
+      // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
+      auto chunk_logits = [&]<int kTile>(int64_t m0) {
+        f32x16 acc[kHeadTile][kTile] = {};
         for (int64_t c = 0; c < dim_rows; ++c) {
-          f32x16 keys[kChunkTile][k];
-          for (int m = 0; m < kChunkTile; ++m) {
+          if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
+            prefetch_lines(ahead + c * block_size * x, block_size * 16);
+          }
+          f32x16 keys[kTile][k];
+          for (int m = 0; m < kTile; ++m) {
             load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems, p.key_scale, keys[m]);
           }
           for (int v = 0; v < k; ++v) {
             for (int g = 0; g < kHeadTile; ++g) {
               const f32x16 q = load_floats(qp + (g * patterns_per_head + c * k + v) * kLanes);
-              for (int m = 0; m < kChunkTile; ++m) acc[g][m] += q * keys[m][v];
+              for (int m = 0; m < kTile; ++m) acc[g][m] += q * keys[m][v];
             }
           }
         }
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kChunkTile; ++m) {
+          for (int m = 0; m < kTile; ++m) {
             const f32x16 sums = group_sum<4>(acc[g][m]);
             float* dst = block_logits + (g0 + g) * block_size + (m0 + m) * 4;
             for (int t = 0; t < 4; ++t) dst[t] = sums[4 * t];
           }
+        }
+      };
+      if (kWideTile && key_chunks_per_row % 4 == 0) {
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
+          chunk_logits.template operator()<4>(m0);
+        }
+      } else {
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 2) {
+          chunk_logits.template operator()<2>(m0);
         }
       }
     }
@@ -409,70 +438,102 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   std::fill(acc_mem, acc_mem + group_pad * value_chunks * kLanes, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
   const int64_t pattern_block_stride = group_pad * patterns * kLanes;
+  int32_t pattern_tokens[8][kLanes];  // token of each lane of each pattern, within a block
+  for (int64_t pat = 0; pat < patterns; ++pat) {
+    for (int l = 0; l < kLanes; ++l) {
+      pattern_tokens[pat][l] = static_cast<int32_t>(((pat / k) * chunk_elems + pat % k + l * k) %
+                                                    block_size);
+    }
+  }
   i32x16 keep[kValueBlocks][8];  // lanes of valid tokens, per block and pattern
   bool partial[kValueBlocks];
+  const cache_t* tiles[kValueBlocks];
+  const cache_t* next_tiles[kValueBlocks];
   for (int64_t b0 = first_block; b0 < end_block; b0 += kValueBlocks) {
     const int64_t nb = std::min<int64_t>(kValueBlocks, end_block - b0);
-    const cache_t* tiles[kValueBlocks];
+    const int64_t next_nb = std::min<int64_t>(kValueBlocks, end_block - b0 - nb);
+    for (int64_t i = 0; i < next_nb; ++i) {
+      next_tiles[i] = value_base + block_table[b0 + nb + i] * p.value_block_stride;
+    }
     for (int64_t i = 0; i < nb; ++i) {
-      if (b0 + kValueBlocks + i < end_block) {  // the next group of blocks
-        prefetch_tile(value_base + block_table[b0 + kValueBlocks + i] * p.value_block_stride,
-                      tile_bytes);
-      }
       const int64_t block_start = (b0 + i) * block_size;
       tiles[i] = value_base + block_table[b0 + i] * p.value_block_stride;
       partial[i] = block_start < begin || block_start + block_size > end;
+      float* patterns_out = prob_patterns + i * pattern_block_stride;
       for (int64_t pat = 0; pat < patterns; ++pat) {
-        const int64_t v = pat % k;
-        const int64_t row_chunk = pat / k;
-        const i32x16 token = (static_cast<int32_t>(row_chunk * chunk_elems + v) +
-                              lane_index() * k) %
-                             static_cast<int32_t>(block_size);
-        const i32x16 pos = token + static_cast<int32_t>(block_start - begin);
-        keep[i][pat] = (pos >= 0) & (pos < static_cast<int32_t>(n));
+        const int32_t* token = pattern_tokens[pat];
         for (int64_t g = 0; g < group_pad; ++g) {
-          f32x16 probs{};
-          if (g < group) {
-            const float* row = logits + g * s.logit_stride;
-            for (int l = 0; l < kLanes; ++l) probs[l] = keep[i][pat][l] ? row[pos[l]] : 0.0f;
+          float* dst = patterns_out + (g * patterns + pat) * kLanes;
+          const float* row = logits + std::min(g, group - 1) * s.logit_stride;
+          if (g >= group) {
+            std::fill(dst, dst + kLanes, 0.0f);
+          } else if (!partial[i]) {
+            const float* probs = row + (block_start - begin);
+            for (int l = 0; l < kLanes; ++l) dst[l] = probs[token[l]];
+          } else {
+            for (int l = 0; l < kLanes; ++l) {
+              const int64_t pos = block_start - begin + token[l];
+              dst[l] = pos >= 0 && pos < n ? row[pos] : 0.0f;
+            }
           }
-          store_floats(prob_patterns + i * pattern_block_stride + (g * patterns + pat) * kLanes,
-                       probs);
+        }
+        if (partial[i]) {
+          for (int l = 0; l < kLanes; ++l) {
+            const int64_t pos = block_start - begin + token[l];
+            keep[i][pat][l] = pos >= 0 && pos < n ? -1 : 0;
+          }
         }
       }
     }
     for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
-      for (int64_t m0 = 0; m0 < value_chunks; m0 += kChunkTile) {
-        f32x16 acc[kHeadTile][kChunkTile];
+      // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
+      // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
+      auto chunk_values = [&]<int kTile>(int64_t m0) {
+        f32x16 acc[kHeadTile][kTile];
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kChunkTile; ++m) {
+          for (int m = 0; m < kTile; ++m) {
             acc[g][m] = load_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
           }
         }
+        if (g0 == 0) {  // the same chunks of the next group's tiles
+          for (int64_t i = 0; i < next_nb; ++i) {
+            prefetch_lines(next_tiles[i] + m0 * chunk_elems, kTile * 64);
+          }
+        }
         for (int64_t i = 0; i < nb; ++i) {
-          f32x16 values[kChunkTile][k];
-          for (int m = 0; m < kChunkTile; ++m) {
+          f32x16 values[kTile][k];
+          for (int m = 0; m < kTile; ++m) {
             load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
           }
-          const float* pp = prob_patterns + i * pattern_block_stride + g0 * patterns * kLanes;
-          for (int m = 0; m < kChunkTile; ++m) {
-            const int64_t pat0 = ((m0 + m) % chunks_per_row) * k;
-            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
-              for (int v = 0; v < k; ++v) values[m][v] = zero_where_not(values[m][v], keep[i][pat0 + v]);
-            }
-            for (int v = 0; v < k; ++v) {
-              for (int g = 0; g < kHeadTile; ++g) {
-                acc[g][m] += load_floats(pp + (g * patterns + pat0 + v) * kLanes) * values[m][v];
+          if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+            for (int m = 0; m < kTile; ++m) {
+              for (int v = 0; v < k; ++v) {
+                values[m][v] =
+                    zero_where_not(values[m][v], keep[i][(m % chunks_per_row) * k + v]);
               }
+            }
+          }
+          const float* pp = prob_patterns + i * pattern_block_stride + g0 * patterns * kLanes;
+          for (int v = 0; v < k; ++v) {
+            for (int g = 0; g < kHeadTile; ++g) {
+              const f32x16 even = load_floats(pp + (g * patterns + v) * kLanes);
+              const f32x16 odd =
+                  chunks_per_row > 1 ? load_floats(pp + (g * patterns + k + v) * kLanes) : even;
+              for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
             }
           }
         }
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kChunkTile; ++m) {
+          for (int m = 0; m < kTile; ++m) {
             store_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
           }
         }
+      };
+      int64_t m0 = 0;
+      if (kWideTile) {
+        for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
       }
+      for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
     }
   }
   // Fold the lane-wise sums into head dims: a chunk covers rows_per_chunk rows of lanes_per_row
@@ -494,25 +555,21 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   }
 }
 
-// Runs units [unit_begin, unit_end) of (sequence, KV head, partition), in that nesting order.
+// Runs units of (sequence, KV head, partition), numbered in that nesting order, taking the next
+// unnumbered one from `next_unit` until none is left. Taking units one at a time balances
+// sequences of different lengths (and threads slowed by other work on the machine).
 template <typename scalar_t, typename cache_t>
-inline void run_units(const AttentionParams& p, int64_t unit_begin, int64_t unit_end) {
+inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
   const int64_t group = p.num_heads / p.num_kv_heads;
-  int64_t max_tokens = 0;
-  for (int64_t u = unit_begin; u < unit_end; ++u) {
-    max_tokens =
-        std::max<int64_t>(max_tokens, p.seq_lens[u / (p.num_kv_heads * p.num_partitions)]);
-  }
-  max_tokens = std::min(max_tokens, p.partition_size);
-  if (p.sliding_window > 0) max_tokens = std::min(max_tokens, p.sliding_window);
-
+  const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
   Scratch s;
-  s.resize(group, p.head_size, p.block_size, max_tokens);
+  s.resize(group, p.head_size, p.block_size, p.max_unit_tokens);
   std::vector<float> result(group * p.head_size);
   std::vector<float> max_logit(group);
   std::vector<float> exp_sum(group);
 
-  for (int64_t u = unit_begin; u < unit_end; ++u) {
+  for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < units;
+       u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t partition = u % p.num_partitions;
     const int64_t kv_head = (u / p.num_partitions) % p.num_kv_heads;
     const int64_t seq = u / (p.num_partitions * p.num_kv_heads);
@@ -547,8 +604,8 @@ inline void run_units(const AttentionParams& p, int64_t unit_begin, int64_t unit
 // so each copy is compiled for its own target.
 #define PA_DEFINE_VARIANT(name, attributes)                                                   \
   template <typename scalar_t, typename cache_t>                                              \
-  attributes void name(const AttentionParams& p, int64_t unit_begin, int64_t unit_end) {     \
-    run_units<scalar_t, cache_t>(p, unit_begin, unit_end);                                    \
+  attributes void name(const AttentionParams& p, std::atomic<int64_t>& next_unit) {         \
+    run_units<scalar_t, cache_t>(p, next_unit);                                               \
   }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -586,17 +643,25 @@ Isa selected_isa() {
 template <typename scalar_t, typename cache_t>
 void run_all_units(const AttentionParams& p) {
   const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), units);
   const Isa isa = selected_isa();
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next_unit{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
 #ifdef PA_HAVE_X86_VARIANTS
-    if (isa == Isa::kAvx512) return run_units_avx512<scalar_t, cache_t>(p, begin, end);
-    if (isa == Isa::kAvx2) return run_units_avx2<scalar_t, cache_t>(p, begin, end);
+      if (isa == Isa::kAvx512) {
+        run_units_avx512<scalar_t, cache_t>(p, next_unit);
+        continue;
+      }
+      if (isa == Isa::kAvx2) {
+        run_units_avx2<scalar_t, cache_t>(p, next_unit);
+        continue;
+      }
 #endif
-    run_units_baseline<scalar_t, cache_t>(p, begin, end);
+      run_units_baseline<scalar_t, cache_t>(p, next_unit);
+    }
   });
 }
-
-#pragma GCC diagnostic pop
 
 // The query dtypes the kernels support (the checks reject others first).
 #define PA_DISPATCH_QUERY_TYPES(TYPE, NAME, ...)             \
@@ -633,6 +698,8 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
   p.num_kv_heads = dims.num_kv_heads;
   p.head_size = dims.head_size;
   p.block_size = dims.block_size;
+  p.max_unit_tokens = std::min(dims.max_seq_len, p.partition_size);
+  if (sliding_window > 0) p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window);
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
 
   p.key_scale = 1.0f;

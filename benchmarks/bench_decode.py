@@ -1,0 +1,428 @@
+"""Decode attention over a paged KV cache: our kernels against plain PyTorch, side by side.
+
+One decode step (one query token per sequence) for every (dtype, batch, context) of the grid,
+32 query heads, 8 KV heads, head size 128, block size 16, every sequence as long as the context,
+with scattered block tables (a random permutation of the block pool). Methods, all on the same
+cache contents:
+
+* ``v1``, ``v2``: ``paged_attention.paged_attention(..., version=1|2)``.
+* ``gather+sdpa``: what a plain PyTorch user writes: gather the blocks through the block table
+  into contiguous K/V, then ``scaled_dot_product_attention(..., enable_gqa=True)``.
+* ``flex``: ``torch.compile``d FlexAttention over a paged cache in FlexAttention's own token-major
+  layout ``[1, kv_heads, blocks * block_size, head_size]`` (the layout of PyTorch's
+  ``torch.nn.attention.experimental._paged_attention``), holding the same values, with a block
+  mask whose KV indices are the physical pages of each sequence and a mask_mod that maps
+  physical positions back to logical ones. Where it cannot run, the reason is reported instead
+  of a number.
+* ``limit``: a streaming read of the same number of bytes (``buffer.sum()`` over a float32
+  buffer as large as the step's K and V; on CUDA timed with events, plus the stated peak).
+
+Every time is the best of several repetitions (the CPU machine this was written on is shared).
+Effective bandwidth = bytes of K and V the step must read / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import paged_attention
+
+NUM_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+CUDA_PEAK_BYTES_PER_S = {"H200": 4.8e12}
+METHODS = ("v1", "v2", "gather+sdpa", "flex")
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn, device: torch.device, reps: int, budget_s: float = 2.0) -> float:
+    """Best wall time of ``fn`` in seconds over up to ``reps`` runs (at least 3, fewer runs once
+    ``budget_s`` is spent), after one warm-up run. CUDA runs are timed with events."""
+    fn()
+    synchronize(device)
+    best = math.inf
+    spent = 0.0
+    for i in range(max(reps, 3)):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+        best = min(best, elapsed)
+        spent += elapsed
+        if i >= 2 and spent > budget_s:
+            break
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# The paged cache
+
+
+def build_case(device, dtype, batch, context, seed=0):
+    """Random paged cache in the DESIGN.md layout, scattered block tables, and a query."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key_cache = torch.randn(
+        num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x, dtype=dtype, device=device
+    )
+    value_cache = torch.randn(
+        num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype=dtype, device=device
+    )
+    pool = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = pool.reshape(batch, blocks_per_seq).to(device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=device)
+    return dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        context=context,
+    )
+
+
+def kv_bytes(batch, context, dtype) -> int:
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * torch.empty((), dtype=dtype).itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# Methods: each returns a zero-argument callable that runs one decode step.
+
+
+def method_ours(case, version):
+    out = torch.empty_like(case["query"])
+
+    def run():
+        paged_attention.paged_attention(
+            case["query"],
+            case["key_cache"],
+            case["value_cache"],
+            case["block_tables"],
+            case["seq_lens"],
+            max_seq_len=case["context"],
+            out=out,
+            version=version,
+        )
+
+    return run
+
+
+def gather_kv(case):
+    """Contiguous [batch, kv_heads, context, head_size] keys and values, via the block table."""
+    tables = case["block_tables"].long()
+    batch, blocks = tables.shape
+    keys = case["key_cache"][tables]  # [b, blocks, kv, D/x, B, x]
+    keys = keys.permute(0, 2, 1, 4, 3, 5).reshape(batch, NUM_KV_HEADS, blocks * BLOCK_SIZE, -1)
+    values = case["value_cache"][tables]  # [b, blocks, kv, D, B]
+    values = values.permute(0, 2, 1, 4, 3).reshape(batch, NUM_KV_HEADS, blocks * BLOCK_SIZE, -1)
+    return keys, values
+
+
+def method_gather_sdpa(case):
+    query = case["query"].unsqueeze(2)  # [b, heads, 1, D]
+
+    def run():
+        keys, values = gather_kv(case)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, enable_gqa=True
+        )
+
+    return run
+
+
+def method_flex(case):
+    """FlexAttention over a token-major paged cache; raises if this torch cannot run it."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    tables = case["block_tables"].long()
+    batch, blocks = tables.shape
+    device = tables.device
+    num_blocks = case["value_cache"].shape[0]
+    # Same values, in FlexAttention's paged layout: physical position = page * block + offset.
+    key_pages = case["key_cache"].permute(1, 0, 3, 2, 4).reshape(NUM_KV_HEADS, -1, HEAD_SIZE)
+    value_pages = case["value_cache"].permute(1, 0, 3, 2).reshape(NUM_KV_HEADS, -1, HEAD_SIZE)
+    key_pages, value_pages = key_pages.unsqueeze(0), value_pages.unsqueeze(0)
+    physical_to_logical = torch.full((batch, num_blocks), -1, dtype=torch.long, device=device)
+    physical_to_logical.scatter_(1, tables, torch.arange(blocks, device=device).expand(batch, -1))
+    seq_lens = case["seq_lens"].long()
+
+    def mask_mod(b, h, q_idx, physical_kv):
+        page = physical_kv // BLOCK_SIZE
+        logical = physical_to_logical[b, page] * BLOCK_SIZE + physical_kv % BLOCK_SIZE
+        return (physical_to_logical[b, page] >= 0) & (logical < seq_lens[b])
+
+    # One column per physical page (as PagedAttention.convert_logical_block_mask does). Pages
+    # holding block_size tokens are "full" (no mask_mod call); a partly filled last page is not.
+    full_pages = seq_lens // BLOCK_SIZE
+    partial_pages = (seq_lens % BLOCK_SIZE > 0).to(torch.int32)
+    full_indices = torch.zeros(batch, 1, 1, num_blocks, dtype=torch.int32, device=device)
+    full_indices[:, 0, 0, :blocks] = tables.to(torch.int32)
+    partial_indices = torch.zeros_like(full_indices)
+    partial_indices[:, 0, 0, 0] = tables.gather(1, full_pages.clamp(max=blocks - 1)[:, None])[:, 0]
+    block_mask = BlockMask.from_kv_blocks(
+        partial_pages.reshape(batch, 1, 1),
+        partial_indices,
+        full_pages.to(torch.int32).reshape(batch, 1, 1),
+        full_indices,
+        BLOCK_SIZE=(1, BLOCK_SIZE),
+        mask_mod=mask_mod,
+        seq_lengths=(1, num_blocks * BLOCK_SIZE),
+    )
+    query = case["query"].unsqueeze(2)
+    # A fresh compilation per shape: past torch._dynamo's recompile limit, torch.compile would
+    # silently fall back to the unfused eager implementation.
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run():
+        return compiled(query, key_pages, value_pages, block_mask=block_mask, enable_gqa=True)
+
+    expected = method_gather_sdpa(case)().float()
+    got = run().float()
+    err = (got - expected).abs().max().item()
+    if not err < 2e-2:
+        raise RuntimeError(f"FlexAttention result differs from gather+sdpa by {err:.3g}")
+    return run
+
+
+def make_method(method: str, case: dict):
+    if method == "v1":
+        return method_ours(case, 1)
+    if method == "v2":
+        return method_ours(case, 2)
+    if method == "gather+sdpa":
+        return method_gather_sdpa(case)
+    if method == "flex":
+        return method_flex(case)
+    raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
+
+
+def streaming_limit(nbytes: int, device: torch.device, reps: int) -> float:
+    """Seconds to read ``nbytes`` once: ``sum()`` of a float32 buffer of that size."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return best_time(buffer.sum, device, reps)
+
+
+# --------------------------------------------------------------------------------------------
+# Machine facts
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        best = max(best, value)
+    return best or 300 << 20
+
+
+def machine_info(device: torch.device) -> dict:
+    info = dict(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        last_level_cache_bytes=last_level_cache_bytes(device),
+    )
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, sms=props.multi_processor_count)
+    else:
+        info.update(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return info
+
+
+def cuda_peak(device: torch.device) -> float | None:
+    name = torch.cuda.get_device_properties(device).name
+    for key, peak in CUDA_PEAK_BYTES_PER_S.items():
+        if key in name:
+            return peak
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def run_grid(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    llc = last_level_cache_bytes(device)
+    result = dict(device=device.type, machine=machine_info(device), rows=[], notes=[])
+    result["notes"].append(
+        "times are best-of-N wall times; limit = sum() over a float32 buffer of the same size"
+    )
+    peak = cuda_peak(device) if device.type == "cuda" else None
+    if peak:
+        result["notes"].append(f"stated peak memory bandwidth: {peak / 1e12:.1f} TB/s")
+    flex_failure = None
+    for dtype in dtypes:
+        for batch in batches:
+            for context in contexts:
+                nbytes = kv_bytes(batch, context, dtype)
+                case = build_case(device, dtype, batch, context)
+                limit_s = streaming_limit(nbytes, device, args.reps)
+                row_common = dict(
+                    dtype=str(dtype).removeprefix("torch."),
+                    batch=batch,
+                    context=context,
+                    kv_bytes=nbytes,
+                    fits_in_last_level_cache=nbytes <= llc,
+                )
+                timings = {}
+                for method in methods:
+                    entry = dict(row_common, method=method)
+                    try:
+                        if method == "flex" and flex_failure is not None:
+                            raise RuntimeError(flex_failure)
+                        fn = make_method(method, case)
+                        seconds = best_time(fn, device, args.reps)
+                        timings[method] = seconds
+                        entry.update(time_s=seconds, bytes_per_s=nbytes / seconds)
+                    except Exception as error:  # reported in the table instead of a number
+                        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                        if method == "flex":
+                            flex_failure = flex_failure or reason
+                        entry.update(time_s=None, error=reason)
+                    result["rows"].append(entry)
+                # Measured again after the methods; the machine may be shared, so keep the best.
+                limit_s = min(limit_s, streaming_limit(nbytes, device, args.reps))
+                limit_entry = dict(row_common, method="limit", time_s=limit_s)
+                limit_entry["bytes_per_s"] = nbytes / limit_s
+                result["rows"].append(limit_entry)
+                for entry in result["rows"][-len(methods) - 1 :]:
+                    if entry.get("time_s"):
+                        entry["fraction_of_limit"] = limit_s / entry["time_s"]
+                        if peak:
+                            entry["fraction_of_peak"] = entry["bytes_per_s"] / peak
+                        if "gather+sdpa" in timings:
+                            entry["speedup_vs_gather_sdpa"] = (
+                                timings["gather+sdpa"] / entry["time_s"]
+                            )
+                print_rows(result["rows"][-len(methods) - 1 :], header=not result.get("printed"))
+                result["printed"] = True
+    result.pop("printed", None)
+    if flex_failure:
+        result["notes"].append(f"flex could not run: {flex_failure}")
+    return result
+
+
+def print_rows(rows, header=False):
+    if header:
+        print(
+            f"{'dtype':>8} {'batch':>5} {'ctx':>6} {'KV MiB':>8} {'LLC':>3} {'method':>12} "
+            f"{'time ms':>9} {'GB/s':>8} {'% limit':>8} {'vs sdpa':>8}"
+        )
+    for r in rows:
+        mib = r["kv_bytes"] / 2**20
+        llc = "yes" if r["fits_in_last_level_cache"] else "no"
+        prefix = f"{r['dtype']:>8} {r['batch']:>5} {r['context']:>6} {mib:>8.1f} {llc:>3} "
+        if r.get("time_s") is None:
+            print(prefix + f"{r['method']:>12}  n/a: {r['error']}")
+            continue
+        speedup = r.get("speedup_vs_gather_sdpa")
+        print(
+            prefix + f"{r['method']:>12} {r['time_s'] * 1e3:>9.3f} {r['bytes_per_s'] / 1e9:>8.2f} "
+            f"{100 * r.get('fraction_of_limit', 0):>7.1f}% "
+            + (f"{speedup:>7.1f}x" if speedup else f"{'':>8}")
+        )
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        rows = [r for r in result["rows"] if r["dtype"] == dtype]
+        labels = sorted({(r["batch"], r["context"]) for r in rows})
+        for method in [*METHODS, "limit"]:
+            points = {
+                (r["batch"], r["context"]): r["bytes_per_s"] / 1e9
+                for r in rows
+                if r["method"] == method and r.get("time_s")
+            }
+            if points:
+                xs = [i for i, label in enumerate(labels) if label in points]
+                ys = [points[labels[i]] for i in xs]
+                style = "k--" if method == "limit" else "o-"
+                ax.plot(xs, ys, style, label=method)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([f"b{b}\nc{c}" for b, c in labels], fontsize=7)
+        ax.set_ylabel("effective KV bandwidth (GB/s)")
+        ax.set_title(f"paged decode, {result['device']}, {dtype}")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--contexts", default="512,2048,4096,8192")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--reps", type=int, default=10, help="repetitions (best is reported)")
+    parser.add_argument("--json", default=None, help="default: results/bench_decode_<device>.json")
+    parser.add_argument("--plot", default=None, help="PNG path (matplotlib)")
+    parser.add_argument("--quick", action="store_true", help="small grid, few reps, no flex")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.contexts, args.reps = "1,8", "512,2048", 3
+        args.methods = "v1,v2,gather+sdpa"
+    result = run_grid(args)
+    json_path = Path(args.json or f"results/bench_decode_{args.device}.json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {json_path}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
