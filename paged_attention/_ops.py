@@ -102,6 +102,12 @@ _CUDA_UNITS_PER_SM = 4
 _V1_MAX_CONTEXT = 8192
 
 
+@torch._dynamo.assume_constant_result
+def _cpu_threads() -> int:
+    # A constant to torch.compile, so that paged_attention() traces with fullgraph=True.
+    return torch.get_num_threads()
+
+
 def cuda_v1_shared_memory_bytes(num_queries_per_kv: int, max_seq_len: int, block_size: int) -> int:
     """Upper bound of the dynamic shared memory of the CUDA v1 kernel (csrc/cuda/launchers.h,
     attention_shared_memory_bytes). A CTA serves up to 8 query heads of a KV group (larger groups
@@ -130,7 +136,7 @@ def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size:
         ):
             return True
         return work_units < _CUDA_UNITS_PER_SM * props.multi_processor_count
-    return work_units < _CPU_UNITS_PER_THREAD * torch.get_num_threads()
+    return work_units < _CPU_UNITS_PER_THREAD * _cpu_threads()
 
 
 def paged_attention(
