@@ -717,3 +717,17 @@ def test_swap_blocks_between_strided_views():
     ops.swap_blocks(src, dst, mapping)
     torch.cuda.synchronize()
     assert torch.equal(dst, expected)
+
+
+def test_out_of_range_host_mapping_is_rejected_without_debug_switch():
+    # A mapping already on the host costs nothing to check, so it is always checked.
+    device = _device()
+    cache = torch.zeros(4, 2, 64, 16, device=device)
+    for mapping in (torch.tensor([[0, 4]]), torch.tensor([[-1, 0]])):
+        with pytest.raises(ValueError, match="out of range"):
+            ops.copy_blocks([cache], [cache.clone()], mapping)
+        for host in (torch.zeros(4, 2, 64, 16), torch.zeros(4, 2, 64, 16).pin_memory()):
+            with pytest.raises(ValueError, match="out of range"):
+                ops.swap_blocks(cache, host, mapping)
+            with pytest.raises(ValueError, match="out of range"):
+                ops.swap_blocks(host, cache, mapping)
