@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "cache_dtype.h"
+
 namespace paged_attention {
 
 // v2 splits each sequence into partitions of this many tokens.
 constexpr int64_t kPartitionSize = 512;
-
-enum class CacheDtype { kAuto, kFp8E4M3, kFp8E5M2 };
 
 // "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; anything else raises, naming kv_cache_dtype.
 CacheDtype parse_cache_dtype(const std::string& kv_cache_dtype);

@@ -111,7 +111,7 @@ __device__ __forceinline__ void unpack_fp8(const uint16_t* pairs, float (&out)[N
 // What the kernel needs to know about a cache: its element type, the key chunk width x (elements
 // per 16 bytes), the value vector (kValueVec consecutive tokens of one head-dim row) and how to
 // turn raw loads into floats (without the fp8 scale).
-template <typename scalar_t, CacheKind kCache>
+template <typename scalar_t, CacheDtype kCache>
 struct CacheTraits {
   using elem_t = scalar_t;
   using value_raw_t = uint4;
@@ -140,9 +140,9 @@ struct Fp8CacheTraits {
 };
 
 template <typename scalar_t>
-struct CacheTraits<scalar_t, CacheKind::kFp8E4M3> : Fp8CacheTraits<scalar_t, __NV_E4M3> {};
+struct CacheTraits<scalar_t, CacheDtype::kFp8E4M3> : Fp8CacheTraits<scalar_t, __NV_E4M3> {};
 template <typename scalar_t>
-struct CacheTraits<scalar_t, CacheKind::kFp8E5M2> : Fp8CacheTraits<scalar_t, __NV_E5M2> {};
+struct CacheTraits<scalar_t, CacheDtype::kFp8E5M2> : Fp8CacheTraits<scalar_t, __NV_E5M2> {};
 
 __device__ __forceinline__ uint4 load_raw(const uint4* p) { return __ldg(p); }
 __device__ __forceinline__ uint2 load_raw(const uint2* p) { return __ldg(p); }
@@ -178,7 +178,7 @@ struct AttentionLaunch {
 
 // kRowsPerThread: value rows one thread owns, 1 for head sizes up to kAttentionThreads, 2 above
 // (a compile-time count keeps the accumulators in registers).
-template <typename scalar_t, CacheKind kCache, int kRowsPerThread>
+template <typename scalar_t, CacheDtype kCache, int kRowsPerThread>
 __global__ void __launch_bounds__(kAttentionThreads)
     paged_attention_kernel(const AttentionParams p, const AttentionLaunch launch) {
   using Traits = CacheTraits<scalar_t, kCache>;
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(kReduceThreads)
 // ---------------------------------------------------------------------------------------------
 // Launch
 
-template <typename scalar_t, CacheKind kCache, int kRowsPerThread>
+template <typename scalar_t, CacheDtype kCache, int kRowsPerThread>
 cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.num_heads == 0) return cudaSuccess;
   const int group = p.num_heads / p.num_kv_heads;
@@ -612,7 +612,7 @@ cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream
   return cudaGetLastError();
 }
 
-template <typename scalar_t, CacheKind kCache>
+template <typename scalar_t, CacheDtype kCache>
 cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream_t stream) {
   static_assert(kMaxHeadSize <= 2 * kAttentionThreads, "a thread owns at most two value rows");
   return p.head_size <= kAttentionThreads
@@ -623,12 +623,12 @@ cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream
 template <typename scalar_t>
 cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream_t stream) {
   switch (p.cache) {
-    case CacheKind::kAuto:
-      return launch_paged_attention<scalar_t, CacheKind::kAuto>(p, v2, stream);
-    case CacheKind::kFp8E4M3:
-      return launch_paged_attention<scalar_t, CacheKind::kFp8E4M3>(p, v2, stream);
-    case CacheKind::kFp8E5M2:
-      return launch_paged_attention<scalar_t, CacheKind::kFp8E5M2>(p, v2, stream);
+    case CacheDtype::kAuto:
+      return launch_paged_attention<scalar_t, CacheDtype::kAuto>(p, v2, stream);
+    case CacheDtype::kFp8E4M3:
+      return launch_paged_attention<scalar_t, CacheDtype::kFp8E4M3>(p, v2, stream);
+    case CacheDtype::kFp8E5M2:
+      return launch_paged_attention<scalar_t, CacheDtype::kFp8E5M2>(p, v2, stream);
   }
   return cudaErrorInvalidValue;
 }

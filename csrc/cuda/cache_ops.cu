@@ -31,20 +31,20 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // Input element -> cache element: a plain copy for "auto", the CPU op's quantize_fp8 otherwise.
-template <typename scalar_t, CacheKind kCache>
+template <typename scalar_t, CacheDtype kCache>
 struct Encoder {
   using cache_t = scalar_t;
   __device__ static cache_t encode(scalar_t v, float /*scale*/) { return v; }
 };
 template <typename scalar_t>
-struct Encoder<scalar_t, CacheKind::kFp8E4M3> {
+struct Encoder<scalar_t, CacheDtype::kFp8E4M3> {
   using cache_t = uint8_t;
   __device__ static cache_t encode(scalar_t v, float scale) {
     return quantize_fp8<c10::Float8_e4m3fn>(to_float(v), scale);
   }
 };
 template <typename scalar_t>
-struct Encoder<scalar_t, CacheKind::kFp8E5M2> {
+struct Encoder<scalar_t, CacheDtype::kFp8E5M2> {
   using cache_t = uint8_t;
   __device__ static cache_t encode(scalar_t v, float scale) {
     return quantize_fp8<c10::Float8_e5m2>(to_float(v), scale);
@@ -52,7 +52,7 @@ struct Encoder<scalar_t, CacheKind::kFp8E5M2> {
 };
 
 // One CTA per token: its threads walk the num_kv_heads * head_size elements.
-template <typename scalar_t, CacheKind kCache>
+template <typename scalar_t, CacheDtype kCache>
 __global__ void __launch_bounds__(kScatterThreads)
     reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
   using E = Encoder<scalar_t, kCache>;
@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(kScatterThreads)
   if (slot < 0 || slot >= p.num_slots) return;  // padding token (or, unchecked, out of range)
   const int64_t block = slot / p.block_size;
   const int offset = static_cast<int>(slot % p.block_size);
-  const float k_scale = kCache == CacheKind::kAuto ? 1.0f : *p.k_scale;
-  const float v_scale = kCache == CacheKind::kAuto ? 1.0f : *p.v_scale;
+  const float k_scale = kCache == CacheDtype::kAuto ? 1.0f : *p.k_scale;
+  const float v_scale = kCache == CacheDtype::kAuto ? 1.0f : *p.v_scale;
   const scalar_t* key = static_cast<const scalar_t*>(p.key) + token * p.key_strides[0];
   const scalar_t* value = static_cast<const scalar_t*>(p.value) + token * p.value_strides[0];
   cache_t* key_block = static_cast<cache_t*>(p.key_cache) + block * p.key_cache_block_stride;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kScatterThreads)
   }
 }
 
-template <typename scalar_t, CacheKind kCache>
+template <typename scalar_t, CacheDtype kCache>
 cudaError_t launch_scatter(const ReshapeAndCacheParams& p, cudaStream_t stream) {
   reshape_and_cache_kernel<scalar_t, kCache>
       <<<static_cast<unsigned>(p.num_tokens), kScatterThreads, 0, stream>>>(p);
@@ -92,12 +92,12 @@ cudaError_t launch_scatter(const ReshapeAndCacheParams& p, cudaStream_t stream) 
 template <typename scalar_t>
 cudaError_t launch_scatter(const ReshapeAndCacheParams& p, cudaStream_t stream) {
   switch (p.cache) {
-    case CacheKind::kAuto:
-      return launch_scatter<scalar_t, CacheKind::kAuto>(p, stream);
-    case CacheKind::kFp8E4M3:
-      return launch_scatter<scalar_t, CacheKind::kFp8E4M3>(p, stream);
-    case CacheKind::kFp8E5M2:
-      return launch_scatter<scalar_t, CacheKind::kFp8E5M2>(p, stream);
+    case CacheDtype::kAuto:
+      return launch_scatter<scalar_t, CacheDtype::kAuto>(p, stream);
+    case CacheDtype::kFp8E4M3:
+      return launch_scatter<scalar_t, CacheDtype::kFp8E4M3>(p, stream);
+    case CacheDtype::kFp8E5M2:
+      return launch_scatter<scalar_t, CacheDtype::kFp8E5M2>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -40,18 +40,6 @@ ScalarKind scalar_kind(at::ScalarType type) {
   }
 }
 
-CacheKind cache_kind(CacheDtype dtype) {
-  switch (dtype) {
-    case CacheDtype::kAuto:
-      return CacheKind::kAuto;
-    case CacheDtype::kFp8E4M3:
-      return CacheKind::kFp8E4M3;
-    case CacheDtype::kFp8E5M2:
-      return CacheKind::kFp8E5M2;
-  }
-  TORCH_CHECK(false, "unknown cache dtype");
-}
-
 void check_launch(cudaError_t status, const char* op) {
   TORCH_CHECK(status == cudaSuccess, op, ": CUDA kernel launch failed: ",
               cudaGetErrorString(status));
@@ -149,7 +137,7 @@ void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_s
   p.k_scale = fp8 ? k_scale.data_ptr<float>() : nullptr;
   p.v_scale = fp8 ? v_scale.data_ptr<float>() : nullptr;
   p.scalar = scalar_kind(query.scalar_type());
-  p.cache = cache_kind(dims.cache_dtype);
+  p.cache = dims.cache_dtype;
 
   const int64_t shared_bytes = attention_shared_memory_bytes(p, v2);
   int device_limit = 0;
@@ -241,7 +229,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   p.k_scale = fp8 ? k_scale.data_ptr<float>() : nullptr;
   p.v_scale = fp8 ? v_scale.data_ptr<float>() : nullptr;
   p.scalar = scalar_kind(key.scalar_type());
-  p.cache = cache_kind(dims.cache_dtype);
+  p.cache = dims.cache_dtype;
   check_launch(launch_reshape_and_cache(p, current_stream(key)),
                "reshape_and_cache");
 }

@@ -7,10 +7,11 @@
 
 #include <cstdint>
 
+#include "cache_dtype.h"
+
 namespace paged_attention::cuda {
 
 enum class ScalarKind { kFloat, kHalf, kBFloat16 };
-enum class CacheKind { kAuto, kFp8E4M3, kFp8E5M2 };
 
 // Threads per attention CTA (four warps).
 constexpr int kAttentionThreads = 128;
@@ -84,7 +85,7 @@ struct AttentionParams {
   const float* v_scale;
   int32_t num_partitions;  // v2: scratch partitions (>= ceil(max_seq_len / partition_size))
   ScalarKind scalar;
-  CacheKind cache;
+  CacheDtype cache;
 };
 
 // Dynamic shared memory one launch of the attention kernel needs (bytes).
@@ -121,7 +122,7 @@ struct ReshapeAndCacheParams {
   const float* k_scale;
   const float* v_scale;
   ScalarKind scalar;
-  CacheKind cache;
+  CacheDtype cache;
 };
 
 cudaError_t launch_reshape_and_cache(const ReshapeAndCacheParams& params, cudaStream_t stream);
