@@ -67,6 +67,12 @@ def _extensions():
     # -Wno-psabi: the CPU kernels are built per instruction set and picked at run time; gcc warns
     # that vector arguments change ABI across those builds, which never call one another.
     host_flags += ["-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
+    # at::parallel_for is inline in ATen's headers: with torch's OpenMP backend it only runs in
+    # parallel when the extension itself is compiled with OpenMP (otherwise it runs serially).
+    link_flags = []
+    if torch.backends.openmp.is_available():
+        host_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     sources = ["csrc/torch_bindings.cpp", "csrc/checks.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     include_dirs = [str(ROOT / "csrc")]
     if not with_cuda:
@@ -76,6 +82,7 @@ def _extensions():
                 sources,
                 include_dirs=include_dirs,
                 extra_compile_args={"cxx": host_flags},
+                extra_link_args=link_flags,
                 py_limited_api=False,
             )
         ]
@@ -105,6 +112,7 @@ def _extensions():
             include_dirs=include_dirs,
             define_macros=[("PAGED_ATTENTION_WITH_CUDA", "1")],
             extra_compile_args={"cxx": host_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
             py_limited_api=False,
         )
     ]

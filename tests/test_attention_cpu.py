@@ -355,6 +355,18 @@ def test_narrower_instruction_sets_agree():
         assert result.stdout.startswith("ok")
 
 
+def test_built_to_run_in_parallel():
+    """ATen's parallel_for is inline in its headers; with torch's OpenMP backend an extension
+    compiled without OpenMP silently runs it on one thread. The built library must therefore
+    call into the OpenMP runtime (a serial build once halved the kernel's speed on 2 cores)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch is not built with the OpenMP parallel backend")
+    from paged_attention import _C
+
+    with open(_C.__file__, "rb") as library:
+        assert b"GOMP_parallel" in library.read()
+
+
 # --------------------------------------------------------------------------------------------
 # Tracing
 
