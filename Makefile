@@ -42,6 +42,7 @@ test: lint
 
 bench: build
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_decode_cpu_core.py
 	$(PY) benchmarks/bench_block_manager.py
 	$(PY) benchmarks/bench_memory.py
 

@@ -17,6 +17,10 @@ cache contents:
 * ``limit``: a streaming read of the same number of bytes (``buffer.sum()`` over a float32
   buffer as large as the step's K and V; on CUDA timed with events, plus the stated peak).
 
+With ``--huge-pages`` the cache and the limit's buffer are advised to use 2 MiB pages, as
+:class:`paged_attention.PagedKVCache` allocates CPU caches (plain ``torch`` tensors, the default
+here, get 4 KiB pages).
+
 Every time is the best of several repetitions (the CPU machine this was written on is shared).
 Effective bandwidth = bytes of K and V the step must read / time.
 """
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 import paged_attention
+from paged_attention.cache import advise_huge_pages
 
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
@@ -82,18 +87,25 @@ def best_time(fn, device: torch.device, reps: int, budget_s: float = 2.0) -> flo
 # The paged cache
 
 
-def build_case(device, dtype, batch, context, seed=0):
+def allocate(shape, dtype, device, huge_pages: bool) -> torch.Tensor:
+    """An uninitialised tensor; with ``huge_pages``, advised to use 2 MiB pages (CPU, Linux) as
+    PagedKVCache's caches are."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if huge_pages:
+        advise_huge_pages(tensor)
+    return tensor
+
+
+def build_case(device, dtype, batch, context, seed=0, huge_pages=False):
     """Random paged cache in the DESIGN.md layout, scattered block tables, and a query."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq
     x = 16 // torch.empty((), dtype=dtype).element_size()
-    key_cache = torch.randn(
-        num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x, dtype=dtype, device=device
-    )
-    value_cache = torch.randn(
-        num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype=dtype, device=device
-    )
+    key_shape = (num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x)
+    key_cache = allocate(key_shape, dtype, device, huge_pages).normal_()
+    value_shape = (num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE)
+    value_cache = allocate(value_shape, dtype, device, huge_pages).normal_()
     pool = torch.randperm(num_blocks, generator=generator).to(torch.int32)
     block_tables = pool.reshape(batch, blocks_per_seq).to(device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -224,9 +236,9 @@ def make_method(method: str, case: dict):
     raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
 
 
-def streaming_limit(nbytes: int, device: torch.device, reps: int) -> float:
+def streaming_limit(nbytes: int, device: torch.device, reps: int, huge_pages=False) -> float:
     """Seconds to read ``nbytes`` once: ``sum()`` of a float32 buffer of that size."""
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    buffer = allocate((nbytes // 4,), torch.float32, device, huge_pages).fill_(1.0)
     return best_time(buffer.sum, device, reps)
 
 
@@ -287,6 +299,7 @@ def run_grid(args) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     llc = last_level_cache_bytes(device)
     result = dict(device=device.type, machine=machine_info(device), rows=[], notes=[])
+    result["huge_pages"] = args.huge_pages
     result["notes"].append(
         "times are best-of-N wall times; limit = sum() over a float32 buffer of the same size"
     )
@@ -298,8 +311,8 @@ def run_grid(args) -> dict:
         for batch in batches:
             for context in contexts:
                 nbytes = kv_bytes(batch, context, dtype)
-                case = build_case(device, dtype, batch, context)
-                limit_s = streaming_limit(nbytes, device, args.reps)
+                case = build_case(device, dtype, batch, context, huge_pages=args.huge_pages)
+                limit_s = streaming_limit(nbytes, device, args.reps, args.huge_pages)
                 row_common = dict(
                     dtype=str(dtype).removeprefix("torch."),
                     batch=batch,
@@ -324,7 +337,7 @@ def run_grid(args) -> dict:
                         entry.update(time_s=None, error=reason)
                     result["rows"].append(entry)
                 # Measured again after the methods; the machine may be shared, so keep the best.
-                limit_s = min(limit_s, streaming_limit(nbytes, device, args.reps))
+                limit_s = min(limit_s, streaming_limit(nbytes, device, args.reps, args.huge_pages))
                 limit_entry = dict(row_common, method="limit", time_s=limit_s)
                 limit_entry["bytes_per_s"] = nbytes / limit_s
                 result["rows"].append(limit_entry)
@@ -410,12 +423,18 @@ def main():
     parser.add_argument("--json", default=None, help="default: results/bench_decode_<device>.json")
     parser.add_argument("--plot", default=None, help="PNG path (matplotlib)")
     parser.add_argument("--quick", action="store_true", help="small grid, few reps, no flex")
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="CPU: cache and limit buffer advised to use 2 MiB pages, as PagedKVCache allocates",
+    )
     args = parser.parse_args()
     if args.quick:
         args.batches, args.contexts, args.reps = "1,8", "512,2048", 3
         args.methods = "v1,v2,gather+sdpa"
     result = run_grid(args)
-    json_path = Path(args.json or f"results/bench_decode_{args.device}.json")
+    suffix = "_huge_pages" if args.huge_pages else ""
+    json_path = Path(args.json or f"results/bench_decode_{args.device}{suffix}.json")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {json_path}")

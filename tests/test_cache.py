@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from paged_attention import _ops, reference
 from paged_attention.block_manager import BlockManager
-from paged_attention.cache import PagedKVCache, bytes_per_block
+from paged_attention.cache import PagedKVCache, advise_huge_pages, bytes_per_block
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 3, 2, 32, 8
 
@@ -54,6 +56,36 @@ def test_layers_are_views_of_one_allocation():
     cache = make_cache()
     cache.key_caches[1][3].fill_(7.0)
     assert cache._keys[1, 3].eq(7.0).all() and not cache._keys[0].any()
+
+
+def vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                low, high = (int(part, 16) for part in first.split("-"))
+                inside = low <= address < high
+            elif inside and first == "VmFlags:":
+                return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="needs Linux with transparent huge pages",
+)
+def test_cpu_caches_are_advised_to_use_huge_pages():
+    cache = make_cache(num_blocks=2048)  # 3 layers x 2048 blocks x 2 KiB: 12 MiB per kind
+    for tensor in (cache._keys, cache._values):
+        huge = 2 << 20
+        first_huge_page = -(-tensor.data_ptr() // huge) * huge
+        assert "hg" in vma_flags(first_huge_page)  # MADV_HUGEPAGE is set on the mapping
+    assert not cache._keys.any() and not cache._values.any()  # advised, then zeroed
+    small = torch.empty(1024)
+    assert not advise_huge_pages(small)  # spans no whole 2 MiB page
+    assert not advise_huge_pages(torch.empty(0))
 
 
 def test_sized_from_memory_budget():
