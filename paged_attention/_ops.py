@@ -121,14 +121,16 @@ def cuda_v1_shared_memory_bytes(num_queries_per_kv: int, max_seq_len: int, block
 
 def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16) -> bool:
     """The v1/v2 choice of ``paged_attention``: v2 when the context spans several partitions and
-    either it is long, v1 would not fit the GPU's shared memory, or the batch is too small to
-    keep the machine busy without splitting sequences."""
+    the batch is too small to keep the machine busy without splitting sequences, or (CUDA) the
+    context is long or v1 would not fit the GPU's shared memory. On the CPU, v1 keeps its logits
+    in per-thread buffers, so long contexts need no split (and v1 was the faster kernel at 16k and
+    32k tokens; README, "Decode attention on the CPU")."""
     if num_partitions(max_seq_len) == 1:
         return False
-    if max_seq_len > _V1_MAX_CONTEXT:
-        return True
     work_units = query.shape[0] * num_kv_heads
     if query.device.type == "cuda":
+        if max_seq_len > _V1_MAX_CONTEXT:
+            return True
         props = torch.cuda.get_device_properties(query.device)
         group = query.shape[1] // num_kv_heads
         if cuda_v1_shared_memory_bytes(group, max_seq_len, block_size) > getattr(

@@ -355,6 +355,19 @@ def test_narrower_instruction_sets_agree():
         assert result.stdout.startswith("ok")
 
 
+def test_v2_only_when_there_are_too_few_units(monkeypatch):
+    """On the CPU, paged_attention() splits sequences into partitions only to occupy the threads,
+    whatever the context length."""
+    monkeypatch.setattr(paged_attention._ops, "_cpu_threads", lambda: 2)
+    use_v2 = paged_attention.use_v2
+    many = torch.empty(32, 32, 128)  # 32 sequences x 8 KV heads = 256 units
+    few = torch.empty(1, 4, 128)  # 1 unit
+    assert not use_v2(many, 8, 32768)
+    assert not use_v2(many, 8, 1024)
+    assert use_v2(few, 1, 32768) and use_v2(few, 1, 1024)
+    assert not use_v2(few, 1, 512)  # one partition: nothing to split
+
+
 def test_built_to_run_in_parallel():
     """ATen's parallel_for is inline in its headers; with torch's OpenMP backend an extension
     compiled without OpenMP silently runs it on one thread. The built library must therefore
