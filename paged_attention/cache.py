@@ -39,10 +39,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     memory is first written. Returns whether the advice was given (Linux, CPU, a tensor spanning
     at least one aligned 2 MiB page).
 
-    A decode step reads blocks scattered over the whole cache, so with 4 KiB pages almost every
-    tile read costs a TLB miss and a page walk; with 2 MiB pages the CPU kernels ran 10-20%
-    faster on a 0.5-1 GiB cache (``benchmarks/bench_decode.py --huge-pages``). Whether the pages
-    are huge is up to the kernel: the advice takes effect when
+    A decode step reads blocks scattered over the whole cache, each in a different 4 KiB page;
+    with 2 MiB pages the CPU kernels ran 4-15% faster on 0.25-2 GiB caches (README, "Decode
+    attention on the CPU"; ``benchmarks/bench_decode.py --huge-pages``). Whether the pages are
+    huge is up to the kernel: the advice takes effect when
     ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``.
     """
     if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
