@@ -157,6 +157,22 @@ inline f32x16 group_sum(f32x16 v) {
   return v;
 }
 
+// a, b, c, d each hold 4 tokens x 4 partial sums (token t in lanes 4t..4t+3); returns the 16
+// token sums in order (a's tokens in lanes 0-3, then b's, c's, d's), with 6 two-vector shuffles.
+inline f32x16 sum_token_lanes(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
+  // Pairs of lanes: a's token t in lanes 2t, 2t + 1, b's in lanes 8 + 2t, 9 + 2t.
+  const f32x16 ab =
+      __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+      __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const f32x16 cd =
+      __builtin_shufflevector(c, d, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+      __builtin_shufflevector(c, d, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(ab, cd, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                 30) +
+         __builtin_shufflevector(ab, cd, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+
 // exp(x) to about 1 ulp: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 Taylor polynomial.
 // Inputs are clamped to the normal range; NaN propagates.
 inline f32x16 vexp(f32x16 x) {
@@ -254,6 +270,10 @@ class AlignedFloats {
 
 constexpr int kHeadTile = 4;     // query heads whose multiply-adds share a loaded cache vector
 constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
+// Probability patterns per block and head: at most 4 vectors per chunk times 2 chunks per value
+// row (fp32, block size 32). A fixed stride keeps the pattern offsets compile-time constants in
+// the value loop, which would otherwise run short of general-purpose registers.
+constexpr int kMaxPatterns = 8;
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -278,7 +298,7 @@ struct Scratch {
   AlignedFloats query_patterns;  // [group_pad][head_size / 4] vectors
   AlignedFloats logits;          // [group][logit_stride]: logits, then exp(logit - max)
   AlignedFloats block_logits;    // [group_pad][block_size]
-  AlignedFloats prob_patterns;   // [kValueBlocks][group_pad][patterns per block] vectors
+  AlignedFloats prob_patterns;   // [kValueBlocks][group_pad][kMaxPatterns] vectors
   AlignedFloats accumulators;    // [group_pad][value chunks per tile] vectors
   int64_t logit_stride;
 
@@ -288,8 +308,7 @@ struct Scratch {
     query_patterns.resize(group_pad * head_size / 4 * kLanes);
     logits.resize(group * logit_stride);
     block_logits.resize(group_pad * block_size);
-    // At most 4 vectors per chunk times 2 chunks per value row (fp32, block size 32).
-    prob_patterns.resize(kValueBlocks * group_pad * 8 * kLanes);
+    prob_patterns.resize(kValueBlocks * group_pad * kMaxPatterns * kLanes);
     // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
     accumulators.resize(group_pad * head_size * block_size);
   }
@@ -389,10 +408,14 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           }
         }
         for (int g = 0; g < kHeadTile; ++g) {
-          for (int m = 0; m < kTile; ++m) {
-            const f32x16 sums = group_sum<4>(acc[g][m]);
-            float* dst = block_logits + (g0 + g) * block_size + (m0 + m) * 4;
-            for (int t = 0; t < 4; ++t) dst[t] = sums[4 * t];
+          float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
+          if constexpr (kTile == 4) {
+            store_floats(dst, sum_token_lanes(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+          } else {
+            for (int m = 0; m < kTile; ++m) {
+              const f32x16 sums = group_sum<4>(acc[g][m]);
+              for (int t = 0; t < 4; ++t) dst[m * 4 + t] = sums[4 * t];
+            }
           }
         }
       };
@@ -463,15 +486,15 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   float* acc_mem = s.accumulators.data();
   std::fill(acc_mem, acc_mem + group_pad * value_chunks * kLanes, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
-  const int64_t pattern_block_stride = group_pad * patterns * kLanes;
-  i32x16 pattern_tokens[8];  // token of each lane of each pattern, within a block
+  const int64_t pattern_block_stride = group_pad * kMaxPatterns * kLanes;
+  i32x16 pattern_tokens[kMaxPatterns];  // token of each lane of each pattern, within a block
   for (int64_t pat = 0; pat < patterns; ++pat) {
     for (int l = 0; l < kLanes; ++l) {
       pattern_tokens[pat][l] = static_cast<int32_t>(((pat / k) * chunk_elems + pat % k + l * k) %
                                                     block_size);
     }
   }
-  i32x16 keep[kValueBlocks][8];  // lanes of valid tokens, per block and pattern
+  i32x16 keep[kValueBlocks][kMaxPatterns];  // lanes of valid tokens, per block and pattern
   bool partial[kValueBlocks];
   const cache_t* tiles[kValueBlocks];
   const cache_t* next_tiles[kValueBlocks];
@@ -489,7 +512,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
       for (int64_t pat = 0; pat < patterns; ++pat) {
         const i32x16 token = pattern_tokens[pat];
         for (int64_t g = 0; g < group_pad; ++g) {
-          float* dst = patterns_out + (g * patterns + pat) * kLanes;
+          float* dst = patterns_out + (g * kMaxPatterns + pat) * kLanes;
           const float* row = logits + std::min(g, group - 1) * s.logit_stride;
           if (g >= group) {
             std::fill(dst, dst + kLanes, 0.0f);
@@ -538,12 +561,12 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
           }
-          const float* pp = prob_patterns + i * pattern_block_stride + g0 * patterns * kLanes;
+          const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
           for (int v = 0; v < k; ++v) {
             for (int g = 0; g < kHeadTile; ++g) {
-              const f32x16 even = load_floats(pp + (g * patterns + v) * kLanes);
+              const f32x16 even = load_floats(pp + (g * kMaxPatterns + v) * kLanes);
               const f32x16 odd =
-                  chunks_per_row > 1 ? load_floats(pp + (g * patterns + k + v) * kLanes) : even;
+                  chunks_per_row > 1 ? load_floats(pp + (g * kMaxPatterns + k + v) * kLanes) : even;
               for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
             }
           }
