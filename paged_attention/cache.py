@@ -40,7 +40,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     at least one aligned 2 MiB page).
 
     A decode step reads blocks scattered over the whole cache, each in a different 4 KiB page;
-    with 2 MiB pages the CPU kernels ran 4-15% faster on 0.25-2 GiB caches (README, "Decode
+    with 2 MiB pages the CPU kernels ran 5-19% faster on 0.25-2 GiB caches (README, "Decode
     attention on the CPU"; ``benchmarks/bench_decode.py --huge-pages``). Whether the pages are
     huge is up to the kernel: the advice takes effect when
     ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``.
