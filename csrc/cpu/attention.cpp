@@ -6,9 +6,12 @@
 // max-subtracted softmax and the probability-weighted sum of the values, all in fp32.
 //
 // Vector code uses GCC/Clang vector extensions (16 float lanes) rather than intrinsics, and the
-// kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA, baseline);
-// the variant is chosen at run time from torch's CPU capability, so the build stays portable and
-// ATEN_CPU_CAPABILITY=avx2|default forces a narrower variant.
+// kernel is compiled twice: for AVX-512, where a 16-lane vector is one register, and for the
+// baseline of the target (SSE2 on x86-64). The variant is chosen at run time from torch's CPU
+// capability, so the build stays portable and ATEN_CPU_CAPABILITY=avx2|default forces the
+// baseline. There is no AVX2 variant: with 256-bit registers GCC keeps the 16-lane vectors on
+// the stack, and such a build (commit c07e996) ran 1.3-1.6x slower here than the baseline
+// (ATEN_CPU_CAPABILITY=avx2 vs. default, benchmarks/bench_decode.py, 32 x 4096).
 //
 // Tile layouts (DESIGN.md), per block and KV head, both contiguous:
 //   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
@@ -660,13 +663,12 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
 PA_DEFINE_VARIANT(run_units_avx512,
                   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,bmi2"),
                                  flatten)))
-PA_DEFINE_VARIANT(run_units_avx2, __attribute__((target("avx2,fma,f16c,bmi2"), flatten)))
 #define PA_HAVE_X86_VARIANTS 1
 #endif
 PA_DEFINE_VARIANT(run_units_baseline, __attribute__((flatten)))
 #undef PA_DEFINE_VARIANT
 
-enum class Isa { kBaseline, kAvx2, kAvx512 };
+enum class Isa { kBaseline, kAvx512 };
 
 // Follows torch's own choice (which honours ATEN_CPU_CAPABILITY) and the CPU's features.
 Isa selected_isa() {
@@ -677,10 +679,6 @@ Isa selected_isa() {
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
       return Isa::kAvx512;
-    }
-    if (capability.find("AVX2") != std::string::npos && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      return Isa::kAvx2;
     }
 #endif
     return Isa::kBaseline;
@@ -699,10 +697,6 @@ void run_all_units(const AttentionParams& p) {
 #ifdef PA_HAVE_X86_VARIANTS
       if (isa == Isa::kAvx512) {
         run_units_avx512<scalar_t, cache_t>(p, next_unit);
-        continue;
-      }
-      if (isa == Isa::kAvx2) {
-        run_units_avx2<scalar_t, cache_t>(p, next_unit);
         continue;
       }
 #endif
