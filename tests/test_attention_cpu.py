@@ -328,10 +328,11 @@ def test_random_shapes(
 
 
 def test_narrower_instruction_sets_agree():
-    """The kernel is compiled for AVX-512 and for baseline x86-64 and picked at run time from
-    torch's CPU capability; forcing a narrower one through ATEN_CPU_CAPABILITY (AVX2 and default
-    both select the baseline) must give the same result as the reference (each in a fresh
-    interpreter)."""
+    """The kernel is compiled for AVX-512, AVX2 (its multiply-add loops in 8-lane halves) and
+    baseline x86-64 and picked at run time from torch's CPU capability; forcing each narrower
+    one through ATEN_CPU_CAPABILITY must give the same result as the reference, over every
+    cache dtype, chunk shape (block sizes 8-32: patterns that span one or two chunks) and
+    partial blocks (each variant runs in a fresh interpreter)."""
     script = textwrap.dedent(
         """
         import sys
@@ -343,6 +344,13 @@ def test_narrower_instruction_sets_agree():
             kv = make_paged_kv(2, [19, 530], 2, 80, 8, dtype, cache)
             check_v1_v2(attention_args(make_query(2, 6, 80, dtype), kv, 6, alibi=True,
                                        soft_cap=20.0))
+        for dtype, cache, head_size, block_size in (
+            (torch.float32, "auto", 128, 32), (torch.float16, "auto", 64, 16),
+            (torch.bfloat16, "auto", 128, 16), (torch.float32, "fp8_e4m3", 64, 32),
+        ):
+            kv = make_paged_kv(3, [1, 77, 700], 2, head_size, block_size, dtype, cache)
+            check_v1_v2(attention_args(make_query(3, 8, head_size, dtype), kv, 8,
+                                       sliding_window=100))
         print("ok", torch.backends.cpu.get_cpu_capability())
         """
     )

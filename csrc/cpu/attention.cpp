@@ -6,12 +6,11 @@
 // max-subtracted softmax and the probability-weighted sum of the values, all in fp32.
 //
 // Vector code uses GCC/Clang vector extensions (16 float lanes) rather than intrinsics, and the
-// kernel is compiled twice: for AVX-512, where a 16-lane vector is one register, and for the
-// baseline of the target (SSE2 on x86-64). The variant is chosen at run time from torch's CPU
-// capability, so the build stays portable and ATEN_CPU_CAPABILITY=avx2|default forces the
-// baseline. There is no AVX2 variant: with 256-bit registers GCC keeps the 16-lane vectors on
-// the stack, and such a build (commit c07e996) ran 1.3-1.6x slower here than the baseline
-// (ATEN_CPU_CAPABILITY=avx2 vs. default, benchmarks/bench_decode.py, 32 x 4096).
+// kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA, baseline);
+// the variant is chosen at run time from torch's CPU capability, so the build stays portable and
+// ATEN_CPU_CAPABILITY=avx2|default forces a narrower variant. A 16-lane vector is one AVX-512
+// register; with 256-bit registers GCC keeps it on the stack, so the AVX2 variant runs its
+// multiply-add loops and the softmax on 8-lane halves instead (kSplit).
 //
 // Tile layouts (DESIGN.md), per block and KV head, both contiguous:
 //   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
@@ -50,7 +49,6 @@ constexpr int kLanes = 16;
 using f32x16 = float __attribute__((vector_size(64)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
-using u16x16 = uint16_t __attribute__((vector_size(32)));
 
 template <typename To, typename From>
 inline To bit_cast(const From& from) {
@@ -60,7 +58,10 @@ inline To bit_cast(const From& from) {
   return to;
 }
 
-inline f32x16 splat(float v) { return f32x16{} + v; }
+template <typename F = f32x16>
+inline F splat(float v) {
+  return F{} + v;
+}
 
 inline f32x16 load_floats(const float* p) {
   f32x16 v;
@@ -79,67 +80,106 @@ constexpr int kVectorsPerChunk = sizeof(cache_t) == 4 ? 1 : 4 / static_cast<int>
 template <typename cache_t>
 constexpr int kElementsPerChunk = 64 / static_cast<int>(sizeof(cache_t));
 
-inline u32x16 load_words(const void* p) {
-  u32x16 w;
-  std::memcpy(&w, p, sizeof(w));
-  return w;
+// Half vectors (8 lanes): the AVX2 variant keeps its accumulators in these, one 256-bit register
+// each, and handles a 16-lane vector as two halves (see kSplit in attend_tokens).
+using f32x8 = float __attribute__((vector_size(32)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+
+// The unsigned and signed integer vectors with the lanes of a float vector.
+template <typename F>
+struct WordsOf;
+template <>
+struct WordsOf<f32x16> {
+  using type = u32x16;
+  using signed_type = i32x16;
+};
+template <>
+struct WordsOf<f32x8> {
+  using type = u32x8;
+  using signed_type = i32x8;
+};
+template <typename F>
+using IntsOf = typename WordsOf<F>::signed_type;
+
+template <typename V>
+inline V load_vector(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
 // fp16 bits (low 16 bits of each lane) -> fp32; exact, including subnormals, inf and NaN.
-inline f32x16 half_bits_to_float(u32x16 bits) {
-  const u32x16 sign = (bits & 0x8000u) << 16;
+template <typename F, typename U>
+inline F half_bits_to_float(U bits) {
+  const U sign = (bits & 0x8000u) << 16;
   // Exponent and mantissa moved into fp32 position, then rescaled by 2^(127 - 15).
-  const f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fffu) << 13) * 0x1.0p112f;
-  const u32x16 inf_or_nan = bit_cast<u32x16>((bits & 0x7c00u) == 0x7c00u) & 0x7f800000u;
-  return bit_cast<f32x16>(bit_cast<u32x16>(magnitude) | inf_or_nan | sign);
+  const F magnitude = bit_cast<F>((bits & 0x7fffu) << 13) * 0x1.0p112f;
+  const U inf_or_nan = bit_cast<U>((bits & 0x7c00u) == 0x7c00u) & 0x7f800000u;
+  return bit_cast<F>(bit_cast<U>(magnitude) | inf_or_nan | sign);
 }
 
 // fp8 bits (low 8 bits of each lane) -> fp32, the same way: the exponent-mantissa bits are moved
 // to the top of the fp32 exponent field and the bias difference is multiplied in (exact).
-inline f32x16 fp8_bits_to_float(u32x16 bits, c10::Float8_e4m3fn) {
-  const u32x16 sign = (bits & 0x80u) << 24;
-  const f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fu) << 20) * 0x1.0p120f;
-  const u32x16 nan = bit_cast<u32x16>((bits & 0x7fu) == 0x7fu) & 0x7fc00000u;  // e4m3fn: no inf
-  return bit_cast<f32x16>(bit_cast<u32x16>(magnitude) | nan | sign);
+template <typename F, typename U>
+inline F fp8_bits_to_float(U bits, c10::Float8_e4m3fn) {
+  const U sign = (bits & 0x80u) << 24;
+  const F magnitude = bit_cast<F>((bits & 0x7fu) << 20) * 0x1.0p120f;
+  const U nan = bit_cast<U>((bits & 0x7fu) == 0x7fu) & 0x7fc00000u;  // e4m3fn: no inf
+  return bit_cast<F>(bit_cast<U>(magnitude) | nan | sign);
 }
 
-inline f32x16 fp8_bits_to_float(u32x16 bits, c10::Float8_e5m2) {
-  const u32x16 sign = (bits & 0x80u) << 24;
-  const f32x16 magnitude = bit_cast<f32x16>((bits & 0x7fu) << 21) * 0x1.0p112f;
-  const u32x16 inf_or_nan = bit_cast<u32x16>((bits & 0x7cu) == 0x7cu) & 0x7f800000u;
-  return bit_cast<f32x16>(bit_cast<u32x16>(magnitude) | inf_or_nan | sign);
+template <typename F, typename U>
+inline F fp8_bits_to_float(U bits, c10::Float8_e5m2) {
+  const U sign = (bits & 0x80u) << 24;
+  const F magnitude = bit_cast<F>((bits & 0x7fu) << 21) * 0x1.0p112f;
+  const U inf_or_nan = bit_cast<U>((bits & 0x7cu) == 0x7cu) & 0x7f800000u;
+  return bit_cast<F>(bit_cast<U>(magnitude) | inf_or_nan | sign);
 }
 
-inline void load_chunk(const float* p, float, f32x16* out) { out[0] = load_floats(p); }
-
-inline void load_chunk(const c10::BFloat16* p, float, f32x16* out) {
-  const u32x16 w = load_words(p);
-  out[0] = bit_cast<f32x16>(w << 16);
-  out[1] = bit_cast<f32x16>(w & 0xffff0000u);
+// Converts sizeof(F) bytes of cache elements at p into kVectorsPerChunk float vectors F (16 or 8
+// lanes; 8 lanes read the first or second half of a 64-byte chunk, in the same lane order).
+template <typename F>
+inline void load_chunk(const float* p, float, F* out) {
+  out[0] = load_vector<F>(p);
 }
 
-inline void load_chunk(const c10::Half* p, float, f32x16* out) {
-  const u32x16 w = load_words(p);
-  out[0] = half_bits_to_float(w);
-  out[1] = half_bits_to_float(w >> 16);
+template <typename F>
+inline void load_chunk(const c10::BFloat16* p, float, F* out) {
+  using U = typename WordsOf<F>::type;
+  const U w = load_vector<U>(p);
+  out[0] = bit_cast<F>(w << 16);
+  out[1] = bit_cast<F>(w & 0xffff0000u);
 }
 
-template <typename Fp8>
-inline void load_fp8_chunk(const Fp8* p, float scale, f32x16* out) {
-  const u32x16 w = load_words(p);
-  for (int v = 0; v < 4; ++v) out[v] = fp8_bits_to_float(w >> (8 * v), Fp8{}) * scale;
+template <typename F>
+inline void load_chunk(const c10::Half* p, float, F* out) {
+  using U = typename WordsOf<F>::type;
+  const U w = load_vector<U>(p);
+  out[0] = half_bits_to_float<F>(w);
+  out[1] = half_bits_to_float<F>(w >> 16);
 }
 
-inline void load_chunk(const c10::Float8_e4m3fn* p, float scale, f32x16* out) {
+template <typename F, typename Fp8>
+inline void load_fp8_chunk(const Fp8* p, float scale, F* out) {
+  using U = typename WordsOf<F>::type;
+  const U w = load_vector<U>(p);
+  for (int v = 0; v < 4; ++v) out[v] = fp8_bits_to_float<F>(w >> (8 * v), Fp8{}) * scale;
+}
+
+template <typename F>
+inline void load_chunk(const c10::Float8_e4m3fn* p, float scale, F* out) {
   load_fp8_chunk(p, scale, out);
 }
 
-inline void load_chunk(const c10::Float8_e5m2* p, float scale, f32x16* out) {
+template <typename F>
+inline void load_chunk(const c10::Float8_e5m2* p, float scale, F* out) {
   load_fp8_chunk(p, scale, out);
 }
 
-inline f32x16 zero_where_not(f32x16 v, i32x16 keep) {
-  return bit_cast<f32x16>(bit_cast<i32x16>(v) & keep);
+template <typename F>
+inline F zero_where_not(F v, IntsOf<F> keep) {
+  return bit_cast<F>(bit_cast<IntsOf<F>>(v) & keep);
 }
 
 // After group_sum<W>, lane k * W holds the sum of lanes [k * W, (k + 1) * W).
@@ -178,29 +218,31 @@ inline f32x16 sum_token_lanes(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
 
 // exp(x) to about 1 ulp: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 Taylor polynomial.
 // Inputs are clamped to the normal range; NaN propagates.
-inline f32x16 vexp(f32x16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  x = x > 88.0f ? splat(88.0f) : x;
+template <typename F>
+inline F vexp(F x) {
+  x = x < -87.0f ? splat<F>(-87.0f) : x;
+  x = x > 88.0f ? splat<F>(88.0f) : x;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const f32x16 n = (x * 1.44269504f + kRound) - kRound;
-  const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  f32x16 poly = splat(1.0f / 720.0f);
+  const F n = (x * 1.44269504f + kRound) - kRound;
+  const F r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  F poly = splat<F>(1.0f / 720.0f);
   poly = poly * r + 1.0f / 120.0f;
   poly = poly * r + 1.0f / 24.0f;
   poly = poly * r + 1.0f / 6.0f;
   poly = poly * r + 0.5f;
   poly = poly * r + 1.0f;
   poly = poly * r + 1.0f;
-  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return poly * bit_cast<f32x16>(exponent);
+  const IntsOf<F> exponent = (__builtin_convertvector(n, IntsOf<F>) + 127) << 23;
+  return poly * bit_cast<F>(exponent);
 }
 
 // tanh(y) = 1 - 2 / (e^2y + 1), with an odd Taylor series near 0 where that form cancels.
-inline f32x16 vtanh(f32x16 y) {
-  const f32x16 y2 = y * y;
-  const f32x16 series =
+template <typename F>
+inline F vtanh(F y) {
+  const F y2 = y * y;
+  const F series =
       y * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f + y2 * (-17.0f / 315.0f))));
-  const f32x16 general = 1.0f - 2.0f / (vexp(2.0f * y) + 1.0f);
+  const F general = 1.0f - 2.0f / (vexp(2.0f * y) + 1.0f);
   return y2 < 0.0625f * 0.0625f ? series : general;
 }
 
@@ -217,7 +259,33 @@ inline f32x16 permute_block(const float* probs, i32x16 token, int64_t block_size
 #endif
 }
 
-inline i32x16 lane_index() { return i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+// permute_block, written to dst 8 lanes at a time (kSplit).
+inline void permute_block_split(float* dst, const float* probs, const i32x16& token,
+                                int64_t block_size) {
+#if !defined(__clang__)
+  if (block_size <= kLanes) {
+    const f32x8 low = load_vector<f32x8>(probs);
+    const f32x8 high = load_vector<f32x8>(probs + 8);
+    for (int h = 0; h < 2; ++h) {
+      const auto index = load_vector<i32x8>(reinterpret_cast<const char*>(&token) + 32 * h);
+      const f32x8 out = __builtin_shuffle(low, high, index);
+      std::memcpy(dst + 8 * h, &out, sizeof(out));
+    }
+    return;
+  }
+#endif
+  for (int l = 0; l < kLanes; ++l) dst[l] = probs[token[l]];
+}
+
+// 0, 1, ..., lanes - 1.
+template <typename I = i32x16>
+inline I lane_index() {
+  if constexpr (sizeof(I) == 64) {
+    return I{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  } else {
+    return I{0, 1, 2, 3, 4, 5, 6, 7};
+  }
+}
 
 // Everything a kernel needs, as raw pointers and element strides (no tensors past this point).
 struct AttentionParams {
@@ -333,7 +401,10 @@ inline f32x16 group_sum(f32x16 v, int64_t width) {
 
 // Attends the query heads of one KV head to tokens [begin, end) of one sequence (end > begin).
 // Writes, per head of the group, the normalised output (float), the max logit and the exp sum.
-template <typename scalar_t, typename cache_t>
+// kSplit (the AVX2 variant): 16-lane vectors have no register of their own there, and GCC keeps
+// them on the stack; the multiply-add loops then hold every vector as two 8-lane halves, in
+// registers, with 2 heads per loaded cache vector instead of 4 (16 registers, not 32).
+template <typename scalar_t, typename cache_t, bool kSplit>
 inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int64_t kv_head,
                           int64_t begin, int64_t end, float* out, float* max_logit,
                           float* exp_sum) {
@@ -342,11 +413,12 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   constexpr int64_t x = 16 / sizeof(cache_t);  // key layout: elements per 16 bytes
   // Chunks whose multiply-adds share one loaded query/probability pattern: 4 when the
   // accumulators and converted chunks still fit in 32 vector registers, else 2.
-  constexpr bool kWideTile = k <= 2;
+  constexpr bool kWideTile = !kSplit && k <= 2;
+  constexpr int kHeads = kSplit ? kHeadTile / 2 : kHeadTile;  // heads sharing a loaded vector
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t group_pad = round_up(group, kHeadTile);
+  const int64_t group_pad = round_up(group, kHeads);
   const int64_t seq_len = p.seq_lens[seq];
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const cache_t* key_base = static_cast<const cache_t*>(p.key_cache) + kv_head * p.key_head_stride;
@@ -390,11 +462,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             ? value_base + block_table[ahead_value_block] * p.value_block_stride
             : nullptr;
     const cache_t* tile = key_base + block_table[b] * p.key_block_stride;
-    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
+    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
       const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
       // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
       auto chunk_logits = [&]<int kTile>(int64_t m0) {
-        f32x16 acc[kHeadTile][kTile] = {};
+        f32x16 acc[kHeads][kTile] = {};
         for (int64_t c = 0; c < dim_rows; ++c) {
           if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
             prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
@@ -404,13 +476,13 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems, p.key_scale, keys[m]);
           }
           for (int v = 0; v < k; ++v) {
-            for (int g = 0; g < kHeadTile; ++g) {
+            for (int g = 0; g < kHeads; ++g) {
               const f32x16 q = load_floats(qp + (g * patterns_per_head + c * k + v) * kLanes);
               for (int m = 0; m < kTile; ++m) acc[g][m] += q * keys[m][v];
             }
           }
         }
-        for (int g = 0; g < kHeadTile; ++g) {
+        for (int g = 0; g < kHeads; ++g) {
           float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
           if constexpr (kTile == 4) {
             store_floats(dst, sum_token_lanes(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
@@ -422,7 +494,50 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           }
         }
       };
-      if (kWideTile && key_chunks_per_row % 4 == 0) {
+      // The same, as 8-lane halves (kSplit): lanes 8h..8h+7 of each vector in half h.
+      auto chunk_logits_split = [&]<int kTile>(int64_t m0) {
+        f32x8 acc[kHeads][kTile][2] = {};
+        for (int64_t c = 0; c < dim_rows; ++c) {
+          if (ahead != nullptr && g0 == 0 && m0 == 0) {
+            prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
+          }
+          f32x8 keys[kTile][2][k];
+          for (int m = 0; m < kTile; ++m) {
+            for (int h = 0; h < 2; ++h) {
+              load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems + h * chunk_elems / 2,
+                         p.key_scale, keys[m][h]);
+            }
+          }
+          for (int v = 0; v < k; ++v) {
+            for (int g = 0; g < kHeads; ++g) {
+              for (int h = 0; h < 2; ++h) {
+                const f32x8 q =
+                    load_vector<f32x8>(qp + (g * patterns_per_head + c * k + v) * kLanes + 8 * h);
+                for (int m = 0; m < kTile; ++m) acc[g][m][h] += q * keys[m][h][v];
+              }
+            }
+          }
+        }
+        for (int g = 0; g < kHeads; ++g) {
+          float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
+          for (int m = 0; m < kTile; ++m) {
+            float lanes[kLanes];
+            std::memcpy(lanes, &acc[g][m][0], sizeof(f32x8));
+            std::memcpy(lanes + 8, &acc[g][m][1], sizeof(f32x8));
+            for (int t = 0; t < 4; ++t) {
+              const float* sums = lanes + 4 * t;  // the token's 4 partial sums
+              dst[m * 4 + t] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+            }
+          }
+        }
+      };
+      if constexpr (kSplit) {
+        // 1 chunk at a time when a chunk converts to 2 or 4 vectors, to stay in 16 registers.
+        constexpr int kSplitTile = k == 1 ? 2 : 1;
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kSplitTile) {
+          chunk_logits_split.template operator()<kSplitTile>(m0);
+        }
+      } else if (kWideTile && key_chunks_per_row % 4 == 0) {
         for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
           chunk_logits.template operator()<4>(m0);
         }
@@ -443,38 +558,42 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     }
   }
 
-  // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, 16 tokens at a time.
+  // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, a vector of tokens at a time
+  // (8-lane vectors when kSplit; the logits rows are padded to a multiple of 16).
+  using F = std::conditional_t<kSplit, f32x8, f32x16>;
+  using I = IntsOf<F>;
+  constexpr int kRowLanes = sizeof(F) / sizeof(float);
   const int64_t h0 = kv_head * group;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < group; ++g) {
     float* row = logits + g * s.logit_stride;
     const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + g] : 0.0f;
-    f32x16 row_max = splat(-kInf);
-    for (int64_t t = 0; t < n; t += kLanes) {
-      const i32x16 valid = lane_index() < static_cast<int32_t>(n - t);
-      f32x16 v = load_floats(row + t);
+    F row_max = splat<F>(-kInf);
+    for (int64_t t = 0; t < n; t += kRowLanes) {
+      const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
+      F v = load_vector<F>(row + t);
       if (p.logits_soft_cap > 0) v = p.logits_soft_cap * vtanh(v / p.logits_soft_cap);
       if (p.alibi_slopes != nullptr) {
         // position - seq_len + 1, for positions begin + t + lane
-        const f32x16 rel = __builtin_convertvector(lane_index(), f32x16) +
-                           static_cast<float>(begin + t - seq_len + 1);
+        const F rel = __builtin_convertvector(lane_index<I>(), F) +
+                      static_cast<float>(begin + t - seq_len + 1);
         v += slope * rel;
       }
-      v = valid ? v : splat(-kInf);
-      store_floats(row + t, v);
+      v = valid ? v : splat<F>(-kInf);
+      std::memcpy(row + t, &v, sizeof(v));
       row_max = v > row_max ? v : row_max;
     }
     float m = row_max[0];
-    for (int i = 1; i < kLanes; ++i) m = std::max(m, row_max[i]);
-    f32x16 row_sum{};
-    for (int64_t t = 0; t < n; t += kLanes) {
-      const i32x16 valid = lane_index() < static_cast<int32_t>(n - t);
-      const f32x16 e = zero_where_not(vexp(load_floats(row + t) - m), valid);
-      store_floats(row + t, e);
+    for (int i = 1; i < kRowLanes; ++i) m = std::max(m, row_max[i]);
+    F row_sum{};
+    for (int64_t t = 0; t < n; t += kRowLanes) {
+      const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
+      const F e = zero_where_not(vexp(load_vector<F>(row + t) - m), valid);
+      std::memcpy(row + t, &e, sizeof(e));
       row_sum += e;
     }
     float sum = 0.0f;
-    for (int i = 0; i < kLanes; ++i) sum += row_sum[i];
+    for (int i = 0; i < kRowLanes; ++i) sum += row_sum[i];
     max_logit[g] = m;
     exp_sum[g] = sum;
   }
@@ -520,7 +639,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           if (g >= group) {
             std::fill(dst, dst + kLanes, 0.0f);
           } else if (!partial[i]) {
-            store_floats(dst, permute_block(row + (block_start - begin), token, block_size));
+            if constexpr (kSplit) {
+              permute_block_split(dst, row + (block_start - begin), token, block_size);
+            } else {
+              store_floats(dst, permute_block(row + (block_start - begin), token, block_size));
+            }
           } else {
             for (int l = 0; l < kLanes; ++l) {
               const int64_t pos = block_start - begin + token[l];
@@ -536,12 +659,12 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         }
       }
     }
-    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeadTile) {
+    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
       // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
       // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
       auto chunk_values = [&]<int kTile>(int64_t m0) {
-        f32x16 acc[kHeadTile][kTile];
-        for (int g = 0; g < kHeadTile; ++g) {
+        f32x16 acc[kHeads][kTile];
+        for (int g = 0; g < kHeads; ++g) {
           for (int m = 0; m < kTile; ++m) {
             acc[g][m] = load_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
           }
@@ -566,7 +689,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           }
           const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
           for (int v = 0; v < k; ++v) {
-            for (int g = 0; g < kHeadTile; ++g) {
+            for (int g = 0; g < kHeads; ++g) {
               const f32x16 even = load_floats(pp + (g * kMaxPatterns + v) * kLanes);
               const f32x16 odd =
                   chunks_per_row > 1 ? load_floats(pp + (g * kMaxPatterns + k + v) * kLanes) : even;
@@ -574,17 +697,84 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             }
           }
         }
-        for (int g = 0; g < kHeadTile; ++g) {
+        for (int g = 0; g < kHeads; ++g) {
           for (int m = 0; m < kTile; ++m) {
             store_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
           }
         }
       };
+      // The same, as 8-lane halves (kSplit), 2 chunks at a time.
+      auto chunk_values_split = [&](int64_t m0) {
+        constexpr int kTile = 2;
+        f32x8 acc[kHeads][kTile][2];
+        for (int g = 0; g < kHeads; ++g) {
+          for (int m = 0; m < kTile; ++m) {
+            for (int h = 0; h < 2; ++h) {
+              acc[g][m][h] = load_vector<f32x8>(
+                  acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h);
+            }
+          }
+        }
+        if (g0 == 0) {
+          for (int64_t i = 0; i < next_nb; ++i) {
+            prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
+          }
+        }
+        for (int64_t i = 0; i < nb; ++i) {
+          f32x8 values[kTile][2][k];
+          for (int m = 0; m < kTile; ++m) {
+            for (int h = 0; h < 2; ++h) {
+              load_chunk(tiles[i] + (m0 + m) * chunk_elems + h * chunk_elems / 2, p.value_scale,
+                         values[m][h]);
+            }
+          }
+          if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+            for (int m = 0; m < kTile; ++m) {
+              for (int h = 0; h < 2; ++h) {
+                for (int v = 0; v < k; ++v) {
+                  const auto* mask = reinterpret_cast<const char*>(
+                                         &keep[i][(m % chunks_per_row) * k + v]) +
+                                     h * sizeof(i32x8);
+                  values[m][h][v] = bit_cast<f32x8>(bit_cast<i32x8>(values[m][h][v]) &
+                                                    load_vector<i32x8>(mask));
+                }
+              }
+            }
+          }
+          const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
+          for (int v = 0; v < k; ++v) {
+            for (int g = 0; g < kHeads; ++g) {
+              for (int h = 0; h < 2; ++h) {
+                const f32x8 even =
+                    load_vector<f32x8>(pp + (g * kMaxPatterns + v) * kLanes + 8 * h);
+                const f32x8 odd =
+                    chunks_per_row > 1
+                        ? load_vector<f32x8>(pp + (g * kMaxPatterns + k + v) * kLanes + 8 * h)
+                        : even;
+                acc[g][0][h] += even * values[0][h][v];
+                acc[g][1][h] += odd * values[1][h][v];
+              }
+            }
+          }
+        }
+        for (int g = 0; g < kHeads; ++g) {
+          for (int m = 0; m < kTile; ++m) {
+            for (int h = 0; h < 2; ++h) {
+              std::memcpy(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
+                          &acc[g][m][h], sizeof(f32x8));
+            }
+          }
+        }
+      };
       int64_t m0 = 0;
-      if (kWideTile) {
-        for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
+      if constexpr (kSplit) {
+        for (; m0 < value_chunks; m0 += 2) chunk_values_split(m0);
+      } else {
+        if (kWideTile) {
+          for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
+        }
+        for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
       }
-      for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
     }
   }
   // Fold the lane-wise sums into head dims: a chunk covers rows_per_chunk rows of lanes_per_row
@@ -609,7 +799,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
 // Runs units of (sequence, KV head, partition), numbered in that nesting order, taking the next
 // unnumbered one from `next_unit` until none is left. Taking units one at a time balances
 // sequences of different lengths (and threads slowed by other work on the machine).
-template <typename scalar_t, typename cache_t>
+template <typename scalar_t, typename cache_t, bool kSplit>
 inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
@@ -634,7 +824,7 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
       std::fill(max_logit.begin(), max_logit.end(), -std::numeric_limits<float>::infinity());
       std::fill(exp_sum.begin(), exp_sum.end(), 0.0f);
     } else {
-      attend_tokens<scalar_t, cache_t>(p, s, seq, kv_head, begin, end, result.data(),
+      attend_tokens<scalar_t, cache_t, kSplit>(p, s, seq, kv_head, begin, end, result.data(),
                                        max_logit.data(), exp_sum.data());
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -653,22 +843,23 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
 
 // One compiled copy of the kernels per instruction set; `flatten` inlines every helper into it,
 // so each copy is compiled for its own target.
-#define PA_DEFINE_VARIANT(name, attributes)                                                   \
+#define PA_DEFINE_VARIANT(name, split, attributes)                                            \
   template <typename scalar_t, typename cache_t>                                              \
   attributes void name(const AttentionParams& p, std::atomic<int64_t>& next_unit) {         \
-    run_units<scalar_t, cache_t>(p, next_unit);                                               \
+    run_units<scalar_t, cache_t, split>(p, next_unit);                                        \
   }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-PA_DEFINE_VARIANT(run_units_avx512,
+PA_DEFINE_VARIANT(run_units_avx512, false,
                   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,bmi2"),
                                  flatten)))
+PA_DEFINE_VARIANT(run_units_avx2, true, __attribute__((target("avx2,fma,f16c,bmi2"), flatten)))
 #define PA_HAVE_X86_VARIANTS 1
 #endif
-PA_DEFINE_VARIANT(run_units_baseline, __attribute__((flatten)))
+PA_DEFINE_VARIANT(run_units_baseline, false, __attribute__((flatten)))
 #undef PA_DEFINE_VARIANT
 
-enum class Isa { kBaseline, kAvx512 };
+enum class Isa { kBaseline, kAvx2, kAvx512 };
 
 // Follows torch's own choice (which honours ATEN_CPU_CAPABILITY) and the CPU's features.
 Isa selected_isa() {
@@ -679,6 +870,10 @@ Isa selected_isa() {
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
       return Isa::kAvx512;
+    }
+    if (capability.find("AVX2") != std::string::npos && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      return Isa::kAvx2;
     }
 #endif
     return Isa::kBaseline;
@@ -697,6 +892,10 @@ void run_all_units(const AttentionParams& p) {
 #ifdef PA_HAVE_X86_VARIANTS
       if (isa == Isa::kAvx512) {
         run_units_avx512<scalar_t, cache_t>(p, next_unit);
+        continue;
+      }
+      if (isa == Isa::kAvx2) {
+        run_units_avx2<scalar_t, cache_t>(p, next_unit);
         continue;
       }
 #endif
