@@ -109,6 +109,13 @@ inline V load_vector(const void* p) {
   return v;
 }
 
+// Taken by value: copying from an array element's address would keep the array in memory.
+template <typename V>
+inline void store_vector(void* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+
 // fp16 bits (low 16 bits of each lane) -> fp32; exact, including subnormals, inf and NaN.
 template <typename F, typename U>
 inline F half_bits_to_float(U bits) {
@@ -415,6 +422,12 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   // accumulators and converted chunks still fit in 32 vector registers, else 2.
   constexpr bool kWideTile = !kSplit && k <= 2;
   constexpr int kHeads = kSplit ? kHeadTile / 2 : kHeadTile;  // heads sharing a loaded vector
+  // The multiply-add loops hold each 16-lane vector as kParts pieces of type V: one 16-lane
+  // vector, or (kSplit) two 8-lane halves, lanes 8h..8h+7 in half h.
+  using V = std::conditional_t<kSplit, f32x8, f32x16>;
+  constexpr int kParts = kSplit ? 2 : 1;
+  constexpr int kPartLanes = kLanes / kParts;
+  constexpr int64_t kPartElems = kElementsPerChunk<cache_t> / kParts;
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -466,84 +479,61 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
       const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
       // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
       auto chunk_logits = [&]<int kTile>(int64_t m0) {
-        f32x16 acc[kHeads][kTile] = {};
+        V acc[kHeads][kTile][kParts] = {};
         for (int64_t c = 0; c < dim_rows; ++c) {
           if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
             prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
           }
-          f32x16 keys[kTile][k];
+          V keys[kTile][kParts][k];
           for (int m = 0; m < kTile; ++m) {
-            load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems, p.key_scale, keys[m]);
-          }
-          for (int v = 0; v < k; ++v) {
-            for (int g = 0; g < kHeads; ++g) {
-              const f32x16 q = load_floats(qp + (g * patterns_per_head + c * k + v) * kLanes);
-              for (int m = 0; m < kTile; ++m) acc[g][m] += q * keys[m][v];
-            }
-          }
-        }
-        for (int g = 0; g < kHeads; ++g) {
-          float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
-          if constexpr (kTile == 4) {
-            store_floats(dst, sum_token_lanes(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
-          } else {
-            for (int m = 0; m < kTile; ++m) {
-              const f32x16 sums = group_sum<4>(acc[g][m]);
-              for (int t = 0; t < 4; ++t) dst[m * 4 + t] = sums[4 * t];
-            }
-          }
-        }
-      };
-      // The same, as 8-lane halves (kSplit): lanes 8h..8h+7 of each vector in half h.
-      auto chunk_logits_split = [&]<int kTile>(int64_t m0) {
-        f32x8 acc[kHeads][kTile][2] = {};
-        for (int64_t c = 0; c < dim_rows; ++c) {
-          if (ahead != nullptr && g0 == 0 && m0 == 0) {
-            prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
-          }
-          f32x8 keys[kTile][2][k];
-          for (int m = 0; m < kTile; ++m) {
-            for (int h = 0; h < 2; ++h) {
-              load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems + h * chunk_elems / 2,
-                         p.key_scale, keys[m][h]);
+            for (int part = 0; part < kParts; ++part) {
+              load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems + part * kPartElems,
+                         p.key_scale, keys[m][part]);
             }
           }
           for (int v = 0; v < k; ++v) {
             for (int g = 0; g < kHeads; ++g) {
-              for (int h = 0; h < 2; ++h) {
-                const f32x8 q =
-                    load_vector<f32x8>(qp + (g * patterns_per_head + c * k + v) * kLanes + 8 * h);
-                for (int m = 0; m < kTile; ++m) acc[g][m][h] += q * keys[m][h][v];
+              for (int part = 0; part < kParts; ++part) {
+                const V q = load_vector<V>(qp + (g * patterns_per_head + c * k + v) * kLanes +
+                                           part * kPartLanes);
+                for (int m = 0; m < kTile; ++m) acc[g][m][part] += q * keys[m][part][v];
               }
             }
           }
         }
         for (int g = 0; g < kHeads; ++g) {
           float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
-          for (int m = 0; m < kTile; ++m) {
-            float lanes[kLanes];
-            std::memcpy(lanes, &acc[g][m][0], sizeof(f32x8));
-            std::memcpy(lanes + 8, &acc[g][m][1], sizeof(f32x8));
-            for (int t = 0; t < 4; ++t) {
-              const float* sums = lanes + 4 * t;  // the token's 4 partial sums
-              dst[m * 4 + t] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+          if constexpr (kSplit) {
+            for (int m = 0; m < kTile; ++m) {
+              float lanes[kLanes];
+              for (int part = 0; part < kParts; ++part) {
+                store_vector(lanes + part * kPartLanes, acc[g][m][part]);
+              }
+              for (int t = 0; t < 4; ++t) {
+                const float* sums = lanes + 4 * t;  // the token's 4 partial sums
+                dst[m * 4 + t] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+              }
+            }
+          } else if constexpr (kTile == 4) {
+            store_floats(dst, sum_token_lanes(acc[g][0][0], acc[g][1][0], acc[g][2][0],
+                                              acc[g][3][0]));
+          } else {
+            for (int m = 0; m < kTile; ++m) {
+              const f32x16 sums = group_sum<4>(acc[g][m][0]);
+              for (int t = 0; t < 4; ++t) dst[m * 4 + t] = sums[4 * t];
             }
           }
         }
       };
-      if constexpr (kSplit) {
-        // 1 chunk at a time when a chunk converts to 2 or 4 vectors, to stay in 16 registers.
-        constexpr int kSplitTile = k == 1 ? 2 : 1;
-        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kSplitTile) {
-          chunk_logits_split.template operator()<kSplitTile>(m0);
-        }
-      } else if (kWideTile && key_chunks_per_row % 4 == 0) {
+      if (kWideTile && key_chunks_per_row % 4 == 0) {
         for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
           chunk_logits.template operator()<4>(m0);
         }
       } else {
-        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 2) {
-          chunk_logits.template operator()<2>(m0);
+        // kSplit: 1 chunk at a time when a chunk converts to 2 or 4 vectors (16 registers).
+        constexpr int kNarrowTile = kSplit && k > 1 ? 1 : 2;
+        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kNarrowTile) {
+          chunk_logits.template operator()<kNarrowTile>(m0);
         }
       }
     }
@@ -558,37 +548,36 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     }
   }
 
-  // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, a vector of tokens at a time
-  // (8-lane vectors when kSplit; the logits rows are padded to a multiple of 16).
-  using F = std::conditional_t<kSplit, f32x8, f32x16>;
-  using I = IntsOf<F>;
-  constexpr int kRowLanes = sizeof(F) / sizeof(float);
+  // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, a vector V of tokens at a time
+  // (the logits rows are padded to a multiple of 16).
+  using I = IntsOf<V>;
+  constexpr int kRowLanes = kPartLanes;
   const int64_t h0 = kv_head * group;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < group; ++g) {
     float* row = logits + g * s.logit_stride;
     const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + g] : 0.0f;
-    F row_max = splat<F>(-kInf);
+    V row_max = splat<V>(-kInf);
     for (int64_t t = 0; t < n; t += kRowLanes) {
       const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
-      F v = load_vector<F>(row + t);
+      V v = load_vector<V>(row + t);
       if (p.logits_soft_cap > 0) v = p.logits_soft_cap * vtanh(v / p.logits_soft_cap);
       if (p.alibi_slopes != nullptr) {
         // position - seq_len + 1, for positions begin + t + lane
-        const F rel = __builtin_convertvector(lane_index<I>(), F) +
+        const V rel = __builtin_convertvector(lane_index<I>(), V) +
                       static_cast<float>(begin + t - seq_len + 1);
         v += slope * rel;
       }
-      v = valid ? v : splat<F>(-kInf);
+      v = valid ? v : splat<V>(-kInf);
       std::memcpy(row + t, &v, sizeof(v));
       row_max = v > row_max ? v : row_max;
     }
     float m = row_max[0];
     for (int i = 1; i < kRowLanes; ++i) m = std::max(m, row_max[i]);
-    F row_sum{};
+    V row_sum{};
     for (int64_t t = 0; t < n; t += kRowLanes) {
       const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
-      const F e = zero_where_not(vexp(load_vector<F>(row + t) - m), valid);
+      const V e = zero_where_not(vexp(load_vector<V>(row + t) - m), valid);
       std::memcpy(row + t, &e, sizeof(e));
       row_sum += e;
     }
@@ -760,8 +749,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         for (int g = 0; g < kHeads; ++g) {
           for (int m = 0; m < kTile; ++m) {
             for (int h = 0; h < 2; ++h) {
-              std::memcpy(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
-                          &acc[g][m][h], sizeof(f32x8));
+              store_vector(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
+                           acc[g][m][h]);
             }
           }
         }
