@@ -346,7 +346,9 @@ class AlignedFloats {
   float* data_ = nullptr;
 };
 
-constexpr int kHeadTile = 4;     // query heads whose multiply-adds share a loaded cache vector
+// Query heads whose multiply-adds share a loaded cache vector (the AVX2 variant uses half as
+// many: see kHeads in attend_tokens); buffers are sized for this many.
+constexpr int kHeadTile = 4;
 constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
 // Probability patterns per block and head: at most 4 vectors per chunk times 2 chunks per value
 // row (fp32, block size 32). A fixed stride keeps the pattern offsets compile-time constants in
