@@ -63,13 +63,19 @@ inline F splat(float v) {
   return F{} + v;
 }
 
-inline f32x16 load_floats(const float* p) {
-  f32x16 v;
+template <typename V>
+inline V load_vector(const void* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store_floats(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+// Taken by value: copying from an array element's address would keep the array in memory.
+template <typename V>
+inline void store_vector(void* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
 
 // A cache tile is read 64 bytes at a time ("a chunk"). A chunk of cache_t becomes
 // kVectorsPerChunk<cache_t> 16-lane fp32 vectors, de-interleaved: lane l of vector v holds element
@@ -101,19 +107,6 @@ struct WordsOf<f32x8> {
 };
 template <typename F>
 using IntsOf = typename WordsOf<F>::signed_type;
-
-template <typename V>
-inline V load_vector(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// Taken by value: copying from an array element's address would keep the array in memory.
-template <typename V>
-inline void store_vector(void* p, V v) {
-  std::memcpy(p, &v, sizeof(v));
-}
 
 
 // fp16 bits (low 16 bits of each lane) -> fp32; exact, including subnormals, inf and NaN.
@@ -261,8 +254,8 @@ inline f32x16 permute_block(const float* probs, i32x16 token, int64_t block_size
   for (int l = 0; l < kLanes; ++l) out[l] = probs[token[l]];
   return out;
 #else
-  if (block_size <= kLanes) return __builtin_shuffle(load_floats(probs), token);
-  return __builtin_shuffle(load_floats(probs), load_floats(probs + kLanes), token);
+  if (block_size <= kLanes) return __builtin_shuffle(load_vector<f32x16>(probs), token);
+  return __builtin_shuffle(load_vector<f32x16>(probs), load_vector<f32x16>(probs + kLanes), token);
 #endif
 }
 
@@ -517,7 +510,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
           } else if constexpr (kTile == 4) {
-            store_floats(dst, sum_token_lanes(acc[g][0][0], acc[g][1][0], acc[g][2][0],
+            store_vector(dst, sum_token_lanes(acc[g][0][0], acc[g][1][0], acc[g][2][0],
                                               acc[g][3][0]));
           } else {
             for (int m = 0; m < kTile; ++m) {
@@ -633,7 +626,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             if constexpr (kSplit) {
               permute_block_split(dst, row + (block_start - begin), token, block_size);
             } else {
-              store_floats(dst, permute_block(row + (block_start - begin), token, block_size));
+              store_vector(dst, permute_block(row + (block_start - begin), token, block_size));
             }
           } else {
             for (int l = 0; l < kLanes; ++l) {
@@ -657,7 +650,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         f32x16 acc[kHeads][kTile];
         for (int g = 0; g < kHeads; ++g) {
           for (int m = 0; m < kTile; ++m) {
-            acc[g][m] = load_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
+            acc[g][m] = load_vector<f32x16>(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
           }
         }
         if (g0 == 0) {  // the same chunks of the next group's tiles
@@ -681,20 +674,23 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
           for (int v = 0; v < k; ++v) {
             for (int g = 0; g < kHeads; ++g) {
-              const f32x16 even = load_floats(pp + (g * kMaxPatterns + v) * kLanes);
+              const float* pattern = pp + (g * kMaxPatterns + v) * kLanes;
+              const f32x16 even = load_vector<f32x16>(pattern);
               const f32x16 odd =
-                  chunks_per_row > 1 ? load_floats(pp + (g * kMaxPatterns + k + v) * kLanes) : even;
+                  chunks_per_row > 1 ? load_vector<f32x16>(pattern + k * kLanes) : even;
               for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
             }
           }
         }
         for (int g = 0; g < kHeads; ++g) {
           for (int m = 0; m < kTile; ++m) {
-            store_floats(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
+            store_vector(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
           }
         }
       };
-      // The same, as 8-lane halves (kSplit), 2 chunks at a time.
+      // The same, as 8-lane halves (kSplit), 2 chunks at a time. A separate loop rather than
+      // chunk_values over kParts pieces (as chunk_logits is): that form made GCC spill more
+      // vectors in the AVX-512 build (45 -> 67-116 zmm spill stores) and measured slower.
       auto chunk_values_split = [&](int64_t m0) {
         constexpr int kTile = 2;
         f32x8 acc[kHeads][kTile][2];
@@ -776,7 +772,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t m = 0; m < value_chunks; ++m) {
       const f32x16 sums =
-          group_sum(load_floats(acc_mem + (g * value_chunks + m) * kLanes), lanes_per_row);
+          group_sum(load_vector<f32x16>(acc_mem + (g * value_chunks + m) * kLanes), lanes_per_row);
       const int64_t first_row = m / chunks_per_row * rows_per_chunk;
       for (int64_t r = 0; r < rows_per_chunk; ++r) {
         out[g * head_size + first_row + r] += sums[r * lanes_per_row];
