@@ -239,6 +239,28 @@ def test_extra_partitions_and_v1_v2_agreement():
     assert torch.equal(tmp_out[0, :, 3:], torch.zeros_like(tmp_out[0, :, 3:]))
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "num_seqs", "threads"),
+    [(32, 8, 4, 1), (12, 6, 2, 1), (3, 3, 4, 1), (10, 5, 4, 2)],
+    ids=["4+4 heads", "4+2 heads", "3 heads, MHA", "4+1 heads"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_units_of_several_kv_heads(num_heads, num_kv_heads, num_seqs, threads, dtype):
+    """With enough units per thread the kernel serves up to 4 adjacent KV heads per unit (the
+    last run of a sequence may be shorter); every query head must still get its own KV head,
+    ALiBi slope, window and output row. These shapes give runs of 4 + 4, 4 + 2, 3 and 4 + 1."""
+    lens = [1, 37, 300, 513][:num_seqs]
+    kv = make_paged_kv(num_seqs, lens, num_kv_heads, 64, 16, dtype, seed=num_heads)
+    query = make_query(num_seqs, num_heads, 64, dtype, seed=num_kv_heads)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        check_v1_v2(attention_args(query, kv, num_heads, alibi=True))
+        check_v1_v2(attention_args(query, kv, num_heads, sliding_window=40, soft_cap=20.0))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_block_table_order_does_not_matter():
     kv = make_paged_kv(1, 200, 1, 64, 16, torch.float32)
     query = make_query(1, 2, 64, torch.float32)

@@ -1,9 +1,12 @@
 // CPU paged attention: decode (one query token per sequence) over a block-paged KV cache.
 //
-// Work unit: one (sequence, KV head[, partition]). A unit reads its KV head's key and value tiles
-// once and serves the whole group of query heads that share that KV head (GQA/MQA). Two passes
-// per unit: keys -> logits of every attended token (kept in a per-thread buffer), then a
-// max-subtracted softmax and the probability-weighted sum of the values, all in fp32.
+// Work unit: one (sequence, run of up to 4 adjacent KV heads[, partition]). A unit reads each KV
+// head's key and value tiles once and serves the whole group of query heads that share that KV
+// head (GQA/MQA). Two passes per unit: keys -> logits of every attended token (kept in a
+// per-thread buffer), then a max-subtracted softmax and the probability-weighted sum of the
+// values, all in fp32. The KV heads of a unit are visited block by block, so the unit reads each
+// block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
+// of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
 //
 // Vector code uses GCC/Clang vector extensions (16 float lanes) rather than intrinsics, and the
 // kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA, baseline);
@@ -277,6 +280,16 @@ inline void permute_block_split(float* dst, const float* probs, const i32x16& to
   for (int l = 0; l < kLanes; ++l) dst[l] = probs[token[l]];
 }
 
+// p[0], p[1], p[2], p[3], repeated to fill V: a broadcast of one 128-bit element.
+template <typename V>
+inline V repeat_quad(const float* p) {
+  using u128 = unsigned __int128;
+  using u128x4 = u128 __attribute__((vector_size(64)));
+  using u128x2 = u128 __attribute__((vector_size(32)));
+  using U = std::conditional_t<sizeof(V) == 64, u128x4, u128x2>;
+  return bit_cast<V>(U{} + load_vector<u128>(p));
+}
+
 // 0, 1, ..., lanes - 1.
 template <typename I = i32x16>
 inline I lane_index() {
@@ -320,6 +333,7 @@ struct AttentionParams {
   int64_t num_partitions;  // 1 for v1
   int64_t partition_size;  // tokens per unit; v1: unlimited
   int64_t max_unit_tokens;  // the most tokens any unit attends to
+  int64_t unit_kv_heads;    // KV heads per unit (the last unit of a sequence may have fewer)
 };
 
 // A float buffer whose data starts on a 64-byte boundary (vectors are loaded and stored through
@@ -366,24 +380,30 @@ inline void prefetch_lines(const void* start, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, kLocality);
 }
 
-// Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats.
+// The most KV heads per unit (see the top of the file). With head size 128 and block size 16, 4
+// heads' key tiles of a block are one 16 KiB (bf16) or 32 KiB (fp32) run of memory.
+constexpr int64_t kMaxUnitKvHeads = 4;
+
+// Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats; "heads"
+// is the number of KV heads of a unit.
 struct Scratch {
-  AlignedFloats query_patterns;  // [group_pad][head_size / 4] vectors
-  AlignedFloats logits;          // [group][logit_stride]: logits, then exp(logit - max)
+  AlignedFloats query_patterns;  // [heads][group_pad][head_size / 4][4]
+  AlignedFloats logits;          // [heads * group][logit_stride]: logits, then exp(logit - max)
   AlignedFloats block_logits;    // [group_pad][block_size]
   AlignedFloats prob_patterns;   // [kValueBlocks][group_pad][kMaxPatterns] vectors
-  AlignedFloats accumulators;    // [group_pad][value chunks per tile] vectors
+  AlignedFloats accumulators;    // [heads][group_pad][value chunks per tile] vectors
   int64_t logit_stride;
 
-  void resize(int64_t group, int64_t head_size, int64_t block_size, int64_t max_tokens) {
+  void resize(int64_t heads, int64_t group, int64_t head_size, int64_t block_size,
+              int64_t max_tokens) {
     const int64_t group_pad = round_up(group, kHeadTile);
     logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
-    query_patterns.resize(group_pad * head_size / 4 * kLanes);
-    logits.resize(group * logit_stride);
+    query_patterns.resize(heads * group_pad * head_size);
+    logits.resize(heads * group * logit_stride);
     block_logits.resize(group_pad * block_size);
     prob_patterns.resize(kValueBlocks * group_pad * kMaxPatterns * kLanes);
     // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
-    accumulators.resize(group_pad * head_size * block_size);
+    accumulators.resize(heads * group_pad * head_size * block_size);
   }
 };
 
@@ -401,14 +421,15 @@ inline f32x16 group_sum(f32x16 v, int64_t width) {
   }
 }
 
-// Attends the query heads of one KV head to tokens [begin, end) of one sequence (end > begin).
-// Writes, per head of the group, the normalised output (float), the max logit and the exp sum.
+// Attends the query heads of KV heads [kv_head, kv_head + heads) to tokens [begin, end) of one
+// sequence (end > begin). Writes, per query head (row hh * group + g for query head g of KV head
+// kv_head + hh), the normalised output (float), the max logit and the exp sum.
 // kSplit (the AVX2 variant): 16-lane vectors have no register of their own there, and GCC keeps
 // them on the stack; the multiply-add loops then hold every vector as two 8-lane halves, in
 // registers, with 2 heads per loaded cache vector instead of 4 (16 registers, not 32).
 template <typename scalar_t, typename cache_t, bool kSplit>
 inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int64_t kv_head,
-                          int64_t begin, int64_t end, float* out, float* max_logit,
+                          int64_t heads, int64_t begin, int64_t end, float* out, float* max_logit,
                           float* exp_sum) {
   constexpr int k = kVectorsPerChunk<cache_t>;
   constexpr int64_t chunk_elems = kElementsPerChunk<cache_t>;
@@ -427,6 +448,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t group_pad = round_up(group, kHeads);
+  const int64_t rows = heads * group;
   const int64_t seq_len = p.seq_lens[seq];
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const cache_t* key_base = static_cast<const cache_t*>(p.key_cache) + kv_head * p.key_head_stride;
@@ -438,20 +460,25 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
 
   // ---- Pass 1: logits. A key chunk holds 4 tokens x 16 dims in the order of load_chunk: lane l
   // of vector v is token 4m + l / 4, dim c * x + (l % 4) * k + v (m: chunk within a dim-row c).
-  // The query pattern of (c, v) holds, for every lane, the matching query element times scale.
+  // Lane l of (c, v) needs query element c * x + (l % 4) * k + v, times scale: the query
+  // pattern of (c, v) is those 4 floats, repeated across the vector when loaded.
   const int64_t dim_rows = head_size / x;
   const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
+  const int64_t head_patterns = group_pad * patterns_per_head * 4;  // floats per KV head
   float* query_patterns = s.query_patterns.data();
-  std::fill(query_patterns + group * patterns_per_head * kLanes,
-            query_patterns + group_pad * patterns_per_head * kLanes, 0.0f);  // padding heads
-  for (int64_t g = 0; g < group; ++g) {
-    const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
-                        (kv_head * group + g) * p.query_head_stride;
-    for (int64_t c = 0; c < dim_rows; ++c) {
-      for (int v = 0; v < k; ++v) {
-        float* pattern = query_patterns + (g * patterns_per_head + c * k + v) * kLanes;
-        for (int l = 0; l < kLanes; ++l) {
-          pattern[l] = static_cast<float>(q[c * x + (l % 4) * k + v]) * p.scale;
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    float* head_qp = query_patterns + hh * head_patterns;
+    std::fill(head_qp + group * patterns_per_head * 4, head_qp + head_patterns,
+              0.0f);  // padding heads
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
+                          ((kv_head + hh) * group + g) * p.query_head_stride;
+      for (int64_t c = 0; c < dim_rows; ++c) {
+        for (int v = 0; v < k; ++v) {
+          float* pattern = head_qp + (g * patterns_per_head + c * k + v) * 4;
+          for (int l = 0; l < 4; ++l) {
+            pattern[l] = static_cast<float>(q[c * x + l * k + v]) * p.scale;
+          }
         }
       }
     }
@@ -460,86 +487,92 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   float* block_logits = s.block_logits.data();
   const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
   for (int64_t b = first_block; b < end_block; ++b) {
-    // The tile kKeyPrefetchBlocks blocks ahead; past the last key tile, the first value tiles
+    // The tiles kKeyPrefetchBlocks blocks ahead; past the last key tiles, the first value tiles
     // (same size), so the value pass does not start cold.
     const int64_t ahead_block = b + kKeyPrefetchBlocks;
     const int64_t ahead_value_block = first_block + (ahead_block - end_block);
-    const cache_t* ahead =
+    const cache_t* ahead_tiles =
         ahead_block < end_block ? key_base + block_table[ahead_block] * p.key_block_stride
         : ahead_value_block < end_block
             ? value_base + block_table[ahead_value_block] * p.value_block_stride
             : nullptr;
-    const cache_t* tile = key_base + block_table[b] * p.key_block_stride;
-    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
-      const float* qp = query_patterns + g0 * patterns_per_head * kLanes;
-      // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
-      auto chunk_logits = [&]<int kTile>(int64_t m0) {
-        V acc[kHeads][kTile][kParts] = {};
-        for (int64_t c = 0; c < dim_rows; ++c) {
-          if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
-            prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
-          }
-          V keys[kTile][kParts][k];
-          for (int m = 0; m < kTile; ++m) {
-            for (int part = 0; part < kParts; ++part) {
-              load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems + part * kPartElems,
-                         p.key_scale, keys[m][part]);
-            }
-          }
-          for (int v = 0; v < k; ++v) {
-            for (int g = 0; g < kHeads; ++g) {
-              for (int part = 0; part < kParts; ++part) {
-                const V q = load_vector<V>(qp + (g * patterns_per_head + c * k + v) * kLanes +
-                                           part * kPartLanes);
-                for (int m = 0; m < kTile; ++m) acc[g][m][part] += q * keys[m][part][v];
-              }
-            }
-          }
-        }
-        for (int g = 0; g < kHeads; ++g) {
-          float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
-          if constexpr (kSplit) {
-            for (int m = 0; m < kTile; ++m) {
-              float lanes[kLanes];
-              for (int part = 0; part < kParts; ++part) {
-                store_vector(lanes + part * kPartLanes, acc[g][m][part]);
-              }
-              for (int t = 0; t < 4; ++t) {
-                const float* sums = lanes + 4 * t;  // the token's 4 partial sums
-                dst[m * 4 + t] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-              }
-            }
-          } else if constexpr (kTile == 4) {
-            store_vector(dst, sum_token_lanes(acc[g][0][0], acc[g][1][0], acc[g][2][0],
-                                              acc[g][3][0]));
-          } else {
-            for (int m = 0; m < kTile; ++m) {
-              const f32x16 sums = group_sum<4>(acc[g][m][0]);
-              for (int t = 0; t < 4; ++t) dst[m * 4 + t] = sums[4 * t];
-            }
-          }
-        }
-      };
-      if (kWideTile && key_chunks_per_row % 4 == 0) {
-        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
-          chunk_logits.template operator()<4>(m0);
-        }
-      } else {
-        // kSplit: 1 chunk at a time when a chunk converts to 2 or 4 vectors (16 registers).
-        constexpr int kNarrowTile = kSplit && k > 1 ? 1 : 2;
-        for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kNarrowTile) {
-          chunk_logits.template operator()<kNarrowTile>(m0);
-        }
-      }
-    }
+    const int64_t ahead_head_stride =
+        ahead_block < end_block ? p.key_head_stride : p.value_head_stride;
+    const cache_t* block_tiles = key_base + block_table[b] * p.key_block_stride;
     // Slots outside [begin, end) (the tail of the last block, or before a sliding window)
-    // produced logits from whatever the cache holds there; they are not copied out.
+    // produce logits from whatever the cache holds there; they are not copied out.
     const int64_t lo = std::max(begin, b * block_size);
     const int64_t hi = std::min(end, (b + 1) * block_size);
-    for (int64_t g = 0; g < group; ++g) {
-      std::memcpy(logits + g * s.logit_stride + (lo - begin),
-                  block_logits + g * block_size + (lo - b * block_size),
-                  (hi - lo) * sizeof(float));
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const cache_t* tile = block_tiles + hh * p.key_head_stride;
+      const cache_t* ahead =
+          ahead_tiles != nullptr ? ahead_tiles + hh * ahead_head_stride : nullptr;
+      for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
+        const float* qp = query_patterns + hh * head_patterns + g0 * patterns_per_head * 4;
+        // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
+        auto chunk_logits = [&]<int kTile>(int64_t m0) {
+          V acc[kHeads][kTile][kParts] = {};
+          for (int64_t c = 0; c < dim_rows; ++c) {
+            if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
+              prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
+            }
+            V keys[kTile][kParts][k];
+            for (int m = 0; m < kTile; ++m) {
+              for (int part = 0; part < kParts; ++part) {
+                load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems + part * kPartElems,
+                           p.key_scale, keys[m][part]);
+              }
+            }
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeads; ++g) {
+                const V q = repeat_quad<V>(qp + (g * patterns_per_head + c * k + v) * 4);
+                for (int part = 0; part < kParts; ++part) {
+                  for (int m = 0; m < kTile; ++m) acc[g][m][part] += q * keys[m][part][v];
+                }
+              }
+            }
+          }
+          for (int g = 0; g < kHeads; ++g) {
+            float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
+            if constexpr (kSplit) {
+              for (int m = 0; m < kTile; ++m) {
+                float lanes[kLanes];
+                for (int part = 0; part < kParts; ++part) {
+                  store_vector(lanes + part * kPartLanes, acc[g][m][part]);
+                }
+                for (int t = 0; t < 4; ++t) {
+                  const float* sums = lanes + 4 * t;  // the token's 4 partial sums
+                  dst[m * 4 + t] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+                }
+              }
+            } else if constexpr (kTile == 4) {
+              store_vector(dst, sum_token_lanes(acc[g][0][0], acc[g][1][0], acc[g][2][0],
+                                                acc[g][3][0]));
+            } else {
+              for (int m = 0; m < kTile; ++m) {
+                const f32x16 sums = group_sum<4>(acc[g][m][0]);
+                for (int t = 0; t < 4; ++t) dst[m * 4 + t] = sums[4 * t];
+              }
+            }
+          }
+        };
+        if (kWideTile && key_chunks_per_row % 4 == 0) {
+          for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
+            chunk_logits.template operator()<4>(m0);
+          }
+        } else {
+          // kSplit: 1 chunk at a time when a chunk converts to 2 or 4 vectors (16 registers).
+          constexpr int kNarrowTile = kSplit && k > 1 ? 1 : 2;
+          for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kNarrowTile) {
+            chunk_logits.template operator()<kNarrowTile>(m0);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        std::memcpy(logits + (hh * group + g) * s.logit_stride + (lo - begin),
+                    block_logits + g * block_size + (lo - b * block_size),
+                    (hi - lo) * sizeof(float));
+      }
     }
   }
 
@@ -549,9 +582,9 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   constexpr int kRowLanes = kPartLanes;
   const int64_t h0 = kv_head * group;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = logits + g * s.logit_stride;
-    const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + g] : 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * s.logit_stride;
+    const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + r] : 0.0f;
     V row_max = splat<V>(-kInf);
     for (int64_t t = 0; t < n; t += kRowLanes) {
       const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
@@ -578,8 +611,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     }
     float sum = 0.0f;
     for (int i = 0; i < kRowLanes; ++i) sum += row_sum[i];
-    max_logit[g] = m;
-    exp_sum[g] = sum;
+    max_logit[r] = m;
+    exp_sum[r] = sum;
   }
 
   // ---- Pass 2: values. Chunk m of a value tile, vector v, lane l is element e = m * chunk_elems
@@ -590,7 +623,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t patterns = k * chunks_per_row;
   const int64_t value_chunks = head_size * block_size / chunk_elems;
   float* acc_mem = s.accumulators.data();
-  std::fill(acc_mem, acc_mem + group_pad * value_chunks * kLanes, 0.0f);
+  const int64_t head_acc_floats = group_pad * value_chunks * kLanes;  // per KV head
+  std::fill(acc_mem, acc_mem + heads * head_acc_floats, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
   const int64_t pattern_block_stride = group_pad * kMaxPatterns * kLanes;
   i32x16 pattern_tokens[kMaxPatterns];  // token of each lane of each pattern, within a block
@@ -602,165 +636,179 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   }
   i32x16 keep[kValueBlocks][kMaxPatterns];  // lanes of valid tokens, per block and pattern
   bool partial[kValueBlocks];
-  const cache_t* tiles[kValueBlocks];
+  const cache_t* block_tiles[kValueBlocks];  // first KV head's tiles of this group of blocks
+  const cache_t* next_block_tiles[kValueBlocks];  // and of the next group
+  const cache_t* tiles[kValueBlocks];  // the current KV head's
   const cache_t* next_tiles[kValueBlocks];
   for (int64_t b0 = first_block; b0 < end_block; b0 += kValueBlocks) {
     const int64_t nb = std::min<int64_t>(kValueBlocks, end_block - b0);
     const int64_t next_nb = std::min<int64_t>(kValueBlocks, end_block - b0 - nb);
     for (int64_t i = 0; i < next_nb; ++i) {
-      next_tiles[i] = value_base + block_table[b0 + nb + i] * p.value_block_stride;
+      next_block_tiles[i] = value_base + block_table[b0 + nb + i] * p.value_block_stride;
     }
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t block_start = (b0 + i) * block_size;
-      tiles[i] = value_base + block_table[b0 + i] * p.value_block_stride;
+      block_tiles[i] = value_base + block_table[b0 + i] * p.value_block_stride;
       partial[i] = block_start < begin || block_start + block_size > end;
-      float* patterns_out = prob_patterns + i * pattern_block_stride;
+      if (!partial[i]) continue;
       for (int64_t pat = 0; pat < patterns; ++pat) {
-        const i32x16 token = pattern_tokens[pat];
-        for (int64_t g = 0; g < group_pad; ++g) {
-          float* dst = patterns_out + (g * kMaxPatterns + pat) * kLanes;
-          const float* row = logits + std::min(g, group - 1) * s.logit_stride;
-          if (g >= group) {
-            std::fill(dst, dst + kLanes, 0.0f);
-          } else if (!partial[i]) {
-            if constexpr (kSplit) {
-              permute_block_split(dst, row + (block_start - begin), token, block_size);
-            } else {
-              store_vector(dst, permute_block(row + (block_start - begin), token, block_size));
-            }
-          } else {
-            for (int l = 0; l < kLanes; ++l) {
-              const int64_t pos = block_start - begin + token[l];
-              dst[l] = pos >= 0 && pos < n ? row[pos] : 0.0f;
-            }
-          }
-        }
-        if (partial[i]) {
-          for (int l = 0; l < kLanes; ++l) {
-            const int64_t pos = block_start - begin + token[l];
-            keep[i][pat][l] = pos >= 0 && pos < n ? -1 : 0;
-          }
+        for (int l = 0; l < kLanes; ++l) {
+          const int64_t pos = block_start - begin + pattern_tokens[pat][l];
+          keep[i][pat][l] = pos >= 0 && pos < n ? -1 : 0;
         }
       }
     }
-    for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
-      // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
-      // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
-      auto chunk_values = [&]<int kTile>(int64_t m0) {
-        f32x16 acc[kHeads][kTile];
-        for (int g = 0; g < kHeads; ++g) {
-          for (int m = 0; m < kTile; ++m) {
-            acc[g][m] = load_vector<f32x16>(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes);
-          }
-        }
-        if (g0 == 0) {  // the same chunks of the next group's tiles
-          for (int64_t i = 0; i < next_nb; ++i) {
-            prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
-          }
-        }
-        for (int64_t i = 0; i < nb; ++i) {
-          f32x16 values[kTile][k];
-          for (int m = 0; m < kTile; ++m) {
-            load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
-          }
-          if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
-            for (int m = 0; m < kTile; ++m) {
-              for (int v = 0; v < k; ++v) {
-                values[m][v] =
-                    zero_where_not(values[m][v], keep[i][(m % chunks_per_row) * k + v]);
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      for (int64_t i = 0; i < next_nb; ++i) {
+        next_tiles[i] = next_block_tiles[i] + hh * p.value_head_stride;
+      }
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t block_start = (b0 + i) * block_size;
+        tiles[i] = block_tiles[i] + hh * p.value_head_stride;
+        float* patterns_out = prob_patterns + i * pattern_block_stride;
+        for (int64_t pat = 0; pat < patterns; ++pat) {
+          const i32x16 token = pattern_tokens[pat];
+          for (int64_t g = 0; g < group_pad; ++g) {
+            float* dst = patterns_out + (g * kMaxPatterns + pat) * kLanes;
+            const float* row = logits + (hh * group + std::min(g, group - 1)) * s.logit_stride;
+            if (g >= group) {
+              std::fill(dst, dst + kLanes, 0.0f);
+            } else if (!partial[i]) {
+              if constexpr (kSplit) {
+                permute_block_split(dst, row + (block_start - begin), token, block_size);
+              } else {
+                store_vector(dst, permute_block(row + (block_start - begin), token, block_size));
+              }
+            } else {
+              for (int l = 0; l < kLanes; ++l) {
+                const int64_t pos = block_start - begin + token[l];
+                dst[l] = pos >= 0 && pos < n ? row[pos] : 0.0f;
               }
             }
           }
-          const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
-          for (int v = 0; v < k; ++v) {
-            for (int g = 0; g < kHeads; ++g) {
-              const float* pattern = pp + (g * kMaxPatterns + v) * kLanes;
-              const f32x16 even = load_vector<f32x16>(pattern);
-              const f32x16 odd =
-                  chunks_per_row > 1 ? load_vector<f32x16>(pattern + k * kLanes) : even;
-              for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
+        }
+      }
+      float* head_acc = acc_mem + hh * head_acc_floats;
+      for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
+        // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
+        // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
+        auto chunk_values = [&]<int kTile>(int64_t m0) {
+          f32x16 acc[kHeads][kTile];
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
+              acc[g][m] =
+                  load_vector<f32x16>(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes);
             }
           }
-        }
-        for (int g = 0; g < kHeads; ++g) {
-          for (int m = 0; m < kTile; ++m) {
-            store_vector(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
-          }
-        }
-      };
-      // The same, as 8-lane halves (kSplit), 2 chunks at a time. A separate loop rather than
-      // chunk_values over kParts pieces (as chunk_logits is): that form made GCC spill more
-      // vectors in the AVX-512 build (45 -> 67-116 zmm spill stores) and measured slower.
-      auto chunk_values_split = [&](int64_t m0) {
-        constexpr int kTile = 2;
-        f32x8 acc[kHeads][kTile][2];
-        for (int g = 0; g < kHeads; ++g) {
-          for (int m = 0; m < kTile; ++m) {
-            for (int h = 0; h < 2; ++h) {
-              acc[g][m][h] = load_vector<f32x8>(
-                  acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h);
+          if (g0 == 0) {  // the same chunks of the next group's tiles
+            for (int64_t i = 0; i < next_nb; ++i) {
+              prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
             }
           }
-        }
-        if (g0 == 0) {
-          for (int64_t i = 0; i < next_nb; ++i) {
-            prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
-          }
-        }
-        for (int64_t i = 0; i < nb; ++i) {
-          f32x8 values[kTile][2][k];
-          for (int m = 0; m < kTile; ++m) {
-            for (int h = 0; h < 2; ++h) {
-              load_chunk(tiles[i] + (m0 + m) * chunk_elems + h * chunk_elems / 2, p.value_scale,
-                         values[m][h]);
+          for (int64_t i = 0; i < nb; ++i) {
+            f32x16 values[kTile][k];
+            for (int m = 0; m < kTile; ++m) {
+              load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
+            }
+            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+              for (int m = 0; m < kTile; ++m) {
+                for (int v = 0; v < k; ++v) {
+                  values[m][v] =
+                      zero_where_not(values[m][v], keep[i][(m % chunks_per_row) * k + v]);
+                }
+              }
+            }
+            const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeads; ++g) {
+                const float* pattern = pp + (g * kMaxPatterns + v) * kLanes;
+                const f32x16 even = load_vector<f32x16>(pattern);
+                const f32x16 odd =
+                    chunks_per_row > 1 ? load_vector<f32x16>(pattern + k * kLanes) : even;
+                for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
+              }
             }
           }
-          if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
+              store_vector(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
+            }
+          }
+        };
+        // The same, as 8-lane halves (kSplit), 2 chunks at a time. A separate loop rather than
+        // chunk_values over kParts pieces (as chunk_logits is): that form made GCC spill more
+        // vectors in the AVX-512 build (45 -> 67-116 zmm spill stores) and measured slower.
+        auto chunk_values_split = [&](int64_t m0) {
+          constexpr int kTile = 2;
+          f32x8 acc[kHeads][kTile][2];
+          for (int g = 0; g < kHeads; ++g) {
             for (int m = 0; m < kTile; ++m) {
               for (int h = 0; h < 2; ++h) {
-                for (int v = 0; v < k; ++v) {
-                  const auto* mask = reinterpret_cast<const char*>(
-                                         &keep[i][(m % chunks_per_row) * k + v]) +
-                                     h * sizeof(i32x8);
-                  values[m][h][v] = bit_cast<f32x8>(bit_cast<i32x8>(values[m][h][v]) &
-                                                    load_vector<i32x8>(mask));
+                acc[g][m][h] = load_vector<f32x8>(
+                    head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h);
+              }
+            }
+          }
+          if (g0 == 0) {
+            for (int64_t i = 0; i < next_nb; ++i) {
+              prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
+            }
+          }
+          for (int64_t i = 0; i < nb; ++i) {
+            f32x8 values[kTile][2][k];
+            for (int m = 0; m < kTile; ++m) {
+              for (int h = 0; h < 2; ++h) {
+                load_chunk(tiles[i] + (m0 + m) * chunk_elems + h * chunk_elems / 2, p.value_scale,
+                           values[m][h]);
+              }
+            }
+            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+              for (int m = 0; m < kTile; ++m) {
+                for (int h = 0; h < 2; ++h) {
+                  for (int v = 0; v < k; ++v) {
+                    const auto* mask = reinterpret_cast<const char*>(
+                                           &keep[i][(m % chunks_per_row) * k + v]) +
+                                       h * sizeof(i32x8);
+                    values[m][h][v] = bit_cast<f32x8>(bit_cast<i32x8>(values[m][h][v]) &
+                                                      load_vector<i32x8>(mask));
+                  }
+                }
+              }
+            }
+            const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeads; ++g) {
+                for (int h = 0; h < 2; ++h) {
+                  const f32x8 even =
+                      load_vector<f32x8>(pp + (g * kMaxPatterns + v) * kLanes + 8 * h);
+                  const f32x8 odd =
+                      chunks_per_row > 1
+                          ? load_vector<f32x8>(pp + (g * kMaxPatterns + k + v) * kLanes + 8 * h)
+                          : even;
+                  acc[g][0][h] += even * values[0][h][v];
+                  acc[g][1][h] += odd * values[1][h][v];
                 }
               }
             }
           }
-          const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
-          for (int v = 0; v < k; ++v) {
-            for (int g = 0; g < kHeads; ++g) {
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
               for (int h = 0; h < 2; ++h) {
-                const f32x8 even =
-                    load_vector<f32x8>(pp + (g * kMaxPatterns + v) * kLanes + 8 * h);
-                const f32x8 odd =
-                    chunks_per_row > 1
-                        ? load_vector<f32x8>(pp + (g * kMaxPatterns + k + v) * kLanes + 8 * h)
-                        : even;
-                acc[g][0][h] += even * values[0][h][v];
-                acc[g][1][h] += odd * values[1][h][v];
+                store_vector(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
+                             acc[g][m][h]);
               }
             }
           }
-        }
-        for (int g = 0; g < kHeads; ++g) {
-          for (int m = 0; m < kTile; ++m) {
-            for (int h = 0; h < 2; ++h) {
-              store_vector(acc_mem + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
-                           acc[g][m][h]);
-            }
+        };
+        int64_t m0 = 0;
+        if constexpr (kSplit) {
+          for (; m0 < value_chunks; m0 += 2) chunk_values_split(m0);
+        } else {
+          if (kWideTile) {
+            for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
           }
+          for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
         }
-      };
-      int64_t m0 = 0;
-      if constexpr (kSplit) {
-        for (; m0 < value_chunks; m0 += 2) chunk_values_split(m0);
-      } else {
-        if (kWideTile) {
-          for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
-        }
-        for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
       }
     }
   }
@@ -768,39 +816,53 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   // lanes each, or (chunks_per_row > 1) part of one row.
   const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_elems / block_size);
   const int64_t lanes_per_row = kLanes / rows_per_chunk;
-  std::fill(out, out + group * head_size, 0.0f);
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t m = 0; m < value_chunks; ++m) {
-      const f32x16 sums =
-          group_sum(load_vector<f32x16>(acc_mem + (g * value_chunks + m) * kLanes), lanes_per_row);
-      const int64_t first_row = m / chunks_per_row * rows_per_chunk;
-      for (int64_t r = 0; r < rows_per_chunk; ++r) {
-        out[g * head_size + first_row + r] += sums[r * lanes_per_row];
+  std::fill(out, out + rows * head_size, 0.0f);
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* lanes = acc_mem + hh * head_acc_floats + g * value_chunks * kLanes;
+      float* row_out = out + (hh * group + g) * head_size;
+      for (int64_t m = 0; m < value_chunks; ++m) {
+        const f32x16 sums = group_sum(load_vector<f32x16>(lanes + m * kLanes), lanes_per_row);
+        const int64_t first_row = m / chunks_per_row * rows_per_chunk;
+        for (int64_t r = 0; r < rows_per_chunk; ++r) {
+          row_out[first_row + r] += sums[r * lanes_per_row];
+        }
       }
+      const float inv_sum = 1.0f / exp_sum[hh * group + g];
+      for (int64_t d = 0; d < head_size; ++d) row_out[d] *= inv_sum;
     }
-    const float inv_sum = 1.0f / exp_sum[g];
-    for (int64_t d = 0; d < head_size; ++d) out[g * head_size + d] *= inv_sum;
   }
 }
 
-// Runs units of (sequence, KV head, partition), numbered in that nesting order, taking the next
-// unnumbered one from `next_unit` until none is left. Taking units one at a time balances
-// sequences of different lengths (and threads slowed by other work on the machine).
+inline int64_t kv_head_runs(const AttentionParams& p) {
+  return (p.num_kv_heads + p.unit_kv_heads - 1) / p.unit_kv_heads;
+}
+
+inline int64_t unit_count(const AttentionParams& p) {
+  return p.num_seqs * kv_head_runs(p) * p.num_partitions;
+}
+
+// Runs units of (sequence, run of KV heads, partition), numbered in that nesting order, taking
+// the next unnumbered one from `next_unit` until none is left. Taking units one at a time
+// balances sequences of different lengths (and threads slowed by other work on the machine).
 template <typename scalar_t, typename cache_t, bool kSplit>
 inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
+  const int64_t runs = kv_head_runs(p);
+  const int64_t units = unit_count(p);
   Scratch s;
-  s.resize(group, p.head_size, p.block_size, p.max_unit_tokens);
-  std::vector<float> result(group * p.head_size);
-  std::vector<float> max_logit(group);
-  std::vector<float> exp_sum(group);
+  s.resize(p.unit_kv_heads, group, p.head_size, p.block_size, p.max_unit_tokens);
+  std::vector<float> result(p.unit_kv_heads * group * p.head_size);
+  std::vector<float> max_logit(p.unit_kv_heads * group);
+  std::vector<float> exp_sum(p.unit_kv_heads * group);
 
   for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < units;
        u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t partition = u % p.num_partitions;
-    const int64_t kv_head = (u / p.num_partitions) % p.num_kv_heads;
-    const int64_t seq = u / (p.num_partitions * p.num_kv_heads);
+    const int64_t kv_head = (u / p.num_partitions) % runs * p.unit_kv_heads;
+    const int64_t heads = std::min(p.unit_kv_heads, p.num_kv_heads - kv_head);
+    const int64_t rows = heads * group;
+    const int64_t seq = u / (p.num_partitions * runs);
     const int64_t seq_len = p.seq_lens[seq];
     int64_t begin = p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
     int64_t end = seq_len;
@@ -811,18 +873,18 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
       std::fill(max_logit.begin(), max_logit.end(), -std::numeric_limits<float>::infinity());
       std::fill(exp_sum.begin(), exp_sum.end(), 0.0f);
     } else {
-      attend_tokens<scalar_t, cache_t, kSplit>(p, s, seq, kv_head, begin, end, result.data(),
-                                       max_logit.data(), exp_sum.data());
+      attend_tokens<scalar_t, cache_t, kSplit>(p, s, seq, kv_head, heads, begin, end,
+                                               result.data(), max_logit.data(), exp_sum.data());
     }
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = (seq * p.num_heads + kv_head * group + g) * p.num_partitions + partition;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = (seq * p.num_heads + kv_head * group + r) * p.num_partitions + partition;
       scalar_t* dst = static_cast<scalar_t*>(p.out) + row * p.head_size;
       for (int64_t d = 0; d < p.head_size; ++d) {
-        dst[d] = static_cast<scalar_t>(result[g * p.head_size + d]);
+        dst[d] = static_cast<scalar_t>(result[r * p.head_size + d]);
       }
       if (p.max_logits != nullptr) {
-        p.max_logits[row] = max_logit[g];
-        p.exp_sums[row] = exp_sum[g];
+        p.max_logits[row] = max_logit[r];
+        p.exp_sums[row] = exp_sum[r];
       }
     }
   }
@@ -870,7 +932,7 @@ Isa selected_isa() {
 
 template <typename scalar_t, typename cache_t>
 void run_all_units(const AttentionParams& p) {
-  const int64_t units = p.num_seqs * p.num_kv_heads * p.num_partitions;
+  const int64_t units = unit_count(p);
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), units);
   const Isa isa = selected_isa();
   std::atomic<int64_t> next_unit{0};
@@ -928,6 +990,10 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
   p.block_size = dims.block_size;
   p.max_unit_tokens = std::min(dims.max_seq_len, p.partition_size);
   if (sliding_window > 0) p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window);
+  // Up to kMaxUnitKvHeads KV heads per unit (see the top of the file), fewer while that would
+  // leave fewer than 4 units per thread to share out.
+  p.unit_kv_heads = std::max<int64_t>(1, std::min(kMaxUnitKvHeads, dims.num_kv_heads));
+  while (p.unit_kv_heads > 1 && unit_count(p) < 4 * at::get_num_threads()) p.unit_kv_heads /= 2;
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
 
   p.key_scale = 1.0f;
