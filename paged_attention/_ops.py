@@ -96,7 +96,8 @@ def num_partitions(max_seq_len: int) -> int:
 
 
 # v1 is one unit of work per (sequence, KV head); below this many units per core/SM, v2's extra
-# parallelism over partitions wins.
+# parallelism over partitions wins. (The CPU kernel serves adjacent KV heads of a sequence in one
+# unit only while that still leaves this many units per thread.)
 _CPU_UNITS_PER_THREAD = 4
 _CUDA_UNITS_PER_SM = 4
 _V1_MAX_CONTEXT = 8192
