@@ -368,8 +368,9 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // kernel requests the tiles it will read next itself, a few lines at a time between its
 // multiply-adds (a burst of requests would stall once the line-fill buffers are full). Key tiles
 // are requested kKeyPrefetchBlocks blocks ahead into L2 only (`prefetcht2`): on the machine this
-// was tuned on that made the key pass 7-10% faster than requests into L1 at distances 2-8; value
-// tiles go to L1 a group of kValueBlocks blocks ahead (no measurable difference there).
+// was tuned on that made the key pass 7-10% faster than requests into L1 at distances 2-8. Value
+// tiles go to L1 one KV head's group of kValueBlocks tiles ahead (into L2 instead: no measurable
+// difference); a group of every KV head of the unit ahead (4 times as far) was 3-5% slower.
 constexpr int64_t kKeyPrefetchBlocks = 4;
 constexpr int kToL1 = 3;  // __builtin_prefetch locality: 3 = prefetcht0, 1 = prefetcht2
 constexpr int kToL2 = 1;
@@ -659,8 +660,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
       }
     }
     for (int64_t hh = 0; hh < heads; ++hh) {
-      for (int64_t i = 0; i < next_nb; ++i) {
-        next_tiles[i] = next_block_tiles[i] + hh * p.value_head_stride;
+      // The tiles read next: the next KV head's of this group, or the first head's of the next.
+      const int64_t prefetch_nb = hh + 1 < heads ? nb : next_nb;
+      for (int64_t i = 0; i < prefetch_nb; ++i) {
+        next_tiles[i] = hh + 1 < heads ? block_tiles[i] + (hh + 1) * p.value_head_stride
+                                       : next_block_tiles[i];
       }
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t block_start = (b0 + i) * block_size;
@@ -700,8 +704,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
                   load_vector<f32x16>(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes);
             }
           }
-          if (g0 == 0) {  // the same chunks of the next group's tiles
-            for (int64_t i = 0; i < next_nb; ++i) {
+          if (g0 == 0) {  // the same chunks of the tiles read next
+            for (int64_t i = 0; i < prefetch_nb; ++i) {
               prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
             }
           }
@@ -750,7 +754,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             }
           }
           if (g0 == 0) {
-            for (int64_t i = 0; i < next_nb; ++i) {
+            for (int64_t i = 0; i < prefetch_nb; ++i) {
               prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
             }
           }
