@@ -370,7 +370,7 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // are requested kKeyPrefetchBlocks blocks ahead into L2 only (`prefetcht2`): on the machine this
 // was tuned on that made the key pass 7-10% faster than requests into L1 at distances 2-8. Value
 // tiles go to L1 one KV head's group of kValueBlocks tiles ahead (into L2 instead: no measurable
-// difference); a group of every KV head of the unit ahead (4 times as far) was 3-5% slower.
+// difference); a group of every KV head of the unit ahead (4 times as far) was 2-5% slower.
 constexpr int64_t kKeyPrefetchBlocks = 4;
 constexpr int kToL1 = 3;  // __builtin_prefetch locality: 3 = prefetcht0, 1 = prefetcht2
 constexpr int kToL2 = 1;
