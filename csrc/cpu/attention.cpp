@@ -704,12 +704,12 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
                   load_vector<f32x16>(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes);
             }
           }
-          if (g0 == 0) {  // the same chunks of the tiles read next
-            for (int64_t i = 0; i < prefetch_nb; ++i) {
+          for (int64_t i = 0; i < nb; ++i) {
+            // The same chunks of the tiles read next, one tile per block so that the requests
+            // spread between the multiply-adds (2% faster than all at once, bf16 32 x 4096).
+            if (g0 == 0 && i < prefetch_nb) {
               prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
             }
-          }
-          for (int64_t i = 0; i < nb; ++i) {
             f32x16 values[kTile][k];
             for (int m = 0; m < kTile; ++m) {
               load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
@@ -753,6 +753,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
           }
+          // Here all at once: spread over the block loop (as in chunk_values), bf16 at 32 x 4096
+          // measured 2-7% slower in this variant.
           if (g0 == 0) {
             for (int64_t i = 0; i < prefetch_nb; ++i) {
               prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
