@@ -353,8 +353,8 @@ def test_narrower_instruction_sets_agree():
     """The kernel is compiled for AVX-512, AVX2 (its multiply-add loops in 8-lane halves) and
     baseline x86-64 and picked at run time from torch's CPU capability; forcing each narrower
     one through ATEN_CPU_CAPABILITY must give the same result as the reference, over every
-    cache dtype, chunk shape (block sizes 8-32: patterns that span one or two chunks) and
-    partial blocks (each variant runs in a fresh interpreter)."""
+    cache dtype, chunk shape (block sizes 8-32: patterns that span one or two chunks), partial
+    blocks and units of several KV heads (each variant runs in a fresh interpreter)."""
     script = textwrap.dedent(
         """
         import sys
@@ -373,6 +373,10 @@ def test_narrower_instruction_sets_agree():
             kv = make_paged_kv(3, [1, 77, 700], 2, head_size, block_size, dtype, cache)
             check_v1_v2(attention_args(make_query(3, 8, head_size, dtype), kv, 8,
                                        sliding_window=100))
+        torch.set_num_threads(2)  # 4 sequences x 8 KV heads: units of 4 KV heads
+        for dtype in (torch.float32, torch.bfloat16):
+            kv = make_paged_kv(4, [1, 37, 300, 513], 8, 64, 16, dtype)
+            check_v1_v2(attention_args(make_query(4, 32, 64, dtype), kv, 32, alibi=True))
         print("ok", torch.backends.cpu.get_cpu_capability())
         """
     )
