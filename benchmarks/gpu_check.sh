@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One-GPU check of the CUDA kernels (made for an H200 machine: 16 cores, torch + nvcc installed,
 # no network). Builds the extension for sm_90, runs a plain-python smoke check of every op against
-# reference.py, the CUDA tests (when pytest is importable), compute-sanitizer memcheck on a small
-# case of every op, and the decode benchmark. Each stage has its own timeout so the whole script
-# stays within 8 minutes (150 + 35 + 110 + 55 + 100 s at most); a failing stage does not stop the
-# later ones.
+# reference.py, the CUDA tests (when pytest is importable), the decode benchmark (the whole grid
+# without FlexAttention, then our v1 against compiled FlexAttention on the target rows, since each
+# FlexAttention shape is its own compilation), the serving demo on the GPU, and compute-sanitizer
+# memcheck on a small case of every op. Each stage has its own timeout, so the whole script stays
+# within 9.5 minutes (130 + 40 + 140 + 70 + 70 + 50 + 55 s at most; about 4 expected); a failing
+# stage does not stop the later ones.
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR
-# OUTDIR receives at most 8 files: summary.txt build.log tests.log tests.xml memcheck.log
-# bench.log bench_decode_cuda.json bench_decode_cuda.png
+# OUTDIR receives at most 8 files: summary.txt build.log tests.log memcheck.log bench.log
+# bench_decode_cuda.json bench_decode_cuda_flex.json bench_decode_cuda.png
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -18,6 +20,8 @@ fi
 mkdir -p "$1"
 OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
+# The extension is built in place: scripts outside the repository root import it from here.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
 WORK=$(mktemp -d)
@@ -63,7 +67,7 @@ fi
 
 # ---- 1. build ------------------------------------------------------------------------------
 export PAGED_ATTENTION_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-run_stage build 150 "$OUT/build.log" $PY setup.py build_ext --inplace
+run_stage build 130 "$OUT/build.log" $PY setup.py build_ext --inplace
 BUILD_RC=$?
 unset PAGED_ATTENTION_CUDA MAX_JOBS
 
@@ -205,19 +209,38 @@ fi
 
 # ---- 2. smoke check and CUDA tests --------------------------------------------------------
 echo "== smoke check (plain python, every op vs reference.py) ==" >> "$OUT/tests.log"
-run_stage smoke 35 "$OUT/tests.log" $PY "$WORK/smoke.py"
+run_stage smoke 40 "$OUT/tests.log" $PY "$WORK/smoke.py"
 grep -E "failure\(s\)" "$OUT/tests.log" | tail -1 | sed 's/^/  smoke: /' >> "$SUMMARY"
 if $PY -c 'import pytest' 2>/dev/null; then
   echo "== pytest tests/test_cuda_ops.py ==" >> "$OUT/tests.log"
-  run_stage tests 110 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py -q -rfE \
-    -p no:cacheprovider --junitxml="$OUT/tests.xml" --durations=10
+  # Four workers when pytest-xdist is there: the tests are many small launches plus reference.py.
+  WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 4" || true)
+  run_stage tests 140 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py tests/test_cache_ops.py \
+    -q -rfE -p no:cacheprovider --durations=10 $WORKERS
   grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
     | sed 's/^/  pytest: /' >> "$SUMMARY"
 else
   note "[tests] SKIPPED: pytest is not importable by $PY (the smoke check above still ran)"
 fi
 
-# ---- 3. compute-sanitizer memcheck ----------------------------------------------------------
+# ---- 3. decode benchmark --------------------------------------------------------------------
+run_stage bench 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+  --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bfloat16,float32 \
+  --methods v1,v2,gather+sdpa --json "$OUT/bench_decode_cuda.json" \
+  --plot "$OUT/bench_decode_cuda.png"
+echo "== v1 against compiled FlexAttention ==" >> "$OUT/bench.log"
+run_stage bench-flex 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+  --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,flex \
+  --json "$OUT/bench_decode_cuda_flex.json"
+echo "  bench (last lines of bench.log):" >> "$SUMMARY"
+tail -n 80 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
+
+# ---- 4. the serving demo on the GPU (engine, PagedCache, transformers adapter, checked against
+# transformers' own generate()) -----------------------------------------------------------------
+echo "== python -m paged_attention demo --device cuda ==" >> "$OUT/tests.log"
+run_stage demo 50 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
+
+# ---- 5. compute-sanitizer memcheck ----------------------------------------------------------
 # On PATH, in a CUDA toolkit, or in the nvidia-cuda-sanitizer-api wheel next to torch's CUDA libs.
 SANITIZER=$(command -v compute-sanitizer || true)
 WHEELS=$($PY -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null)
@@ -238,17 +261,6 @@ else
   note "[memcheck] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
 fi
 
-# ---- 4. decode benchmark --------------------------------------------------------------------
-if [ -f benchmarks/bench_decode.py ]; then
-  run_stage bench 100 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
-    --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bf16,fp32 \
-    --json "$OUT/bench_decode_cuda.json" --plot "$OUT/bench_decode_cuda.png"
-  echo "  bench (last lines of bench.log):" >> "$SUMMARY"
-  tail -n 45 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
-else
-  note "[bench] SKIPPED: benchmarks/bench_decode.py is not in this checkout"
-  FAILED=1
-fi
 
 RESULT=$([ $FAILED -eq 0 ] && echo ok || echo FAILED)
 note "total $(( $(date +%s) - SCRIPT_START ))s; RESULT: $RESULT"
