@@ -4,11 +4,13 @@
 # reference.py, the CUDA tests (when pytest is importable), the decode benchmark (the whole grid
 # without FlexAttention, then our v1 against compiled FlexAttention on the target rows, since each
 # FlexAttention shape is its own compilation), the serving demo on the GPU, and compute-sanitizer
-# memcheck on a small case of every op. Each stage has its own timeout, so the whole script stays
-# within 9.5 minutes (130 + 40 + 140 + 70 + 70 + 50 + 55 s at most; about 4 expected); a failing
-# stage does not stop the later ones.
+# memcheck on a small case of every op, and an Nsight Compute profile of the attention kernel.
+# Each stage has its own timeout, so the whole script stays within 10 minutes (130 + 40 + 140 + 70
+# + 70 + 50 + 55 + 60 s at most; about 5 expected); a failing stage does not stop the later ones.
 #
-# Usage: benchmarks/gpu_check.sh OUTDIR
+# Usage: [GPU_CHECK_STAGES=smoke,tests,...] benchmarks/gpu_check.sh OUTDIR
+# GPU_CHECK_STAGES picks the stages after the build (default: all of smoke, tests, bench, flex,
+# demo, memcheck, ncu), to rerun part of the check within a short lease.
 # OUTDIR receives at most 8 files: summary.txt build.log tests.log memcheck.log bench.log
 # bench_decode_cuda.json bench_decode_cuda_flex.json bench_decode_cuda.png
 set -u -o pipefail
@@ -31,6 +33,9 @@ FAILED=0
 SCRIPT_START=$(date +%s)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
+
+STAGES=",${GPU_CHECK_STAGES:-smoke,tests,bench,flex,demo,memcheck,ncu},"
+want() { [[ $STAGES == *",$1,"* ]]; }
 
 # run_stage NAME TIMEOUT_S LOG COMMAND...: runs COMMAND with a timeout, appending to LOG, and
 # records its exit status and duration in the summary.
@@ -209,36 +214,47 @@ fi
 
 # ---- 2. smoke check and CUDA tests --------------------------------------------------------
 echo "== smoke check (plain python, every op vs reference.py) ==" >> "$OUT/tests.log"
-run_stage smoke 40 "$OUT/tests.log" $PY "$WORK/smoke.py"
-grep -E "failure\(s\)" "$OUT/tests.log" | tail -1 | sed 's/^/  smoke: /' >> "$SUMMARY"
-if $PY -c 'import pytest' 2>/dev/null; then
+if want smoke; then
+  run_stage smoke 40 "$OUT/tests.log" $PY "$WORK/smoke.py"
+  grep -E "failure\(s\)" "$OUT/tests.log" | tail -1 | sed 's/^/  smoke: /' >> "$SUMMARY"
+fi
+if ! want tests; then
+  :
+elif $PY -c 'import pytest' 2>/dev/null; then
   echo "== pytest tests/test_cuda_ops.py ==" >> "$OUT/tests.log"
-  # Four workers when pytest-xdist is there: the tests are many small launches plus reference.py.
-  WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 4" || true)
+  # Eight workers when pytest-xdist is there: the tests are many small launches plus reference.py.
+  WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
   run_stage tests 140 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py tests/test_cache_ops.py \
     -q -rfE -p no:cacheprovider --durations=10 $WORKERS
   grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
     | sed 's/^/  pytest: /' >> "$SUMMARY"
+  grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | cut -c1-300 | sed 's/^/    /' >> "$SUMMARY"
 else
   note "[tests] SKIPPED: pytest is not importable by $PY (the smoke check above still ran)"
 fi
 
 # ---- 3. decode benchmark --------------------------------------------------------------------
-run_stage bench 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
-  --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bfloat16,float32 \
-  --methods v1,v2,gather+sdpa --json "$OUT/bench_decode_cuda.json" \
-  --plot "$OUT/bench_decode_cuda.png"
-echo "== v1 against compiled FlexAttention ==" >> "$OUT/bench.log"
-run_stage bench-flex 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
-  --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,flex \
-  --json "$OUT/bench_decode_cuda_flex.json"
-echo "  bench (last lines of bench.log):" >> "$SUMMARY"
-tail -n 80 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
+if want bench; then
+  run_stage bench 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bfloat16,float32 \
+    --methods v1,v2,gather+sdpa --json "$OUT/bench_decode_cuda.json" \
+    --plot "$OUT/bench_decode_cuda.png"
+fi
+if want flex; then
+  echo "== v1 and v2 against compiled FlexAttention ==" >> "$OUT/bench.log"
+  run_stage bench-flex 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,v2,flex \
+    --json "$OUT/bench_decode_cuda_flex.json"
+fi
+if want bench || want flex; then
+  echo "  bench (last lines of bench.log):" >> "$SUMMARY"
+  tail -n 80 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
+fi
 
 # ---- 4. the serving demo on the GPU (engine, PagedCache, transformers adapter, checked against
 # transformers' own generate()) -----------------------------------------------------------------
-echo "== python -m paged_attention demo --device cuda ==" >> "$OUT/tests.log"
-run_stage demo 50 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
+want demo && echo "== python -m paged_attention demo --device cuda ==" >> "$OUT/tests.log"
+want demo && run_stage demo 50 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
 
 # ---- 5. compute-sanitizer memcheck ----------------------------------------------------------
 # On PATH, in a CUDA toolkit, or in the nvidia-cuda-sanitizer-api wheel next to torch's CUDA libs.
@@ -251,7 +267,9 @@ for candidate in /usr/local/cuda/bin/compute-sanitizer \
   [ -n "$SANITIZER" ] && break
   [ -x "$candidate" ] && SANITIZER=$candidate
 done
-if [ -n "$SANITIZER" ]; then
+if ! want memcheck; then
+  :
+elif [ -n "$SANITIZER" ]; then
   # Without the caching allocator every tensor is its own allocation, so an out-of-bounds access
   # cannot hide inside a pooled segment.
   run_stage memcheck 55 "$OUT/memcheck.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
@@ -261,6 +279,35 @@ else
   note "[memcheck] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
 fi
 
+
+# ---- 6. Nsight Compute: where the attention kernel's time goes ---------------------------------
+# Batch 64 x 4096 tokens, bf16 (the target row): the v2 partition kernel, then v1. Appended to
+# bench.log: throughput against the hardware's peaks, occupancy, warp stall reasons.
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if ! want ncu; then
+  :
+elif [ -n "$NCU" ]; then
+  cat > "$WORK/profile.py" <<'PYEOF'
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+import bench_decode  # noqa: E402
+
+case = bench_decode.build_case(torch.device("cuda"), torch.bfloat16, 64, 4096)
+v1, v2 = bench_decode.method_ours(case, 1), bench_decode.method_ours(case, 2)
+v2(), v2(), v1()
+torch.cuda.synchronize()
+PYEOF
+  echo "== ncu: paged_attention_kernel, v2 then v1, bf16 64 x 4096 ==" >> "$OUT/bench.log"
+  run_stage ncu 60 "$OUT/bench.log" "$NCU" --clock-control none \
+    --kernel-name regex:paged_attention_kernel --launch-skip 1 --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis $PY "$WORK/profile.py"
+else
+  note "[ncu] SKIPPED: Nsight Compute (ncu) not found"
+fi
 
 RESULT=$([ $FAILED -eq 0 ] && echo ok || echo FAILED)
 note "total $(( $(date +%s) - SCRIPT_START ))s; RESULT: $RESULT"
