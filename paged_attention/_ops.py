@@ -111,13 +111,14 @@ def _cpu_threads() -> int:
 
 def cuda_v1_shared_memory_bytes(num_queries_per_kv: int, max_seq_len: int, block_size: int) -> int:
     """Upper bound of the dynamic shared memory of the CUDA v1 kernel (csrc/cuda/launchers.h,
-    attention_shared_memory_bytes). A CTA serves up to 8 query heads of a KV group (larger groups
+    attention_shared_memory_bytes). A CTA serves up to 4 query heads of a KV group (larger groups
     are split into balanced chunks) and keeps, per served head, one float32 logit per token of the
-    block-padded context plus at most 264 float32 words (query row, reductions, value partials)."""
-    chunks = max(1, math.ceil(num_queries_per_kv / 8))  # kMaxHeadsPerCta
+    block-padded context plus at most 264 float32 words (query row, reductions, value partials),
+    and one int32 block id per block."""
+    chunks = max(1, math.ceil(num_queries_per_kv / 4))  # kMaxHeadsPerCta
     heads_per_cta = math.ceil(num_queries_per_kv / chunks)
     padded_len = math.ceil(max_seq_len / block_size) * block_size
-    return 4 * heads_per_cta * (padded_len + 264)
+    return 4 * heads_per_cta * (padded_len + 264) + 4 * (padded_len // block_size)
 
 
 def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16) -> bool:

@@ -387,7 +387,7 @@ def test_long_context(context, dtype):
 def test_v1_shared_memory_formula_and_clear_error():
     device = _device()
     limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    group, block_size = 8, 16
+    group, block_size = 4, 16  # a CTA serves the whole group (kMaxHeadsPerCta)
     too_long = (limit // (4 * group)) // block_size * block_size + block_size
     assert pa_ops.cuda_v1_shared_memory_bytes(group, too_long, block_size) > limit
     kv = PagedKV(seq_lens=[too_long], num_heads=group, num_kv_heads=1, block_size=block_size)

@@ -14,7 +14,9 @@
 //   * value elements of token slots outside the attended range are replaced by zero before use,
 //     so NaN in uninitialised cache slots never reaches the output;
 //   * blocks wholly outside the sliding window are never read;
-//   * fp8 scales are read from device memory (no host synchronisation).
+//   * fp8 scales are read from device memory (no host synchronisation);
+//   * the value pass takes each block's physical id from shared memory, where the key pass left
+//     it, instead of reloading it from the block table before every value load.
 //
 // Work split inside a CTA (128 threads, 4 warps):
 //   keys:   warp w takes blocks w, w + 4, ...; within a warp, lane l handles token l % block_size
@@ -239,6 +241,11 @@ __global__ void __launch_bounds__(kAttentionThreads)
   float* warp_maxes = logits + launch.heads_per_cta * launch.logit_capacity;  // [warps][heads]
   float* warp_sums = warp_maxes + kWarps * launch.heads_per_cta;
   float* split_partials = warp_sums + kWarps * launch.heads_per_cta;  // [splits - 1][heads][D]
+  // The physical block ids of this CTA's blocks: the key pass reads them from the block table and
+  // writes them here, so the value pass finds them without a dependent global load.
+  const int value_splits = head_size >= kAttentionThreads ? 1 : kAttentionThreads / head_size;
+  int* block_ids = reinterpret_cast<int*>(split_partials + (value_splits - 1) *
+                                                               launch.heads_per_cta * head_size);
 
   const scalar_t* query = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride;
   for (int i = tid; i < heads * head_size; i += kAttentionThreads) {
@@ -270,6 +277,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   for (int block = block_begin + warp; block < block_end; block += kWarps) {
     const int64_t physical_block = next_physical_block;
     if (block + kWarps < block_end) next_physical_block = block_table[block + kWarps];
+    if (lane == 0) block_ids[block - block_begin] = static_cast<int>(physical_block);
     const cache_t* key_token =
         key_head + physical_block * p.key_block_stride + token_in_block * kX;
     float dot[kMaxHeadsPerCta];
@@ -381,7 +389,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
 
   // ---- weighted value sum --------------------------------------------------------------------
-  const int splits = head_size >= kAttentionThreads ? 1 : kAttentionThreads / head_size;
+  const int splits = value_splits;
   const int split = head_size >= kAttentionThreads ? 0 : tid / head_size;
   const int row0 = head_size >= kAttentionThreads ? tid : tid % head_size;
   const bool active = split < splits;
@@ -408,7 +416,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
         const int slot = tile_begin + j * kVec;
         if (slot < num_slots) {
           // kVec divides block_size: a vector never straddles two blocks.
-          const int64_t physical_block = block_table[block_begin + slot / block_size];
+          const int64_t physical_block = block_ids[slot / block_size];
           const cache_t* vector =
               value_head + physical_block * p.value_block_stride + slot % block_size;
 #pragma unroll
@@ -585,8 +593,8 @@ cudaError_t launch_paged_attention(const AttentionParams& p, bool v2, cudaStream
       static_cast<int>(attention_logit_capacity(p.max_seq_len, p.block_size, v2));
   launch.heads_per_cta = heads_per_cta(group);
   launch.head_chunks = (group + launch.heads_per_cta - 1) / launch.heads_per_cta;
-  const int64_t shared_bytes =
-      attention_shared_memory_bytes(launch.heads_per_cta, p.head_size, launch.logit_capacity);
+  const int64_t shared_bytes = attention_shared_memory_bytes(
+      launch.heads_per_cta, p.head_size, launch.logit_capacity, p.block_size);
 
   const auto kernel = paged_attention_kernel<scalar_t, kCache, kRowsPerThread>;
   if (shared_bytes > 48 * 1024) {

@@ -16,8 +16,11 @@ enum class ScalarKind { kFloat, kHalf, kBFloat16 };
 // Threads per attention CTA (four warps).
 constexpr int kAttentionThreads = 128;
 // A CTA serves at most this many query heads of one KV head; larger GQA groups are split into
-// ceil(group / kMaxHeadsPerCta) balanced chunks (each K/V element is then read once per chunk).
-constexpr int kMaxHeadsPerCta = 8;
+// ceil(group / kMaxHeadsPerCta) balanced chunks (each K/V element is then read once per chunk, the
+// chunks after the first mostly from L2). The per-head registers size the kernel's occupancy: on
+// an H200, 4 instead of 8 took the kernel from 113-128 to 95-96 registers and made the bf16 and
+// fp32 decode steps at batch 64 x 4096 tokens about 1.4 times faster (benchmarks/gpu_check.sh).
+constexpr int kMaxHeadsPerCta = 4;
 constexpr int kMaxHeadSize = 256;
 
 // Query heads one CTA serves for a GQA group of `group` query heads per KV head.
@@ -34,15 +37,16 @@ constexpr int kV2PartitionSize = 512;
 // Dynamic shared memory (bytes) of the attention kernel, in float32 words per served head:
 // the query row (head_size), one logit per token slot of the partition (logit_capacity), the
 // cross-warp max and sum (2 * warps) and the partial value sums of the token splits (only when
-// head_size < kAttentionThreads, and then splits * head_size <= kAttentionThreads). The total is
-// at most 4 * heads * (logit_capacity + kMaxHeadSize + 8): paged_attention/_ops.py's
-// cuda_v1_shared_memory_bytes uses that bound.
+// head_size < kAttentionThreads, and then splits * head_size <= kAttentionThreads); then one int32
+// block id per block of the partition. The total is at most
+// 4 * heads * (logit_capacity + kMaxHeadSize + 8) + 4 * logit_capacity / block_size:
+// paged_attention/_ops.py's cuda_v1_shared_memory_bytes uses that bound.
 inline int64_t attention_shared_memory_bytes(int64_t heads, int64_t head_size,
-                                             int64_t logit_capacity) {
+                                             int64_t logit_capacity, int64_t block_size) {
   const int64_t splits = head_size >= kAttentionThreads ? 1 : kAttentionThreads / head_size;
   const int64_t words = head_size + logit_capacity + 2 * (kAttentionThreads / 32) +
                         (splits - 1) * head_size;
-  return 4 * heads * words;
+  return 4 * heads * words + 4 * (logit_capacity / block_size);
 }
 
 // Logit slots per head: v1 holds the whole (block-padded) context, v2 one partition.
@@ -92,7 +96,7 @@ struct AttentionParams {
 inline int64_t attention_shared_memory_bytes(const AttentionParams& params, bool v2) {
   return attention_shared_memory_bytes(
       heads_per_cta(params.num_heads / params.num_kv_heads), params.head_size,
-      attention_logit_capacity(params.max_seq_len, params.block_size, v2));
+      attention_logit_capacity(params.max_seq_len, params.block_size, v2), params.block_size);
 }
 
 // One launcher per query dtype (one .cu file each, so they compile in parallel); each returns the
