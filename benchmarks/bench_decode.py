@@ -313,7 +313,9 @@ def run_grid(args) -> dict:
     result = dict(device=device.type, machine=machine_info(device), rows=[], notes=[])
     result["huge_pages"] = args.huge_pages
     result["notes"].append(
-        "times are best-of-N wall times; limit = sum() over a float32 buffer of the same size"
+        "times are the best of N samples per call (CUDA: event-timed samples of "
+        f"{CUDA_CALLS_PER_SAMPLE} back-to-back calls); limit = sum() over a float32 buffer of the "
+        "same size"
     )
     peak = cuda_peak(device) if device.type == "cuda" else None
     if peak:

@@ -72,7 +72,10 @@ fi
 
 # ---- 1. build ------------------------------------------------------------------------------
 export PAGED_ATTENTION_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-run_stage build 130 "$OUT/build.log" $PY setup.py build_ext --inplace
+# The system compiler, not $CXX/$CC: the H200 image sets CXX=/opt/gcc/bin/g++, a wrapper around
+# the same GCC 13.3, and any extension it builds (even a one-op repro without flags) segfaults as
+# soon as an op formats an error message into a std::ostream; /usr/bin/g++ builds work.
+run_stage build 130 "$OUT/build.log" env -u CXX -u CC $PY setup.py build_ext --inplace
 BUILD_RC=$?
 unset PAGED_ATTENTION_CUDA MAX_JOBS
 
@@ -287,7 +290,7 @@ NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/
 if ! want ncu; then
   :
 elif [ -n "$NCU" ]; then
-  cat > "$WORK/profile.py" <<'PYEOF'
+  cat > "$WORK/profile_decode.py" <<'PYEOF'
 import sys
 
 import torch
@@ -304,7 +307,7 @@ PYEOF
   run_stage ncu 60 "$OUT/bench.log" "$NCU" --clock-control none \
     --kernel-name regex:paged_attention_kernel --launch-skip 1 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis $PY "$WORK/profile.py"
+    --section SchedulerStats --section MemoryWorkloadAnalysis $PY "$WORK/profile_decode.py"
 else
   note "[ncu] SKIPPED: Nsight Compute (ncu) not found"
 fi

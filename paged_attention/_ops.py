@@ -100,7 +100,9 @@ def num_partitions(max_seq_len: int) -> int:
 # unit only while that still leaves this many units per thread.)
 _CPU_UNITS_PER_THREAD = 4
 _CUDA_UNITS_PER_SM = 4
-_V1_MAX_CONTEXT = 8192
+# On an H200, v2 was faster than v1 in every measured row above 2048 tokens (batch 8-64; v1's
+# logits in shared memory leave room for few CTAs per SM), and v1 at most 4% faster at 2048.
+_CUDA_V1_MAX_CONTEXT = 2048
 
 
 @torch._dynamo.assume_constant_result
@@ -124,14 +126,14 @@ def cuda_v1_shared_memory_bytes(num_queries_per_kv: int, max_seq_len: int, block
 def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16) -> bool:
     """The v1/v2 choice of ``paged_attention``: v2 when the context spans several partitions and
     the batch is too small to keep the machine busy without splitting sequences, or (CUDA) the
-    context is long or v1 would not fit the GPU's shared memory. On the CPU, v1 keeps its logits
-    in per-thread buffers, so long contexts need no split (and v1 was the faster kernel at 16k and
-    32k tokens; README, "Decode attention on the CPU")."""
+    context is longer than 2048 tokens or v1 would not fit the GPU's shared memory. On the CPU,
+    v1 keeps its logits in per-thread buffers, so long contexts need no split (and v1 was the
+    faster kernel at 16k and 32k tokens; README, "Decode attention on the CPU")."""
     if num_partitions(max_seq_len) == 1:
         return False
     work_units = query.shape[0] * num_kv_heads
     if query.device.type == "cuda":
-        if max_seq_len > _V1_MAX_CONTEXT:
+        if max_seq_len > _CUDA_V1_MAX_CONTEXT:
             return True
         props = torch.cuda.get_device_properties(query.device)
         group = query.shape[1] // num_kv_heads

@@ -16,10 +16,12 @@ enum class ScalarKind { kFloat, kHalf, kBFloat16 };
 // Threads per attention CTA (four warps).
 constexpr int kAttentionThreads = 128;
 // A CTA serves at most this many query heads of one KV head; larger GQA groups are split into
-// ceil(group / kMaxHeadsPerCta) balanced chunks (each K/V element is then read once per chunk, the
-// chunks after the first mostly from L2). The per-head registers size the kernel's occupancy: on
-// an H200, 4 instead of 8 took the kernel from 113-128 to 95-96 registers and made the bf16 and
-// fp32 decode steps at batch 64 x 4096 tokens about 1.4 times faster (benchmarks/gpu_check.sh).
+// ceil(group / kMaxHeadsPerCta) balanced chunks (each K/V element is then read once per chunk).
+// The per-head registers size the kernel's occupancy: 4 instead of 8 took the auto-cache kernels
+// for head sizes up to 128 from 113-128 to 86-96 registers (ptxas -v); on an H200, v2 at
+// batch 64 x 4096 tokens then took 0.48 ms instead of 0.68 (bf16) and 0.70 instead of 0.96 (fp32)
+// (`benchmarks/bench_decode.py --device cuda`, before and after commit f746766, which also moved
+// the value pass's block ids into shared memory).
 constexpr int kMaxHeadsPerCta = 4;
 constexpr int kMaxHeadSize = 256;
 
