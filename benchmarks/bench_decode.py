@@ -83,13 +83,13 @@ def best_time(fn, device: torch.device, reps: int, budget_s: float = 2.0) -> flo
                 fn()
             end.record()
             end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3 / CUDA_CALLS_PER_SAMPLE
+            sample_s, calls = start.elapsed_time(end) / 1e3, CUDA_CALLS_PER_SAMPLE
         else:
             t0 = time.perf_counter()
             fn()
-            elapsed = time.perf_counter() - t0
-        best = min(best, elapsed)
-        spent += elapsed
+            sample_s, calls = time.perf_counter() - t0, 1
+        best = min(best, sample_s / calls)
+        spent += sample_s
         if i >= 2 and spent > budget_s:
             break
     return best
