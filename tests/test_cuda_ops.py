@@ -401,6 +401,15 @@ def test_v1_shared_memory_formula_and_clear_error():
     torch.testing.assert_close(out, run_attention(kv, 2)[1], **TOLERANCES[kv.dtype])
 
 
+def test_v2_beyond_2048_tokens_or_for_small_batches():
+    many = torch.empty(1024, 32, 128, device=_device())  # 8192 (sequence, KV head) pairs
+    few = torch.empty(2, 32, 128, device=_device())
+    assert not pa_ops.use_v2(many, 8, 2048)
+    assert pa_ops.use_v2(many, 8, 2049)
+    assert pa_ops.use_v2(few, 8, 1024)
+    assert not pa_ops.use_v2(few, 8, 512)  # one partition: nothing to split
+
+
 def test_misaligned_cache_is_rejected():
     kv = PagedKV(seq_lens=[16])
     flat = torch.zeros(kv.key_cache.numel() + 1, dtype=kv.key_cache.dtype, device="cuda")
