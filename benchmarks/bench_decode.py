@@ -47,10 +47,14 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 CUDA_PEAK_BYTES_PER_S = {"H200": 4.8e12}
 METHODS = ("v1", "v2", "gather+sdpa", "flex")
-# FlexAttention's GPU decode kernel needs the block mask's query block to be a multiple of its
-# 16-row tile (a 1-row query block leaves it no valid configuration); one 128-row block holds
-# the single query row.
+# FlexAttention's GPU decode kernel tiles the query rows of a KV head by at least 16 and needs the
+# block mask's query block to be a multiple of that tile (torch/_inductor/kernel/flex/
+# flex_decoding.py): with a 1-row query block it found no valid configuration on an H200. One
+# 128-row block holds the single query row.
 FLEX_QUERY_BLOCK = 128
+# On CUDA one sample is this many back-to-back calls: the host prepares the next call while the
+# GPU runs the current one, so the time per call is the kernels' unless the host is the slower.
+CUDA_CALLS_PER_SAMPLE = 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,11 +64,6 @@ FLEX_QUERY_BLOCK = 128
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# On CUDA one sample is this many back-to-back calls: the host prepares the next call while the
-# GPU runs the current one, so the time per call is the kernels' unless the host is the slower.
-CUDA_CALLS_PER_SAMPLE = 10
 
 
 def best_time(fn, device: torch.device, reps: int, budget_s: float = 2.0) -> float:

@@ -17,8 +17,8 @@ def gpu_check_bench_commands() -> list[list[str]]:
     script = (ROOT / "benchmarks" / "gpu_check.sh").read_text().replace("\\\n", " ")
     commands = []
     for line in script.splitlines():
-        if "benchmarks/bench_decode.py" in line:
-            words = shlex.split(line.split("benchmarks/bench_decode.py", 1)[1])
+        if "$PY benchmarks/bench_decode.py" in line:
+            words = shlex.split(line.split("$PY benchmarks/bench_decode.py", 1)[1])
             commands.append(words)
     return commands
 

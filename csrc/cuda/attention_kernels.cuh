@@ -241,11 +241,12 @@ __global__ void __launch_bounds__(kAttentionThreads)
   float* warp_maxes = logits + launch.heads_per_cta * launch.logit_capacity;  // [warps][heads]
   float* warp_sums = warp_maxes + kWarps * launch.heads_per_cta;
   float* split_partials = warp_sums + kWarps * launch.heads_per_cta;  // [splits - 1][heads][D]
+  // The value pass splits the tokens over `splits` thread sets when head_size < kAttentionThreads.
+  const int splits = head_size >= kAttentionThreads ? 1 : kAttentionThreads / head_size;
   // The physical block ids of this CTA's blocks: the key pass reads them from the block table and
   // writes them here, so the value pass finds them without a dependent global load.
-  const int value_splits = head_size >= kAttentionThreads ? 1 : kAttentionThreads / head_size;
-  int* block_ids = reinterpret_cast<int*>(split_partials + (value_splits - 1) *
-                                                               launch.heads_per_cta * head_size);
+  int* block_ids = reinterpret_cast<int*>(split_partials +
+                                          (splits - 1) * launch.heads_per_cta * head_size);
 
   const scalar_t* query = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride;
   for (int i = tid; i < heads * head_size; i += kAttentionThreads) {
@@ -389,7 +390,6 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
 
   // ---- weighted value sum --------------------------------------------------------------------
-  const int splits = value_splits;
   const int split = head_size >= kAttentionThreads ? 0 : tid / head_size;
   const int row0 = head_size >= kAttentionThreads ? tid : tid % head_size;
   const bool active = split < splits;

@@ -18,10 +18,10 @@ constexpr int kAttentionThreads = 128;
 // A CTA serves at most this many query heads of one KV head; larger GQA groups are split into
 // ceil(group / kMaxHeadsPerCta) balanced chunks (each K/V element is then read once per chunk).
 // The per-head registers size the kernel's occupancy: 4 instead of 8 took the auto-cache kernels
-// for head sizes up to 128 from 113-128 to 86-96 registers (ptxas -v); on an H200, v2 at
-// batch 64 x 4096 tokens then took 0.48 ms instead of 0.68 (bf16) and 0.70 instead of 0.96 (fp32)
-// (`benchmarks/bench_decode.py --device cuda`, before and after commit f746766, which also moved
-// the value pass's block ids into shared memory).
+// for head sizes up to 128 from 113-128 to 86-96 registers (ptxas -v, nvcc 13.0). With commit
+// f746766, which also moved the value pass's block ids into shared memory, v2 at batch 64 x 4096
+// tokens on an H200 took 0.48 ms instead of 0.68 (bf16) and 0.70 instead of 0.96 (fp32)
+// (`benchmarks/bench_decode.py --device cuda` before and after it).
 constexpr int kMaxHeadsPerCta = 4;
 constexpr int kMaxHeadSize = 256;
 
