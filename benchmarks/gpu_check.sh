@@ -3,17 +3,20 @@
 # no network). Builds the extension for sm_90, runs a plain-python smoke check of every op against
 # reference.py, the CUDA tests (when pytest is importable), the decode benchmark (the whole grid
 # without FlexAttention, then our v1 and v2 against compiled FlexAttention on the target rows,
-# since each FlexAttention shape is its own compilation), the serving demo on the GPU,
-# compute-sanitizer memcheck on a small case of every op, and an Nsight Compute profile of the
-# attention kernel (this last stage has not run successfully yet). Each stage has its own timeout
-# (120 + 40 + 140 + 70 + 70 + 50 + 55 + 50 s at most; about 5 minutes expected), so the whole
-# script stays within about 10 minutes; a failing stage does not stop the later ones.
+# since each FlexAttention shape is its own compilation), the attention kernels timed without
+# torch (benchmarks/bench_cuda_kernels.cu: registers and CTAs per SM too), the serving demo on the
+# GPU, compute-sanitizer memcheck on a small case of every op, and an Nsight Compute profile of
+# the attention kernel. Two stages, kernels and ncu, have not run successfully yet. Each stage
+# has its own timeout (120 + 40 + 120 + 60 + 60 + 30 + 15 + 50 + 55 + 45 s at most; about 5
+# minutes expected), so the whole script stays within about 10 minutes; a failing stage does not
+# stop the later ones.
 #
 # Usage: [GPU_CHECK_STAGES=smoke,tests,...] benchmarks/gpu_check.sh OUTDIR
 # GPU_CHECK_STAGES picks the stages after the build (default: all of smoke, tests, bench, flex,
-# demo, memcheck, ncu), to rerun part of the check within a short lease.
-# OUTDIR receives at most 8 files: summary.txt build.log tests.log memcheck.log bench.log
-# bench_decode_cuda.json bench_decode_cuda_flex.json bench_decode_cuda.png
+# kernels, demo, memcheck, ncu), to rerun part of the check within a short lease.
+# OUTDIR receives at most 8 files: summary.txt build.log tests.log (smoke, pytest, demo, memcheck)
+# bench.log bench_decode_cuda.json bench_decode_cuda_flex.json bench_cuda_kernels.json
+# bench_decode_cuda.png
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -35,7 +38,7 @@ SCRIPT_START=$(date +%s)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-ALL_STAGES="smoke,tests,bench,flex,demo,memcheck,ncu"
+ALL_STAGES="smoke,tests,bench,flex,kernels,demo,memcheck,ncu"
 STAGES=",${GPU_CHECK_STAGES:-$ALL_STAGES},"
 want() { [[ $STAGES == *",$1,"* ]]; }
 for stage in ${STAGES//,/ }; do
@@ -236,7 +239,7 @@ elif $PY -c 'import pytest' 2>/dev/null; then
   echo "== pytest tests/test_cuda_ops.py tests/test_cache_ops.py ==" >> "$OUT/tests.log"
   # Eight workers when pytest-xdist is there: the tests are many small launches plus reference.py.
   WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
-  run_stage tests 140 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py \
+  run_stage tests 120 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py \
     tests/test_cache_ops.py -q -rfE -p no:cacheprovider --durations=10 $WORKERS
   grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
     | sed 's/^/  pytest: /' >> "$SUMMARY"
@@ -247,18 +250,27 @@ fi
 
 # ---- 3. decode benchmark --------------------------------------------------------------------
 if want bench; then
-  run_stage bench 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+  run_stage bench 60 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
     --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bfloat16,float32 \
     --methods v1,v2,gather+sdpa --json "$OUT/bench_decode_cuda.json" \
     --plot "$OUT/bench_decode_cuda.png"
 fi
 if want flex; then
   echo "== v1 and v2 against compiled FlexAttention ==" >> "$OUT/bench.log"
-  run_stage bench-flex 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+  run_stage bench-flex 60 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
     --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,v2,flex \
     --json "$OUT/bench_decode_cuda_flex.json"
 fi
-if want bench || want flex; then
+if want kernels; then
+  echo "== the attention kernels without torch (benchmarks/bench_cuda_kernels.cu) ==" \
+    >> "$OUT/bench.log"
+  run_stage kernels-build 30 "$OUT/bench.log" "$NVCC" -O3 -std=c++20 --expt-relaxed-constexpr \
+    -gencode=arch=compute_90,code=sm_90 -Icsrc benchmarks/bench_cuda_kernels.cu \
+    -o "$WORK/bench_cuda_kernels" \
+    && run_stage kernels 15 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
+      --json "$OUT/bench_cuda_kernels.json"
+fi
+if want bench || want flex || want kernels; then
   echo "  bench (last lines of bench.log):" >> "$SUMMARY"
   tail -n 80 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
 fi
@@ -286,9 +298,10 @@ if ! want memcheck; then
 elif [ -n "$SANITIZER" ]; then
   # Without the caching allocator every tensor is its own allocation, so an out-of-bounds access
   # cannot hide inside a pooled segment.
-  run_stage memcheck 55 "$OUT/memcheck.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
+  echo "== compute-sanitizer --tool memcheck ==" >> "$OUT/tests.log"
+  run_stage memcheck 55 "$OUT/tests.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
     --tool memcheck --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
-  grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1 | sed 's/^/  memcheck: /' >> "$SUMMARY"
+  grep -E "ERROR SUMMARY" "$OUT/tests.log" | tail -1 | sed 's/^/  memcheck: /' >> "$SUMMARY"
 else
   note "[memcheck] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
 fi
@@ -315,7 +328,7 @@ v2(), v2(), v1()
 torch.cuda.synchronize()
 PYEOF
   echo "== ncu: paged_attention_kernel, v2 then v1, bf16 64 x 4096 ==" >> "$OUT/bench.log"
-  run_stage ncu 50 "$OUT/bench.log" "$NCU" --clock-control none \
+  run_stage ncu 45 "$OUT/bench.log" "$NCU" --clock-control none \
     --kernel-name regex:paged_attention_kernel --launch-skip 1 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis $PY "$WORK/profile_decode.py"

@@ -1,0 +1,60 @@
+"""benchmarks/bench_cuda_kernels.cu builds against the kernel headers with nvcc (every CI run
+has nvcc), and on a GPU it times every case."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_nvcc() -> Path | None:
+    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(str(Path(on_path).resolve().parent.parent))
+    for home in filter(None, candidates):
+        nvcc = Path(home) / "bin" / "nvcc"
+        if nvcc.exists():
+            return nvcc
+    return None
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
+def test_builds_and_on_a_gpu_times_every_case(tmp_path):
+    binary = tmp_path / "bench_cuda_kernels"
+    # The command benchmarks/gpu_check.sh runs (stage kernels).
+    build = subprocess.run(
+        [
+            str(find_nvcc()),
+            "-O3",
+            "-std=c++20",
+            "--expt-relaxed-constexpr",
+            "-gencode=arch=compute_90,code=sm_90",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "benchmarks" / "bench_cuda_kernels.cu"),
+            "-o",
+            str(binary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert build.returncode == 0, build.stderr
+    assert "warning" not in build.stderr, build.stderr
+    if not torch.cuda.is_available():
+        return
+    report_path = tmp_path / "kernels.json"
+    run = subprocess.run(
+        [str(binary), "--json", str(report_path)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(report_path.read_text())["rows"]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["time_s"] > 0 and row["registers"] > 0 and row["ctas_per_sm"] > 0, row
