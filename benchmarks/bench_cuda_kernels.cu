@@ -134,15 +134,17 @@ std::vector<float> to_floats(const void* device, size_t n) {
 
 int main(int argc, char** argv) {
   std::string json_path, save_dir, compare_dir;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--json") json_path = argv[i + 1];
-    else if (flag == "--save") save_dir = argv[i + 1];
-    else if (flag == "--compare") compare_dir = argv[i + 1];
-    else {
-      std::fprintf(stderr, "unknown option %s\n", argv[i]);
+    std::string* value = flag == "--json"      ? &json_path
+                         : flag == "--save"    ? &save_dir
+                         : flag == "--compare" ? &compare_dir
+                                               : nullptr;
+    if (value == nullptr || i + 1 == argc) {
+      std::fprintf(stderr, "usage: %s [--json PATH] [--save DIR] [--compare DIR]\n", argv[0]);
       return 2;
     }
+    *value = argv[i + 1];
   }
   const Case cases[] = {
       {"bf16 v2 64x4096", true, true, 64, 4096},   {"bf16 v1 64x4096", true, false, 64, 4096},
