@@ -2,36 +2,24 @@
 has nvcc), and on a GPU it times every case."""
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import CUDA_HOME
 
 ROOT = Path(__file__).resolve().parents[1]
+NVCC = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
 
 
-def find_nvcc() -> Path | None:
-    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
-    on_path = shutil.which("nvcc")
-    if on_path:
-        candidates.append(str(Path(on_path).resolve().parent.parent))
-    for home in filter(None, candidates):
-        nvcc = Path(home) / "bin" / "nvcc"
-        if nvcc.exists():
-            return nvcc
-    return None
-
-
-@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
+@pytest.mark.skipif(NVCC is None or not NVCC.exists(), reason="needs nvcc")
 def test_builds_and_on_a_gpu_times_every_case(tmp_path):
     binary = tmp_path / "bench_cuda_kernels"
     # The command benchmarks/gpu_check.sh runs (stage kernels).
     build = subprocess.run(
         [
-            str(find_nvcc()),
+            str(NVCC),
             "-O3",
             "-std=c++20",
             "--expt-relaxed-constexpr",
