@@ -18,7 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <string>
@@ -286,10 +286,9 @@ int main(int argc, char** argv) {
                   difference >= 0 ? difference_text : "null");
     json += row;
 
-    for (void* buffer : {key_cache, value_cache, query, out, tmp_out}) CHECK_CUDA(cudaFree(buffer));
-    for (void* buffer : {static_cast<void*>(exp_sums), static_cast<void*>(max_logits),
-                         static_cast<void*>(unit_scale), static_cast<void*>(block_tables),
-                         static_cast<void*>(seq_lens)}) {
+    for (void* buffer : std::initializer_list<void*>{key_cache, value_cache, query, out, tmp_out,
+                                                     exp_sums, max_logits, unit_scale,
+                                                     block_tables, seq_lens}) {
       CHECK_CUDA(cudaFree(buffer));
     }
   }
