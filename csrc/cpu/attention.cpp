@@ -367,11 +367,16 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // Blocks are scattered in memory, so the hardware prefetchers cannot run ahead across them; the
 // kernel requests the tiles it will read next itself, a few lines at a time between its
 // multiply-adds (a burst of requests would stall once the line-fill buffers are full). Key tiles
-// are requested kKeyPrefetchBlocks blocks ahead into L2 only (`prefetcht2`): on the machine this
-// was tuned on that made the key pass 7-10% faster than requests into L1 at distances 2-8. Value
-// tiles go to L1 one KV head's group of kValueBlocks tiles ahead (into L2 instead: no measurable
+// are requested into L2 only (`prefetcht2`): on the machine this was tuned on that made the key
+// pass 7-10% faster than requests into L1. While the key pass reads one group of
+// kPrefetchGroup tiles (in the order the unit reads its tiles), it requests the next group's
+// lines one line of each tile in turn, not tile after tile: this machine serves requests spread
+// over several 4 KiB pages faster than a run of requests within one page (back to back at
+// 32 x 4096, v1 bf16 took 23.7-24.6 ms against 25.9-27.7 ms and fp32 43.7-46.3 ms against
+// 47.2-50.5 ms; groups of 4 or 16 were within noise of 8). Value tiles go to L1 one KV head's
+// group of kValueBlocks tiles ahead, one tile per block in turn (into L2 instead: no measurable
 // difference); a group of every KV head of the unit ahead (4 times as far) was 2-5% slower.
-constexpr int64_t kKeyPrefetchBlocks = 4;
+constexpr int64_t kPrefetchGroup = 8;
 constexpr int kToL1 = 3;  // __builtin_prefetch locality: 3 = prefetcht0, 1 = prefetcht2
 constexpr int kToL2 = 1;
 
@@ -487,18 +492,31 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   float* logits = s.logits.data();
   float* block_logits = s.block_logits.data();
   const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
+  // The unit's tiles in the order it reads them, for the requests ahead: the key tiles block by
+  // block (the heads of a block together), then the value tiles as the value pass visits them
+  // (per group of kValueBlocks blocks, head by head); null past the end.
+  const int64_t blocks = end_block - first_block;
+  const int64_t key_tiles = blocks * heads;
+  auto tile_in_reading_order = [&](int64_t t) -> const char* {
+    const cache_t* tile = nullptr;
+    if (t < key_tiles) {
+      tile = key_base + block_table[first_block + t / heads] * p.key_block_stride +
+             t % heads * p.key_head_stride;
+    } else if (t < 2 * key_tiles) {
+      t -= key_tiles;
+      const int64_t group_first = t / (heads * kValueBlocks) * kValueBlocks;
+      const int64_t group_blocks = std::min<int64_t>(kValueBlocks, blocks - group_first);
+      const int64_t in_group = t - group_first * heads;
+      tile = value_base +
+             block_table[first_block + group_first + in_group % group_blocks] *
+                 p.value_block_stride +
+             in_group / group_blocks * p.value_head_stride;
+    }
+    return reinterpret_cast<const char*>(tile);
+  };
+  const int64_t row_lines = block_size * 16 / 64;  // 64-byte lines per dim-row of a tile
+  const int64_t tile_lines = dim_rows * row_lines;
   for (int64_t b = first_block; b < end_block; ++b) {
-    // The tiles kKeyPrefetchBlocks blocks ahead; past the last key tiles, the first value tiles
-    // (same size), so the value pass does not start cold.
-    const int64_t ahead_block = b + kKeyPrefetchBlocks;
-    const int64_t ahead_value_block = first_block + (ahead_block - end_block);
-    const cache_t* ahead_tiles =
-        ahead_block < end_block ? key_base + block_table[ahead_block] * p.key_block_stride
-        : ahead_value_block < end_block
-            ? value_base + block_table[ahead_value_block] * p.value_block_stride
-            : nullptr;
-    const int64_t ahead_head_stride =
-        ahead_block < end_block ? p.key_head_stride : p.value_head_stride;
     const cache_t* block_tiles = key_base + block_table[b] * p.key_block_stride;
     // Slots outside [begin, end) (the tail of the last block, or before a sliding window)
     // produce logits from whatever the cache holds there; they are not copied out.
@@ -506,16 +524,28 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     const int64_t hi = std::min(end, (b + 1) * block_size);
     for (int64_t hh = 0; hh < heads; ++hh) {
       const cache_t* tile = block_tiles + hh * p.key_head_stride;
-      const cache_t* ahead =
-          ahead_tiles != nullptr ? ahead_tiles + hh * ahead_head_stride : nullptr;
+      // The next group of kPrefetchGroup tiles, whose lines this tile's key pass requests:
+      // requests [first_request, first_request + tile_lines) of the group's interleaved order.
+      const int64_t tile_index = (b - first_block) * heads + hh;
+      const char* ahead[kPrefetchGroup];
+      for (int i = 0; i < kPrefetchGroup; ++i) {
+        ahead[i] = tile_in_reading_order((tile_index / kPrefetchGroup + 1) * kPrefetchGroup + i);
+      }
+      const int64_t first_request = tile_index % kPrefetchGroup * tile_lines;
       for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
         const float* qp = query_patterns + hh * head_patterns + g0 * patterns_per_head * 4;
         // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
         auto chunk_logits = [&]<int kTile>(int64_t m0) {
           V acc[kHeads][kTile][kParts] = {};
           for (int64_t c = 0; c < dim_rows; ++c) {
-            if (ahead != nullptr && g0 == 0 && m0 == 0) {  // dim-row c of a later block's tile
-              prefetch_lines<kToL2>(ahead + c * block_size * x, block_size * 16);
+            if (g0 == 0 && m0 == 0) {  // dim-row c's share of the requests
+              for (int64_t l = 0; l < row_lines; ++l) {
+                const int64_t request = first_request + c * row_lines + l;
+                const char* ahead_tile = ahead[request % kPrefetchGroup];
+                if (ahead_tile != nullptr) {
+                  __builtin_prefetch(ahead_tile + request / kPrefetchGroup * 64, 0, kToL2);
+                }
+              }
             }
             V keys[kTile][kParts][k];
             for (int m = 0; m < kTile; ++m) {
