@@ -1,9 +1,10 @@
 """Decode attention over a paged KV cache: our kernels against plain PyTorch, side by side.
 
 One decode step (one query token per sequence) for every (dtype, batch, context) of the grid,
-32 query heads, 8 KV heads, head size 128, block size 16, every sequence as long as the context,
-with scattered block tables (a random permutation of the block pool). Methods, all on the same
-cache contents:
+32 query heads, 8 KV heads, head size 128, block size 16 (``--heads``, ``--kv-heads``,
+``--head-size`` and ``--block-size`` change them), every sequence as long as the context, with
+scattered block tables (a random permutation of the block pool). Methods, all on the same cache
+contents:
 
 * ``v1``, ``v2``: ``paged_attention.paged_attention(..., version=1|2)``.
 * ``gather+sdpa``: what a plain PyTorch user writes: gather the blocks through the block table
@@ -29,6 +30,7 @@ Effective bandwidth = bytes of K and V the step must read / time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -41,10 +43,17 @@ import torch
 import paged_attention
 from paged_attention.cache import advise_huge_pages
 
-NUM_HEADS = 32
-NUM_KV_HEADS = 8
-HEAD_SIZE = 128
-BLOCK_SIZE = 16
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The attention shape of every row: query heads, KV heads, head size, block size."""
+
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+
+
 CUDA_PEAK_BYTES_PER_S = {"H200": 4.8e12}
 METHODS = ("v1", "v2", "gather+sdpa", "flex")
 # FlexAttention's GPU decode kernel tiles the query rows of a KV head by at least 16 and needs the
@@ -107,20 +116,20 @@ def allocate(shape, dtype, device, huge_pages: bool) -> torch.Tensor:
     return tensor
 
 
-def build_case(device, dtype, batch, context, seed=0, huge_pages=False):
+def build_case(device, dtype, batch, context, shape=Shape(), seed=0, huge_pages=False):
     """Random paged cache in the DESIGN.md layout, scattered block tables, and a query."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    blocks_per_seq = context // BLOCK_SIZE
+    blocks_per_seq = math.ceil(context / shape.block_size)
     num_blocks = batch * blocks_per_seq
     x = 16 // torch.empty((), dtype=dtype).element_size()
-    key_shape = (num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x)
+    key_shape = (num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x)
     key_cache = allocate(key_shape, dtype, device, huge_pages).normal_()
-    value_shape = (num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE)
+    value_shape = (num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size)
     value_cache = allocate(value_shape, dtype, device, huge_pages).normal_()
     pool = torch.randperm(num_blocks, generator=generator).to(torch.int32)
     block_tables = pool.reshape(batch, blocks_per_seq).to(device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=device)
+    query = torch.randn(batch, shape.num_heads, shape.head_size, dtype=dtype, device=device)
     return dict(
         query=query,
         key_cache=key_cache,
@@ -128,11 +137,13 @@ def build_case(device, dtype, batch, context, seed=0, huge_pages=False):
         block_tables=block_tables,
         seq_lens=seq_lens,
         context=context,
+        shape=shape,
     )
 
 
-def kv_bytes(batch, context, dtype) -> int:
-    return 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * torch.empty((), dtype=dtype).itemsize
+def kv_bytes(batch, context, dtype, shape=Shape()) -> int:
+    itemsize = torch.empty((), dtype=dtype).itemsize
+    return 2 * batch * context * shape.num_kv_heads * shape.head_size * itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +154,7 @@ def method_ours(case, version):
     out = torch.empty_like(case["query"])
 
     def run():
-        paged_attention.paged_attention(
+        return paged_attention.paged_attention(
             case["query"],
             case["key_cache"],
             case["value_cache"],
@@ -161,11 +172,13 @@ def gather_kv(case):
     """Contiguous [batch, kv_heads, context, head_size] keys and values, via the block table."""
     tables = case["block_tables"].long()
     batch, blocks = tables.shape
+    shape, context = case["shape"], case["context"]
+    tokens = blocks * shape.block_size
     keys = case["key_cache"][tables]  # [b, blocks, kv, D/x, B, x]
-    keys = keys.permute(0, 2, 1, 4, 3, 5).reshape(batch, NUM_KV_HEADS, blocks * BLOCK_SIZE, -1)
+    keys = keys.permute(0, 2, 1, 4, 3, 5).reshape(batch, shape.num_kv_heads, tokens, -1)
     values = case["value_cache"][tables]  # [b, blocks, kv, D, B]
-    values = values.permute(0, 2, 1, 4, 3).reshape(batch, NUM_KV_HEADS, blocks * BLOCK_SIZE, -1)
-    return keys, values
+    values = values.permute(0, 2, 1, 4, 3).reshape(batch, shape.num_kv_heads, tokens, -1)
+    return keys[:, :, :context], values[:, :, :context]
 
 
 def method_gather_sdpa(case):
@@ -188,23 +201,25 @@ def method_flex(case):
     batch, blocks = tables.shape
     device = tables.device
     num_blocks = case["value_cache"].shape[0]
+    shape = case["shape"]
+    kv_heads, head_size, block_size = shape.num_kv_heads, shape.head_size, shape.block_size
     # Same values, in FlexAttention's paged layout: physical position = page * block + offset.
-    key_pages = case["key_cache"].permute(1, 0, 3, 2, 4).reshape(NUM_KV_HEADS, -1, HEAD_SIZE)
-    value_pages = case["value_cache"].permute(1, 0, 3, 2).reshape(NUM_KV_HEADS, -1, HEAD_SIZE)
+    key_pages = case["key_cache"].permute(1, 0, 3, 2, 4).reshape(kv_heads, -1, head_size)
+    value_pages = case["value_cache"].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_size)
     key_pages, value_pages = key_pages.unsqueeze(0), value_pages.unsqueeze(0)
     physical_to_logical = torch.full((batch, num_blocks), -1, dtype=torch.long, device=device)
     physical_to_logical.scatter_(1, tables, torch.arange(blocks, device=device).expand(batch, -1))
     seq_lens = case["seq_lens"].long()
 
     def mask_mod(b, h, q_idx, physical_kv):
-        page = physical_kv // BLOCK_SIZE
-        logical = physical_to_logical[b, page] * BLOCK_SIZE + physical_kv % BLOCK_SIZE
+        page = physical_kv // block_size
+        logical = physical_to_logical[b, page] * block_size + physical_kv % block_size
         return (physical_to_logical[b, page] >= 0) & (logical < seq_lens[b])
 
     # One column per physical page (as PagedAttention.convert_logical_block_mask does). Pages
     # holding block_size tokens are "full" (no mask_mod call); a partly filled last page is not.
-    full_pages = seq_lens // BLOCK_SIZE
-    partial_pages = (seq_lens % BLOCK_SIZE > 0).to(torch.int32)
+    full_pages = seq_lens // block_size
+    partial_pages = (seq_lens % block_size > 0).to(torch.int32)
     full_indices = torch.zeros(batch, 1, 1, num_blocks, dtype=torch.int32, device=device)
     full_indices[:, 0, 0, :blocks] = tables.to(torch.int32)
     partial_indices = torch.zeros_like(full_indices)
@@ -214,9 +229,9 @@ def method_flex(case):
         partial_indices,
         full_pages.to(torch.int32).reshape(batch, 1, 1),
         full_indices,
-        BLOCK_SIZE=(FLEX_QUERY_BLOCK, BLOCK_SIZE),
+        BLOCK_SIZE=(FLEX_QUERY_BLOCK, block_size),
         mask_mod=mask_mod,
-        seq_lengths=(1, num_blocks * BLOCK_SIZE),
+        seq_lengths=(1, num_blocks * block_size),
     )
     query = case["query"].unsqueeze(2)
     # A fresh compilation per shape: past torch._dynamo's recompile limit, torch.compile would
@@ -308,8 +323,11 @@ def run_grid(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     methods = [m for m in args.methods.split(",") if m]
+    shape = Shape(args.heads, args.kv_heads, args.head_size, args.block_size)
     llc = last_level_cache_bytes(device)
     result = dict(device=device.type, machine=machine_info(device), rows=[], notes=[])
+    result["shape"] = dataclasses.asdict(shape)
+    print(shape)
     result["huge_pages"] = args.huge_pages
     result["notes"].append(
         "times are the best of N samples per call (CUDA: event-timed samples of "
@@ -323,8 +341,8 @@ def run_grid(args) -> dict:
     for dtype in dtypes:
         for batch in batches:
             for context in contexts:
-                nbytes = kv_bytes(batch, context, dtype)
-                case = build_case(device, dtype, batch, context, huge_pages=args.huge_pages)
+                nbytes = kv_bytes(batch, context, dtype, shape)
+                case = build_case(device, dtype, batch, context, shape, huge_pages=args.huge_pages)
                 limit_s = streaming_limit(nbytes, device, args.reps, args.huge_pages)
                 row_common = dict(
                     dtype=str(dtype).removeprefix("torch."),
@@ -432,6 +450,10 @@ def main():
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="512,2048,4096,8192")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--heads", type=int, default=Shape.num_heads, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=Shape.num_kv_heads)
+    parser.add_argument("--head-size", type=int, default=Shape.head_size)
+    parser.add_argument("--block-size", type=int, default=Shape.block_size)
     parser.add_argument("--reps", type=int, default=10, help="repetitions (best is reported)")
     parser.add_argument("--json", default=None, help="default: results/bench_decode_<device>.json")
     parser.add_argument("--plot", default=None, help="PNG path (matplotlib)")

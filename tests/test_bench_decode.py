@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,3 +71,47 @@ def test_gpu_check_bench_arguments_run(index, tmp_path):
         assert row["time_s"] > 0 and row["fraction_of_limit"] > 0
     if "--plot" in args:
         assert Path(args[args.index("--plot") + 1]).stat().st_size > 0
+
+
+def load_bench_decode():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_decode
+    finally:
+        sys.path.pop(0)
+    return bench_decode
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_shape_options_reach_every_method(version):
+    """A non-default shape, and a context that ends inside a block, through ours and gather+SDPA."""
+    bench = load_bench_decode()
+    shape = bench.Shape(num_heads=6, num_kv_heads=2, head_size=64, block_size=32)
+    case = bench.build_case(torch.device("cpu"), torch.float32, 3, 1000, shape)
+    assert case["key_cache"].shape == (3 * 32, 2, 16, 32, 4)
+    assert case["query"].shape == (3, 6, 64)
+    ours = bench.method_ours(case, version)()
+    expected = bench.method_gather_sdpa(case)().squeeze(2)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert bench.kv_bytes(3, 1000, torch.float32, shape) == 2 * 3 * 1000 * 2 * 64 * 4
+
+
+def test_shape_flags_are_recorded(tmp_path):
+    json_path = tmp_path / "shape.json"
+    flags = ["--heads", "8", "--kv-heads", "1", "--head-size", "96", "--block-size", "8"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *flags]
+        + ["--batches", "2", "--contexts", "300", "--methods", "v1,gather+sdpa", "--reps", "2"]
+        + ["--dtypes", "bfloat16", "--json", str(json_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(json_path.read_text())
+    assert report["shape"] == {"num_heads": 8, "num_kv_heads": 1, "head_size": 96, "block_size": 8}
+    assert [r["method"] for r in report["rows"]] == ["v1", "gather+sdpa", "limit"]
+    assert all(r.get("error") is None for r in report["rows"])
+    assert report["rows"][0]["kv_bytes"] == 2 * 2 * 300 * 1 * 96 * 2
