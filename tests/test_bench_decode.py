@@ -40,15 +40,7 @@ def on_a_tiny_cpu_grid(args: list[str], tmp_path: Path) -> list[str]:
     return out + (["--reps", "3"] if "--reps" not in out else [])
 
 
-def test_gpu_check_runs_the_benchmark_twice():
-    commands = gpu_check_bench_commands()
-    assert len(commands) == 2
-    assert all(shlex.join(c).count("--device cuda") == 1 for c in commands)
-
-
-@pytest.mark.parametrize("index", [0, 1], ids=["grid", "flex"])
-def test_gpu_check_bench_arguments_run(index, tmp_path):
-    args = on_a_tiny_cpu_grid(gpu_check_bench_commands()[index], tmp_path)
+def run_bench_decode(args: list[str]) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *args],
         capture_output=True,
@@ -58,6 +50,18 @@ def test_gpu_check_bench_arguments_run(index, tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_gpu_check_runs_the_benchmark_twice():
+    commands = gpu_check_bench_commands()
+    assert len(commands) == 2
+    assert all(shlex.join(c).count("--device cuda") == 1 for c in commands)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["grid", "flex"])
+def test_gpu_check_bench_arguments_run(index, tmp_path):
+    args = on_a_tiny_cpu_grid(gpu_check_bench_commands()[index], tmp_path)
+    run_bench_decode(args)
     json_path = Path(args[args.index("--json") + 1])
     report = json.loads(json_path.read_text())
     methods = args[args.index("--methods") + 1].split(",")
@@ -99,17 +103,11 @@ def test_shape_options_reach_every_method(version):
 def test_shape_flags_are_recorded(tmp_path):
     json_path = tmp_path / "shape.json"
     flags = ["--heads", "8", "--kv-heads", "1", "--head-size", "96", "--block-size", "8"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *flags]
+    run_bench_decode(
+        flags
         + ["--batches", "2", "--contexts", "300", "--methods", "v1,gather+sdpa", "--reps", "2"]
-        + ["--dtypes", "bfloat16", "--json", str(json_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        + ["--dtypes", "bfloat16", "--json", str(json_path)]
     )
-    assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(json_path.read_text())
     assert report["shape"] == {"num_heads": 8, "num_kv_heads": 1, "head_size": 96, "block_size": 8}
     assert [r["method"] for r in report["rows"]] == ["v1", "gather+sdpa", "limit"]
