@@ -12,7 +12,7 @@ export PAGED_ATTENTION_CUDA
 
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
 
-.PHONY: setup build demo test lint bench package-check clean
+.PHONY: setup build demo test test-asan lint bench package-check clean
 
 setup: $(VENV)/.deps
 
@@ -39,6 +39,25 @@ lint: build
 
 test: lint
 	$(PY) -m pytest
+
+# The tests of the CPU ops against an AddressSanitizer build of the extension, for each of the
+# kernels' instruction-set variants: any read or write outside an allocation fails the run. The
+# build is a copy in build/asan, so the regular build stays as it is. libasan must be loaded
+# before Python, and libstdc++ with it (ASan intercepts C++ exceptions only when it is loaded).
+# --capture=sys leaves file descriptor 2 to ASan's report (it aborts the process after it).
+ASAN_TESTS := tests/test_attention_cpu.py tests/test_cache_ops.py tests/test_attention_module.py tests/test_cache.py
+ASAN_PRELOAD = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-name=libstdc++.so.6)
+test-asan: setup
+	rm -rf build/asan && mkdir -p build/asan
+	cp -r setup.py pyproject.toml csrc paged_attention tests build/asan/
+	rm -f build/asan/paged_attention/*.so
+	cd build/asan && PAGED_ATTENTION_CUDA=0 PAGED_ATTENTION_SANITIZE=address \
+		$(abspath $(PY)) setup.py -q build_ext --inplace
+	cd build/asan && for isa in avx512 avx2 default; do \
+		echo "test-asan: ATEN_CPU_CAPABILITY=$$isa"; \
+		ATEN_CPU_CAPABILITY=$$isa LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
+			$(abspath $(PY)) -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS) || exit 1; \
+	done
 
 bench: build
 	$(PY) benchmarks/bench_decode.py

@@ -7,6 +7,8 @@ Environment switches:
                          is visible, DEFAULT_CUDA_ARCH_LIST below is used.
   MAX_JOBS               parallel compile jobs (ninja); NVCC_THREADS: nvcc --threads (default 1).
   PAGED_ATTENTION_DEBUG_BUILD=1   -O0 -g host code, for debugging.
+  PAGED_ATTENTION_SANITIZE=address   host code built with AddressSanitizer (CPU-only builds; load
+                         it with libasan preloaded: see `make test-asan`).
 """
 
 import glob
@@ -63,15 +65,24 @@ def _extensions():
 
     with_cuda = _want_cuda(torch, cuda_home)
     debug = os.environ.get("PAGED_ATTENTION_DEBUG_BUILD") == "1"
+    sanitizer = os.environ.get("PAGED_ATTENTION_SANITIZE", "").strip()
+    if sanitizer not in ("", "address"):
+        sys.exit(f"PAGED_ATTENTION_SANITIZE must be 'address' or unset, got {sanitizer!r}")
+    if sanitizer and with_cuda:
+        sys.exit("PAGED_ATTENTION_SANITIZE=address needs a CPU-only build (PAGED_ATTENTION_CUDA=0)")
     # -g0: Python's own build flags may carry -g; with it, csrc/cpu/attention.cpp compiled in 56 s
     # instead of 39 s on a 2-core machine, for debug information a release build does not need.
     host_flags = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     # -Wno-psabi: the CPU kernels are built per instruction set and picked at run time; gcc warns
     # that vector arguments change ABI across those builds, which never call one another.
     host_flags += ["-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
+    link_flags = []
+    if sanitizer:
+        # -g1: line tables, so that the reports name file and line.
+        host_flags += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g1"]
+        link_flags.append("-fsanitize=address")
     # at::parallel_for is inline in ATen's headers: with torch's OpenMP backend it only runs in
     # parallel when the extension itself is compiled with OpenMP (otherwise it runs serially).
-    link_flags = []
     if torch.backends.openmp.is_available():
         host_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
