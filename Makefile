@@ -41,19 +41,27 @@ test: lint
 	$(PY) -m pytest
 
 # The tests of the CPU ops against an AddressSanitizer build of the extension, for each of the
-# kernels' instruction-set variants: any read or write outside an allocation fails the run. The
-# build is a copy in build/asan, so the regular build stays as it is. libasan must be loaded
-# before Python, and libstdc++ with it (ASan intercepts C++ exceptions only when it is loaded).
-# --capture=sys leaves file descriptor 2 to ASan's report (it aborts the process after it).
-ASAN_TESTS := tests/test_attention_cpu.py tests/test_cache_ops.py tests/test_attention_module.py tests/test_cache.py
-ASAN_PRELOAD = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-name=libstdc++.so.6)
-test-asan: setup
+# kernels' instruction-set variants this CPU runs: any read or write outside an allocation fails
+# the run. The build is a copy in build/asan, so the regular build stays as it is. libasan (of
+# the compiler torch builds with: $CXX, else c++) must be loaded before Python, and libstdc++
+# with it (ASan intercepts C++ exceptions only when it is loaded). --capture=sys leaves file
+# descriptor 2 to ASan's report (it aborts the process after it).
+ASAN_TESTS := tests/test_attention_cpu.py tests/test_cache_ops.py tests/test_attention_module.py \
+	tests/test_cache.py
+ASAN_CXX = $${CXX:-c++}
+ASAN_PRELOAD = $(shell $(ASAN_CXX) -print-file-name=libasan.so) \
+	$(shell $(ASAN_CXX) -print-file-name=libstdc++.so.6)
+test-asan: build
+	test -f "$(word 1,$(ASAN_PRELOAD))" || { echo "test-asan: no libasan.so for $(ASAN_CXX)"; exit 1; }
 	rm -rf build/asan && mkdir -p build/asan
-	cp -r setup.py pyproject.toml csrc paged_attention tests build/asan/
+	cp -r setup.py pyproject.toml README.md LICENSE NOTICE csrc paged_attention tests build/asan/
 	rm -f build/asan/paged_attention/*.so
 	cd build/asan && PAGED_ATTENTION_CUDA=0 PAGED_ATTENTION_SANITIZE=address \
 		$(abspath $(PY)) setup.py -q build_ext --inplace
-	cd build/asan && for isa in avx512 avx2 default; do \
+	cd build/asan && isas=$$($(abspath $(PY)) -c "import torch; \
+		print({'AVX512': 'avx512 avx2 default', 'AVX2': 'avx2 default'}.get( \
+		torch.backends.cpu.get_cpu_capability(), 'default'))") && \
+	for isa in $$isas; do \
 		echo "test-asan: ATEN_CPU_CAPABILITY=$$isa"; \
 		ATEN_CPU_CAPABILITY=$$isa LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
 			$(abspath $(PY)) -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS) || exit 1; \

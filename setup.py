@@ -78,8 +78,9 @@ def _extensions():
     host_flags += ["-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
     link_flags = []
     if sanitizer:
-        # -g1: line tables, so that the reports name file and line.
-        host_flags += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g1"]
+        host_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+        if not debug:
+            host_flags.append("-g1")  # line tables, so that the reports name file and line
         link_flags.append("-fsanitize=address")
     # at::parallel_for is inline in ATen's headers: with torch's OpenMP backend it only runs in
     # parallel when the extension itself is compiled with OpenMP (otherwise it runs serially).
