@@ -368,16 +368,14 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // kernel requests the tiles it will read next itself, a few lines at a time between its
 // multiply-adds (a burst of requests would stall once the line-fill buffers are full). Key tiles
 // are requested into L2 only (`prefetcht2`): on the machine this was tuned on that made the key
-// pass 7-10% faster than requests into L1. While the key pass reads one group of
-// kPrefetchGroup tiles (in the order the unit reads its tiles), it requests the next group's
-// lines one line of each tile in turn, not tile after tile. On the machine this was tuned on
-// the order mattered, not the distance: 16 tiles ahead (as before, 4 blocks of 4 heads), v1 bf16
-// at 32 x 4096 took 25.0-25.5 ms one tile after another and 23.0-24.1 ms round-robin over 4
-// tiles. Against the previous code, back to back: bf16 23.7-24.6 ms against 25.9-27.7 ms, fp32
-// 43.7-46.3 ms against 47.2-50.5 ms; groups of 4 or 16 were within noise of 8. Value tiles go to
-// L1 one KV head's group of kValueBlocks tiles ahead, one tile per block in turn (the AVX2
-// variant requests them all at once; into L2 instead: no measurable difference); a group of
-// every KV head of the unit ahead (4 times as far) was 2-5% slower.
+// pass 7-10% faster than requests into L1. While the key pass reads one group of kPrefetchGroup
+// tiles (in the order the unit reads its tiles), it requests the next group's lines one line of
+// each tile in turn, not tile after tile. There the order mattered, not the distance: about 16
+// tiles ahead, v1 bf16 at 32 x 4096 took 25.0-25.5 ms one tile after another and 23.0-24.1 ms
+// round-robin over 4 tiles; groups of 4 or 16 were within noise of 8. Value tiles go to L1 one
+// KV head's group of kValueBlocks tiles ahead, one tile per block in turn (the AVX2 variant
+// requests them all at once; into L2 instead: no measurable difference); a group of every KV
+// head of the unit ahead (4 times as far) was 2-5% slower.
 constexpr int64_t kPrefetchGroup = 8;
 constexpr int kToL1 = 3;  // __builtin_prefetch locality: 3 = prefetcht0, 1 = prefetcht2
 constexpr int kToL2 = 1;
