@@ -87,7 +87,7 @@ def load_bench_decode():
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_shape_options_reach_every_method(version):
+def test_shape_reaches_ours_and_gather_sdpa(version):
     """A non-default shape, and a context that ends inside a block, through ours and gather+SDPA."""
     bench = load_bench_decode()
     shape = bench.Shape(num_heads=6, num_kv_heads=2, head_size=64, block_size=32)
