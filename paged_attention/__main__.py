@@ -12,15 +12,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="paged-attention", description="PagedAttention tools")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo.add_arguments(
-        commands.add_parser(
-            "demo",
-            help="serve a seeded workload with continuous batching in a small KV budget",
-            description=demo.__doc__.split("\n\n")[0],
-        )
+    demo_parser = commands.add_parser(
+        "demo",
+        help="serve a seeded workload with continuous batching in a small KV budget",
+        description=demo.__doc__.split("\n\n")[0],
     )
+    demo.add_arguments(demo_parser)
     args = parser.parse_args(argv)
-    return demo.main(args)
+    try:
+        return demo.main(args)
+    except demo.UsageError as error:
+        demo_parser.error(str(error))  # one line on stderr, exit status 2, as argparse's own
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ to and including the query's own.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,13 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_attention import _ops
-from paged_attention.reference import is_fp8
+from paged_attention.supported import FP8_FORMATS, check_head_size, is_fp8
 
-_FP8_DTYPES = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+
+def _debug_checks_enabled() -> bool:
+    """The switch of the ops' content checks on CUDA (README, "Install from source")."""
+    return os.environ.get("PAGED_ATTENTION_DEBUG_CHECKS") == "1"
 
 
 @dataclass
@@ -49,6 +49,10 @@ class AttentionMetadata:
     max_blocks]``), ``seq_lens_tensor`` (int32 ``[num_seqs]``) and ``slot_mapping`` (int64
     ``[num_tokens]``, negative = do not store) live on the cache's device; the lists live on the
     host so that no step reads a length back from the GPU.
+
+    ``manager_window`` is the sliding window of the block manager that planned the step: it
+    releases blocks wholly before the last ``manager_window`` positions, so no module may attend
+    further back (``None``: every block is kept).
     """
 
     query_lens: list[int]
@@ -57,6 +61,7 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor
     slot_mapping: torch.Tensor
     max_seq_len: int
+    manager_window: int | None = None
 
     @classmethod
     def build(
@@ -67,6 +72,7 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         device: torch.device | str | None = None,
         seq_lens_tensor: torch.Tensor | None = None,
+        manager_window: int | None = None,
     ) -> AttentionMetadata:
         """Validate the host lists and move the tensors to ``device`` (default: where
         ``block_tables`` is)."""
@@ -94,6 +100,7 @@ class AttentionMetadata:
             seq_lens_tensor=seq_lens_tensor.to(device=device, dtype=torch.int32, non_blocking=True),
             slot_mapping=slot_mapping.to(device=device, dtype=torch.int64, non_blocking=True),
             max_seq_len=max(seq_lens, default=0),
+            manager_window=manager_window,
         )
 
     @property
@@ -146,7 +153,7 @@ class PagedAttention(nn.Module):
             raise ValueError(f"sliding_window must be >= 0 (0 = none), got {sliding_window}")
         if logits_soft_cap is None or logits_soft_cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 (0 = none), got {logits_soft_cap}")
-        is_fp8(kv_cache_dtype)  # validates the name
+        check_head_size(head_size, kv_cache_dtype)  # validates the cache format's name too
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -183,15 +190,34 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """``query`` ``[num_tokens, num_heads, head_size]`` (or ``[num_tokens, num_heads *
         head_size]``), ``key``/``value`` likewise with ``num_kv_heads`` (``None`` when they are
-        already in the cache); returns the attention output in the shape of ``query``."""
+        already in the cache); returns the attention output in the shape of ``query``.
+
+        Inference only: the cache writes have no autograd, so a call that would need gradients
+        (grad mode on and an input requiring grad, e.g. a model in training) raises instead of
+        silently dropping the key and value gradients."""
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value)
+        ):
+            raise RuntimeError(
+                "PagedAttention is inference-only: the paged KV cache has no autograd, so key and "
+                "value gradients would be lost. Run it under torch.no_grad() or "
+                "torch.inference_mode() (transformers' generate() does)"
+            )
         shape = query.shape
         query = query.view(-1, self.num_heads, self.head_size)
         if query.shape[0] != metadata.num_tokens:
             raise ValueError(
                 f"query has {query.shape[0]} tokens, metadata expects {metadata.num_tokens}"
             )
+        self._check_window(metadata)
         key_cache, value_cache = kv_cache
-        if k_scale is None or v_scale is None:
+        if is_fp8(self.kv_cache_dtype):
+            if k_scale is None or v_scale is None:
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} needs k_scale and v_scale (the "
+                    "cache's dequantisation scales, e.g. PagedKVCache.k_scale and .v_scale)"
+                )
+        elif k_scale is None or v_scale is None:
             unit = torch.ones(1, dtype=torch.float32, device=key_cache.device)
             k_scale = unit if k_scale is None else k_scale
             v_scale = unit if v_scale is None else v_scale
@@ -211,6 +237,16 @@ class PagedAttention(nn.Module):
         out = self._attend(query, key_cache, value_cache, metadata, k_scale, v_scale)
         return out.view(shape)
 
+    def _check_window(self, metadata: AttentionMetadata) -> None:
+        kept = metadata.manager_window
+        if kept is not None and (self.sliding_window == 0 or self.sliding_window > kept):
+            reach = f"the last {self.sliding_window}" if self.sliding_window else "every"
+            raise ValueError(
+                f"this PagedAttention attends {reach} position(s) but its block manager keeps "
+                f"only the last {kept} (BlockManager(sliding_window={kept}) releases older "
+                "blocks): give the manager the module's window, or none"
+            )
+
     # ------------------------------------------------------------------ attention
 
     def _attend(self, query, key_cache, value_cache, metadata, k_scale, v_scale) -> torch.Tensor:
@@ -225,6 +261,7 @@ class PagedAttention(nn.Module):
                 k_scale,
                 v_scale,
             )
+        self._check_context_tables(metadata, key_cache.shape[0], value_cache.shape[3])
         out = torch.empty_like(query)
         starts = [0]
         for n in metadata.query_lens:
@@ -248,7 +285,7 @@ class PagedAttention(nn.Module):
             if n <= 1:
                 continue
             # Only positions some query can attend: a window skips released or stale blocks.
-            start = max(0, seq_len - n - self.sliding_window + 1) if self.sliding_window else 0
+            start = self._first_attended(seq_len, n)
             keys, values = gather_context(
                 key_cache,
                 value_cache,
@@ -271,6 +308,38 @@ class PagedAttention(nn.Module):
                 key_start=start,
             )
         return out
+
+    def _first_attended(self, seq_len: int, query_len: int) -> int:
+        """The first position any of a sequence's last ``query_len`` tokens attends."""
+        if not self.sliding_window:
+            return 0
+        return max(0, seq_len - query_len - self.sliding_window + 1)
+
+    def _check_context_tables(self, metadata, num_blocks: int, block_size: int) -> None:
+        """The checks the decode kernel makes, for the sequences the gather path reads: every
+        seq_len within its block table, and (on the CPU, or on CUDA with
+        PAGED_ATTENTION_DEBUG_CHECKS=1) every block id it reads in ``[0, num_blocks)``."""
+        width = metadata.block_tables.shape[1]
+        for i, seq_len in enumerate(metadata.seq_lens):
+            if seq_len > width * block_size:
+                raise ValueError(
+                    f"sequence {i}: seq_len {seq_len} exceeds what its block table addresses "
+                    f"({width} blocks of {block_size} tokens)"
+                )
+        tables = metadata.block_tables
+        if tables.device.type != "cpu" and not _debug_checks_enabled():
+            return
+        tables = tables.cpu()
+        for i, (n, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
+            first = self._first_attended(seq_len, n) // block_size
+            row = tables[i, first : -(-seq_len // block_size)]
+            bad = ((row < 0) | (row >= num_blocks)).nonzero()
+            if bad.numel():
+                b = first + int(bad[0, 0])
+                raise ValueError(
+                    f"block_tables[{i}, {b}] = {int(tables[i, b])} is out of range [0, "
+                    f"num_blocks = {num_blocks})"
+                )
 
     def _decode(
         self, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, k_scale, v_scale
@@ -317,7 +386,7 @@ def gather_context(
         values[offset : end - first * block_size],
     )
     if is_fp8(kv_cache_dtype):
-        fp8 = _FP8_DTYPES[kv_cache_dtype]
+        fp8 = FP8_FORMATS[kv_cache_dtype][0]
         keys = keys.view(fp8).float() * k_scale
         values = values.view(fp8).float() * v_scale
     return keys.to(dtype), values.to(dtype)

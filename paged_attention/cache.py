@@ -23,7 +23,7 @@ import torch
 from paged_attention import _ops
 from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
-from paged_attention.reference import is_fp8
+from paged_attention.supported import check_block_size, check_head_size, is_fp8
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -155,9 +155,9 @@ class PagedKVCache:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_dtype = cache_dtype_for(dtype, kv_cache_dtype)
+        check_head_size(head_size, kv_cache_dtype)
+        check_block_size(block_size)
         x = 16 // _element_size(self.cache_dtype)
-        if head_size % x:
-            raise ValueError(f"head_size must be a multiple of {x} for {self.cache_dtype} caches")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -263,6 +263,7 @@ class PagedKVCache:
     ) -> AttentionMetadata:
         """Metadata of a step whose new tokens are the last ``query_lens`` tokens of each
         sequence; their slots must already be reserved (``allocate``/``append_slots``)."""
+        self._check_manager(manager)
         seq_ids = list(seq_ids)
         if isinstance(query_lens, int):
             query_lens = [query_lens] * len(seq_ids)
@@ -274,11 +275,13 @@ class PagedKVCache:
             slot_mapping=manager.slot_mapping_tensor(seq_ids, list(query_lens)),
             device=self.device,
             seq_lens_tensor=seq_lens,
+            manager_window=manager.sliding_window,
         )
 
     def decode_metadata(self, manager: BlockManager, seq_ids: Sequence[int]) -> AttentionMetadata:
         """Reserve one slot per sequence (``manager.decode_step``), run the copy-on-write copies
         it asks for, and return the decode step's metadata."""
+        self._check_manager(manager)
         seq_ids = list(seq_ids)
         pairs, block_tables, seq_lens, slots = manager.decode_step(seq_ids)
         self.copy_blocks(pairs)
@@ -289,4 +292,14 @@ class PagedKVCache:
             slot_mapping=slots,
             device=self.device,
             seq_lens_tensor=seq_lens,
+            manager_window=manager.sliding_window,
         )
+
+    def _check_manager(self, manager: BlockManager) -> None:
+        """A manager plans block ids and slots for one cache geometry: this one's."""
+        if manager.block_size != self.block_size or manager.num_device_blocks > self.num_blocks:
+            raise ValueError(
+                f"the block manager plans {manager.num_device_blocks} blocks of "
+                f"{manager.block_size} tokens, this cache holds {self.num_blocks} blocks of "
+                f"{self.block_size}: build the manager with cache.make_manager()"
+            )

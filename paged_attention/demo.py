@@ -21,6 +21,14 @@ from paged_attention.engine import Engine, RequestOutput, SamplingParams
 
 DEFAULT_PLOT = "results/demo_kv_memory.png"
 DEFAULT_BUDGET_TOKENS = 1024
+EXIT_STATUS = """exit status: 0 when every request was served and every greedy output equals
+transformers' generate(); 1 when a request was rejected or a greedy output differs; 2 for bad
+arguments (including a --model that is not a loadable checkpoint)."""
+
+
+class UsageError(ValueError):
+    """A bad command-line argument, found after argparse (the entry point reports it as
+    argparse does: one line, exit status 2)."""
 
 
 def default_model(seed: int) -> torch.nn.Module:
@@ -96,11 +104,9 @@ def run(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda was given but no CUDA device is available")
+        raise UsageError("--device cuda was given but no CUDA device is available")
     if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        model = load_model(args.model)
         model_name = args.model
     else:
         model = default_model(args.seed)
@@ -109,7 +115,10 @@ def run(args: argparse.Namespace) -> dict:
     workload = default_workload(args.requests, model.config.vocab_size, args.seed)
     budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
 
-    engine = Engine(model, num_blocks=budget, block_size=args.block_size)
+    try:
+        engine = Engine(model, num_blocks=budget, block_size=args.block_size)
+    except ValueError as error:  # a model the paged cache cannot serve
+        raise UsageError(f"--model {model_name}: {error}") from error
     ids = [engine.add_request(prompt, params) for prompt, params in workload]
     results: dict[int, RequestOutput] = {}
     with tqdm(total=len(ids), desc="serving", unit="req", file=sys.stderr) as bar:
@@ -125,6 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         for (prompt, params), out in zip(workload, outputs)
         if is_greedy(params) and out.rejected is None
     ]
+    rejected = [out.rejected for out in outputs if out.rejected is not None]
     eos = sorted(engine.eos_token_ids)
     matches = 0
     model.set_attn_implementation("sdpa")
@@ -137,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
         "model": model_name,
         "device": str(device),
         "requests": len(outputs),
-        "rejected": sum(o.rejected is not None for o in outputs),
+        "rejected": len(rejected),
+        "first_rejection": rejected[0] if rejected else None,
         "parallel_sampling_requests": sum(p.n > 1 for _, p in workload),
         "beam_search_requests": sum(p.beam_width > 1 for _, p in workload),
         "generated_tokens": stats.generated_tokens,
@@ -159,6 +170,42 @@ def run(args: argparse.Namespace) -> dict:
         "greedy_matches_transformers": matches == len(greedy),
         "plot": args.plot,
     }
+
+
+def check_model_path(path: str) -> None:
+    if not os.path.isdir(path):
+        raise UsageError(f"--model {path}: no such directory (a local checkpoint is expected)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--model {path}: not a transformers checkpoint (no config.json)")
+
+
+def load_model(path: str) -> torch.nn.Module:
+    """A local transformers checkpoint, or a UsageError that says in one line why not."""
+    check_model_path(path)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+    except (OSError, ValueError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise UsageError(f"--model {path}: cannot load it: {first_line}") from error
+
+
+def resolve_plot_path(path: str) -> str:
+    """Where ``--plot`` writes: the path itself when it names a .png file, or demo_kv_memory.png
+    inside it when it is a directory. Checked for writability before the run, not after."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        path = os.path.join(path, os.path.basename(DEFAULT_PLOT))
+    elif not path.lower().endswith(".png"):
+        raise UsageError(f"--plot {path}: give a .png file or an existing directory")
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--plot {path}: cannot create {directory}: {error.strerror}") from error
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"--plot {path}: not writable")
+    return path
 
 
 def plot_timeline(timeline: list[tuple[int, int]], budget: int, path: str) -> None:
@@ -185,7 +232,11 @@ def plot_timeline(timeline: list[tuple[int, int]], budget: int, path: str) -> No
 
 def print_table(report: dict) -> None:
     ratio = report["contiguous_blocks"] / max(report["peak_blocks"], 1)
-    greedy = "yes" if report["greedy_matches_transformers"] else "NO"
+    if not report["greedy_requests"]:
+        greedy = "n/a (no greedy request was served)"
+    else:
+        greedy = "yes" if report["greedy_matches_transformers"] else "NO"
+        greedy += f" ({report['greedy_matching']}/{report['greedy_requests']})"
     rows = [
         ("model", f"{report['model']} on {report['device']}"),
         (
@@ -216,10 +267,7 @@ def print_table(report: dict) -> None:
             f"{report['swaps_out']} / {report['swaps_in']} "
             f"({report['blocks_swapped_out']} / {report['blocks_swapped_in']} blocks)",
         ),
-        (
-            "greedy outputs == transformers generate()",
-            f"{greedy} ({report['greedy_matching']}/{report['greedy_requests']})",
-        ),
+        ("greedy outputs == transformers generate()", greedy),
         ("KV memory plot", report["plot"]),
     ]
     width = max(len(name) for name, _ in rows)
@@ -227,35 +275,50 @@ def print_table(report: dict) -> None:
         print(f"{name:<{width}}  {value}")
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
     parser.add_argument("--model", help="a local transformers checkpoint directory")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=positive_int, default=32)
     parser.add_argument(
         "--kv-budget",
-        type=int,
+        type=positive_int,
         help=f"device KV blocks (default: {DEFAULT_BUDGET_TOKENS} tokens' worth)",
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         help="CPU threads for torch (default: 1 for the embedded model, which is too small to "
         "gain from more and stalls when idle-spinning threads share busy cores; torch's "
         "default with --model)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", default=DEFAULT_PLOT, help="PNG of KV memory over time")
+    parser.add_argument(
+        "--plot",
+        default=DEFAULT_PLOT,
+        help="PNG of KV memory over time: a .png path, or a directory to write "
+        f"{os.path.basename(DEFAULT_PLOT)} into",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.requests < 1:
-        raise SystemExit("error: --requests must be >= 1")
-    if args.kv_budget is not None and args.kv_budget < 1:
-        raise SystemExit("error: --kv-budget must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit("error: --threads must be >= 1")
+    """Run the demo; returns the exit status (see EXIT_STATUS). Raises UsageError for a bad
+    argument, before the run where it can be told in advance."""
+    args.plot = resolve_plot_path(args.plot)
+    if args.model:
+        check_model_path(args.model)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or (previous_threads if args.model else 1))
     started = time.perf_counter()
@@ -268,4 +331,11 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print_table(report)
+    if report["rejected"]:
+        print(
+            f"demo: {report['rejected']} of {report['requests']} requests were rejected "
+            f"(the first: {report['first_rejection']}); raise --kv-budget",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if report["greedy_matches_transformers"] else 1

@@ -32,7 +32,11 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention.block_manager import AllocStatus, OutOfBlocksError
-from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
+from paged_attention.integrations.transformers import (
+    ATTN_IMPLEMENTATION,
+    PagedCache,
+    cache_argument_name,
+)
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,7 @@ class Engine:
                 logits = self.model(
                     input_ids=torch.tensor([inputs], device=self.device),
                     position_ids=torch.tensor([positions], device=self.device),
-                    past_key_values=self.cache,
+                    **{cache_argument_name(self.model): self.cache},
                     use_cache=True,
                     logits_to_keep=last_token_rows.to(self.device),
                 ).logits[0]

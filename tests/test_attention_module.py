@@ -353,3 +353,69 @@ def test_a_users_own_model_decodes_like_full_recompute():
                 full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                 want = layer.o_proj(full.transpose(0, 1).reshape(-1, 4 * HEAD))[-1]
                 torch.testing.assert_close(out[i], want, **TOL[torch.float32])
+
+
+def test_unsupported_head_size_is_refused_at_construction():
+    with pytest.raises(ValueError, match="head_size 48 is not supported"):
+        PagedAttention(4, 48)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        PagedAttention(4, 120, kv_cache_dtype="fp8")
+
+
+def test_prefill_path_checks_block_tables_like_the_decode_path():
+    module = make_module(4, 2)
+    cache = make_cache(2, num_blocks=8)
+    q, k, v = random_seq(5, 4, 2, torch.float32, torch.Generator().manual_seed(9))
+    slots = torch.arange(5, dtype=torch.int64)
+    for table, seq_len, message in [
+        ([[-1, 0]], 5, r"block_tables\[0, 0\] = -1 is out of range"),
+        ([[0, 8]], 12, r"block_tables\[0, 1\] = 8 is out of range"),
+        ([[0]], 12, "seq_len 12 exceeds what its block table addresses"),
+    ]:
+        meta = AttentionMetadata.build(
+            [5], [seq_len], torch.tensor(table, dtype=torch.int32), slots
+        )
+        with pytest.raises(ValueError, match=message):
+            module(q, k, v, cache.layer(0), meta)
+        decode_meta = AttentionMetadata.build(
+            [1], [seq_len], torch.tensor(table, dtype=torch.int32), slots[:1]
+        )
+        with pytest.raises((ValueError, RuntimeError)):  # the kernel's own checks
+            module(q[:1], k[:1], v[:1], cache.layer(0), decode_meta)
+
+
+@pytest.mark.parametrize("module_window", [0, 16])
+def test_module_attending_further_back_than_its_manager_keeps_is_refused(module_window):
+    module = make_module(4, 2, sliding_window=module_window)
+    cache = make_cache(2)
+    manager = cache.make_manager(watermark=0.0, sliding_window=4)
+    manager.allocate(0, 3)
+    q, k, v = random_seq(3, 4, 2, torch.float32, torch.Generator().manual_seed(10))
+    with pytest.raises(ValueError, match="keeps only the last 4"):
+        module(q, k, v, cache.layer(0), cache.metadata(manager, [0], 3))
+    narrower = make_module(4, 2, sliding_window=4)  # attends no further back than kept
+    narrower(q, k, v, cache.layer(0), cache.metadata(manager, [0], 3))
+
+
+def test_gradients_enabled_raise_instead_of_dropping_key_and_value_gradients():
+    module = make_module(4, 2)
+    cache = make_cache(2)
+    manager = cache.make_manager(watermark=0.0)
+    manager.allocate(0, 3)
+    meta = cache.metadata(manager, [0], 3)
+    q, k, v = random_seq(3, 4, 2, torch.float32, torch.Generator().manual_seed(11))
+    k.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        module(q, k, v, cache.layer(0), meta)
+    with torch.no_grad():
+        module(q, k, v, cache.layer(0), meta)
+
+
+def test_fp8_cache_needs_its_scales():
+    module = make_module(4, 2, kv_cache_dtype="fp8")
+    cache = make_cache(2, kv_cache_dtype="fp8")
+    manager = cache.make_manager(watermark=0.0)
+    manager.allocate(0, 3)
+    q, k, v = random_seq(3, 4, 2, torch.float32, torch.Generator().manual_seed(12))
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        module(q, k, v, cache.layer(0), cache.metadata(manager, [0], 3))

@@ -124,8 +124,35 @@ def test_bad_sizes_raise(kwargs, message):
 
 
 def test_head_size_must_fit_the_key_tiling():
-    with pytest.raises(ValueError, match="multiple of 16"):
-        PagedKVCache(1, 1, 24, BLOCK, 4, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        PagedKVCache(1, 1, 120, BLOCK, 4, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    "head_size, block_size, message",
+    [
+        (48, BLOCK, "head_size 48 is not supported"),
+        (20, BLOCK, "head_size 20"),
+        (HEAD, 7, "block_size 7 is not supported"),
+        (HEAD, 64, "supported: 8, 16, 32"),
+    ],
+)
+def test_configurations_the_kernels_cannot_serve_are_refused_at_construction(
+    head_size, block_size, message
+):
+    with pytest.raises(ValueError, match=message):
+        PagedKVCache(1, 1, head_size, block_size, 4, dtype=torch.float32)
+
+
+def test_metadata_from_a_manager_of_another_geometry_is_refused():
+    cache = PagedKVCache(1, KV_HEADS, HEAD, BLOCK, 8, dtype=torch.float32)
+    other = BlockManager(8, 2 * BLOCK)
+    other.allocate(0, 5)
+    with pytest.raises(ValueError, match="make_manager"):
+        cache.metadata(other, [0], 5)
+    with pytest.raises(ValueError, match="make_manager"):
+        cache.decode_metadata(other, [0])
+    assert other.num_tokens(0) == 5  # refused before the decode step reserved anything
 
 
 def test_copy_blocks_copies_every_layer_in_one_call(monkeypatch):

@@ -97,6 +97,17 @@ def test_module_entry_point(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["requests"] == 2
+    assert "deprecated" not in result.stderr  # transformers' cache-argument rename
+
+
+def usage_error(capsys, *args) -> str:
+    """The one-line error of a bad argument: exit status 2, as argparse's own errors."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *args])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("paged-attention demo: error: ") and "Traceback" not in error
+    return error
 
 
 @pytest.mark.parametrize(
@@ -105,14 +116,59 @@ def test_module_entry_point(tmp_path):
         (["--requests", "0"], "--requests"),
         (["--kv-budget", "0"], "--kv-budget"),
         (["--threads", "0"], "--threads"),
+        (["--requests", "two"], "--requests"),
+        (["--plot", "kv.txt"], "give a .png file or an existing directory"),
+        (["--model", "/missing/dir"], "no such directory"),
     ],
 )
 def test_bad_arguments(args, message, capsys):
-    with pytest.raises(SystemExit, match=message):
-        main(["demo", *args])
+    assert message in usage_error(capsys, *args)
+
+
+def test_bad_arguments_are_found_before_the_run(tmp_path, capsys, monkeypatch):
+    def no_run(args):
+        raise AssertionError("the demo ran before its arguments were checked")
+
+    monkeypatch.setattr("paged_attention.demo.run", no_run)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert "cannot create" in usage_error(capsys, "--plot", str(blocker / "kv.png"))
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    assert "no config.json" in usage_error(capsys, "--model", str(not_a_model))
+
+
+def test_model_the_cache_cannot_serve_is_one_line(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    error = usage_error(capsys, "--model", str(tmp_path / "tiny"), "--plot", str(tmp_path))
+    assert "head_size 16 is not supported" in error
+
+
+def test_plot_into_a_directory_reports_the_file_it_wrote(tmp_path, capsys):
+    code, report = run_json(capsys, "--requests", "2", "--plot", str(tmp_path))
+    assert code == 0
+    assert report["plot"] == str(tmp_path / "demo_kv_memory.png")
+    assert (tmp_path / "demo_kv_memory.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_rejected_requests_fail_the_run(tmp_path, capsys):
+    code = main(["demo", "--kv-budget", "1", "--requests", "3", "--plot", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "n/a (no greedy request was served)" in captured.out
+    assert "3 of 3 requests were rejected" in captured.err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-def test_cuda_without_a_gpu():
-    with pytest.raises(SystemExit, match="no CUDA device"):
-        main(["demo", "--device", "cuda", "--requests", "1"])
+def test_cuda_without_a_gpu(capsys):
+    assert "no CUDA device" in usage_error(capsys, "--device", "cuda", "--requests", "1")

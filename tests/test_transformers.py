@@ -21,6 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from paged_attention.block_manager import OutOfBlocksError
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
 
 BLOCK = 8
@@ -303,7 +304,7 @@ def test_set_step_validates():
     with pytest.raises(ValueError, match="positive"):
         cache.set_step([0], [0])
     cache.set_step([0], [3])
-    with pytest.raises(ValueError, match="3 packed tokens"):
+    with torch.no_grad(), pytest.raises(ValueError, match="3 packed tokens"):
         model(
             input_ids=torch.tensor([[4, 5]]),
             position_ids=torch.tensor([[0, 1]]),
@@ -311,9 +312,10 @@ def test_set_step_validates():
         )
     packed = dict(input_ids=torch.tensor([[4, 5, 6]]), position_ids=torch.tensor([[0, 1, 2]]))
     cache.set_step([0], [3])
-    model(**packed, past_key_values=cache)
-    with pytest.raises(ValueError, match="its own cache.set_step"):
+    with torch.no_grad():
         model(**packed, past_key_values=cache)
+        with pytest.raises(ValueError, match="its own cache.set_step"):
+            model(**packed, past_key_values=cache)
 
 
 def test_unsupported_model_names_what_is_supported():
@@ -342,10 +344,16 @@ def test_unsupported_options_raise(llama):
     cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(-1)
-    with pytest.raises(ValueError, match="num_blocks or max_memory"):
-        PagedCache(llama)
     budget = 20 * cache.kv.bytes_per_block
     assert PagedCache(llama, BLOCK, max_memory=budget).kv.num_blocks == 20
+
+
+def test_cpu_cache_without_a_size_takes_a_quarter_of_host_memory_up_to_4_gib(llama, monkeypatch):
+    per_block = PagedCache(llama, BLOCK, num_blocks=1).kv.bytes_per_block
+    monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 400 * per_block)
+    assert PagedCache(llama, BLOCK).kv.num_blocks == 100
+    monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 1 << 50)
+    assert PagedCache(llama, BLOCK).kv.num_blocks == (4 << 30) // per_block
 
 
 def test_new_batch_needs_reset(llama):
@@ -364,6 +372,102 @@ def test_new_batch_needs_reset(llama):
     )
     assert out.shape == (1, 5)
     llama.set_attn_implementation("sdpa")
+
+
+def test_new_prompt_of_the_same_batch_size_needs_reset(llama):
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
+        first = torch.tensor([[5, 6, 7, 8, 9]])
+        llama.generate(input_ids=first, max_new_tokens=3, do_sample=False, past_key_values=cache)
+        held = cache.manager.stats().device.used_blocks
+        other = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])  # longer, unrelated
+        with pytest.raises(ValueError, match="do not start with them"):
+            llama.generate(
+                input_ids=other, max_new_tokens=3, do_sample=False, past_key_values=cache
+            )
+        assert cache.manager.stats().device.used_blocks == held  # nothing was reserved
+        cache.reset()
+        out = llama.generate(
+            input_ids=other, max_new_tokens=3, do_sample=False, past_key_values=cache
+        )
+        llama.set_attn_implementation("sdpa")
+        assert torch.equal(out, llama.generate(input_ids=other, max_new_tokens=3, do_sample=False))
+    finally:
+        llama.set_attn_implementation("sdpa")
+
+
+def test_continuation_of_the_cached_tokens_matches_the_default_cache(llama):
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+    def two_turns(cache):
+        out = llama.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, **cache)
+        follow_up = torch.cat([out, torch.tensor([[21, 22, 23]])], dim=1)
+        return llama.generate(input_ids=follow_up, max_new_tokens=6, do_sample=False, **cache)
+
+    llama.set_attn_implementation("sdpa")
+    want = two_turns(dict(past_key_values=DynamicCache(config=llama.config)))
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        got = two_turns(dict(past_key_values=PagedCache(llama, block_size=BLOCK, num_blocks=32)))
+    finally:
+        llama.set_attn_implementation("sdpa")
+    assert torch.equal(got, want)
+
+
+def test_unsupported_head_size_is_refused_at_construction():
+    config = LlamaConfig(**{**COMMON, "head_dim": 16})
+    model = LlamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="head_size 16 is not supported"):
+        PagedCache(model, block_size=BLOCK, num_blocks=8)
+
+
+def test_cache_built_for_another_model_is_refused(llama):
+    deeper = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 3})).eval()
+    wider = LlamaForCausalLM(LlamaConfig(**{**COMMON, "head_dim": 64})).eval()
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.tensor([[5, 6, 7]])
+    try:
+        for other, message in [(deeper, "3 layers|2 layers"), (wider, "KV heads of size 32")]:
+            other.set_attn_implementation(ATTN_IMPLEMENTATION)
+            cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
+            with pytest.raises(ValueError, match=message):
+                other.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache)
+            assert cache.manager.seq_ids() == []
+        # The cache's own model switched to paged attention, the model using it not.
+        cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
+        with pytest.raises(ValueError, match="did not run through"):
+            deeper.set_attn_implementation("sdpa")
+            deeper.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache)
+    finally:
+        llama.set_attn_implementation("sdpa")
+
+
+def test_training_mode_raises_instead_of_dropping_key_value_gradients(llama):
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
+    llama.train()
+    try:
+        with pytest.raises(RuntimeError, match="inference-only"):
+            llama(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        assert cache.manager.seq_ids() == []  # refused before any block was reserved
+    finally:
+        llama.eval()
+        llama.set_attn_implementation("sdpa")
+
+
+def test_out_of_blocks_says_what_to_change(llama):
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(llama, block_size=BLOCK, num_blocks=2)
+    try:
+        with pytest.raises(OutOfBlocksError, match="num_blocks=.*reset"):
+            llama.generate(
+                input_ids=torch.tensor([[5, 6, 7]] * 2), max_new_tokens=20, past_key_values=cache
+            )
+        cache.reset()
+        assert cache.manager.num_free_device_blocks() == 2
+    finally:
+        llama.set_attn_implementation("sdpa")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])

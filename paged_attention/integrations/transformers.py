@@ -31,13 +31,17 @@ An engine drives the cache directly with :meth:`PagedCache.set_step`: it reserve
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import threading
 from collections.abc import Sequence
 
 import torch
 
+from paged_attention import cache as _cache_module
 from paged_attention.attention import AttentionMetadata, PagedAttention
+from paged_attention.block_manager import OutOfBlocksError
 from paged_attention.cache import PagedKVCache
 
 try:
@@ -51,6 +55,23 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 ATTN_IMPLEMENTATION = "paged_attention"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Without a size, a CPU cache takes this much of the available host memory, at most
+# _CPU_DEFAULT_MAX_BYTES (vLLM's CPU backend reserves 4 GiB by default); CUDA takes 90% of the
+# free device memory.
+_CPU_DEFAULT_FRACTION = 0.25
+_CPU_DEFAULT_MAX_BYTES = 4 << 30
+_CUDA_DEFAULT_FRACTION = 0.9
+
+
+def cache_argument_name(model: torch.nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes a cache: ``"cache"`` in transformers
+    releases that renamed it (passing ``past_key_values`` there logs a deprecation warning), else
+    ``"past_key_values"``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _interface(name: str, module_name: str):
@@ -100,7 +121,19 @@ def paged_attention_forward(
             f'attn_implementation="{ATTN_IMPLEMENTATION}" is for inference; got attention '
             f"dropout {dropout} in training mode (call model.eval())"
         )
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        raise RuntimeError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" is inference-only: the paged KV cache '
+            "has no autograd, so key and value gradients would be lost. Run the model under "
+            "torch.no_grad() or torch.inference_mode() (generate() does)"
+        )
     cache: PagedCache = state[0]
+    layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    if layers is not None and layers != cache.num_layers:
+        raise ValueError(
+            f"PagedCache was built for a model with {cache.num_layers} layers; the model using it "
+            f"has {layers}: build a PagedCache for the model it serves"
+        )
     out = cache._attend(
         module.layer_idx,
         query,
@@ -144,14 +177,21 @@ class PagedCache(Cache):
     by a :class:`~paged_attention.block_manager.BlockManager`.
 
     ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``max_memory`` allows: bytes
-    (int) or a fraction (float) of free CUDA memory (of available host memory on CPU); with
-    neither, 90% of free memory on CUDA. ``num_host_blocks`` adds host swap space (for an
-    engine), ``kv_cache_dtype`` is ``"auto"`` or an fp8 format, and ``enable_prefix_caching``
-    lets sequences that an engine allocates with their token ids share cached prompt blocks.
+    (int) or a fraction (float) of free CUDA memory (of available host memory on CPU). With
+    neither: 90% of free memory on CUDA; on CPU a quarter of the available host memory, at most
+    4 GiB. ``num_host_blocks`` adds host swap space (for an engine), ``kv_cache_dtype`` is
+    ``"auto"`` or an fp8 format, and ``enable_prefix_caching`` lets sequences that an engine
+    allocates with their token ids share cached prompt blocks.
 
     Supports decoder-only Llama-, Mistral- and Qwen2-style models (GQA and sliding windows
-    included) with ``attn_implementation="paged_attention"``. One ``PagedCache`` serves one
-    ``generate`` call at a time; :meth:`reset` frees every block for the next one.
+    included) with ``attn_implementation="paged_attention"``, with the head sizes the kernels
+    are built for. One ``PagedCache`` serves the model it was built for, one ``generate`` call at
+    a time; :meth:`reset` frees every block for the next one. A later ``generate`` on the same
+    cache must continue what it holds (its ``input_ids`` start with the tokens already cached, as
+    with transformers' own caches); a new prompt without ``reset()`` raises. To see those
+    ``input_ids``, the first ``PagedCache`` of a model wraps the model's
+    ``prepare_inputs_for_generation`` once (the wrapper only compares, at the first step of a
+    ``generate`` call).
     """
 
     def __init__(
@@ -186,12 +226,11 @@ class PagedCache(Cache):
         elif max_memory is not None:
             memory_budget = int(max_memory)
         elif num_blocks is None:
-            if parameter.device.type != "cuda":
-                raise ValueError(
-                    "PagedCache on CPU needs num_blocks or max_memory (bytes, or a fraction of "
-                    "available host memory)"
-                )
-            memory_fraction = 0.9
+            if parameter.device.type == "cuda":
+                memory_fraction = _CUDA_DEFAULT_FRACTION
+            else:
+                available = _cache_module._host_available_bytes()
+                memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
         self.kv = PagedKVCache(
             self.num_layers,
             self.num_kv_heads,
@@ -223,7 +262,9 @@ class PagedCache(Cache):
         self._token_index: torch.Tensor | None = None
         self._last_layer = self.num_layers
         self._step_open = False
+        self._fed_ids: torch.Tensor | None = None  # generate mode: input_ids fed so far
         self.peak_blocks_in_use = 0
+        _check_generation_inputs(model)
 
     # ------------------------------------------------------------------ Cache API
 
@@ -233,10 +274,24 @@ class PagedCache(Cache):
         implementation = getattr(self._model_config, "_attn_implementation", None)
         if implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
-                f"PagedCache needs the model's attention implementation to be \""
-                f'{ATTN_IMPLEMENTATION}", got {implementation!r}: call '
-                f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") or load the model with '
-                f'attn_implementation="{ATTN_IMPLEMENTATION}"'
+                f"PagedCache was built for a model whose attention implementation is "
+                f'{implementation!r}, not "{ATTN_IMPLEMENTATION}": call '
+                f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") on it or load it with '
+                f'attn_implementation="{ATTN_IMPLEMENTATION}" (a PagedCache serves the model it '
+                "was built for)"
+            )
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(
+                f"PagedCache was built for a model with {self.num_layers} layers, got layer_idx "
+                f"{layer_idx}: build a PagedCache for the model it serves"
+            )
+        unconsumed = getattr(_active, "value", None)
+        if unconsumed is not None and unconsumed[0] is self:
+            _active.value = None
+            raise ValueError(
+                "the previous attention layer did not run through "
+                f'attn_implementation="{ATTN_IMPLEMENTATION}": the model using this PagedCache '
+                "must be the one it was built for, with that attention implementation"
             )
         if layer_idx <= self._last_layer:
             self._step_open = True  # the first layer of a new forward pass
@@ -267,6 +322,20 @@ class PagedCache(Cache):
     def is_croppable(self) -> bool:
         return False
 
+    # transformers' generate() reads these per-layer lists (e.g. to slice the already cached
+    # tokens off a continuation's input_ids); this cache holds no transformers layer objects.
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [window > 0 for window in self.layer_windows]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
     @property
     def batch_size(self) -> int:
         return len(self._rows) if self._rows else -1
@@ -276,6 +345,7 @@ class PagedCache(Cache):
         self.manager.free_many(self.manager.seq_ids())
         self._rows = []
         self._seen = 0
+        self._fed_ids = None
         self._engine_metadata = None
         self._last_layer = self.num_layers
 
@@ -295,6 +365,27 @@ class PagedCache(Cache):
             "PagedCache cannot crop (assisted generation and prompt lookup roll back the "
             "cache); it supports greedy search, sampling, num_return_sequences and beam search"
         )
+
+    def _check_input_ids(self, input_ids: torch.Tensor, first_iteration: bool | None) -> None:
+        """At the first step of a ``generate`` call on a cache that holds tokens, its
+        ``input_ids`` must start with them (a continuation); anything else is a new prompt."""
+        if first_iteration is None:  # releases without the flag: a step feeding one token
+            first_iteration = input_ids.shape[1] != self._seen + 1
+        held = self._fed_ids
+        if first_iteration and self._seen and held is not None:
+            continues = (
+                input_ids.shape[0] == held.shape[0]
+                and input_ids.shape[1] > self._seen
+                and torch.equal(input_ids[:, : self._seen], held[:, : self._seen].to(input_ids))
+            )
+            if not continues:
+                raise ValueError(
+                    f"this PagedCache holds {self._seen} tokens per row from an earlier "
+                    "generate() call, and the new input_ids do not start with them: call "
+                    "cache.reset() before generating for new prompts (to continue, pass the "
+                    "cached tokens first, as with transformers' own caches)"
+                )
+        self._fed_ids = input_ids
 
     # ------------------------------------------------------------------ engine API
 
@@ -351,6 +442,12 @@ class PagedCache(Cache):
 
     def _attend(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
         batch, num_heads, q_len, head_size = query.shape
+        if key.shape[1] != self.num_kv_heads or head_size != self.head_size:
+            raise ValueError(
+                f"PagedCache was built for {self.num_kv_heads} KV heads of size {self.head_size}; "
+                f"layer {layer_idx} of the model using it has {key.shape[1]} of size {head_size}: "
+                "build a PagedCache for the model it serves"
+            )
         if self._step_open:
             self._begin_step(batch, q_len, key, value, attention_mask)
             self._step_open = False
@@ -403,14 +500,30 @@ class PagedCache(Cache):
         else:
             duplicates = [False] * batch
 
-        if all(n == 1 for n in counts) and None not in self._rows:
-            pairs, block_tables, seq_lens, slots = self.manager.decode_step(self._rows)
-            self.kv.copy_blocks(pairs)
-            metadata = AttentionMetadata.build(
-                [1] * batch, seq_lens.tolist(), block_tables, slots, self.kv.device, seq_lens
-            )
-        else:
-            metadata = self._grow_rows(counts, duplicates)
+        try:
+            if all(n == 1 for n in counts) and None not in self._rows:
+                pairs, block_tables, seq_lens, slots = self.manager.decode_step(self._rows)
+                self.kv.copy_blocks(pairs)
+                metadata = AttentionMetadata.build(
+                    [1] * batch,
+                    seq_lens.tolist(),
+                    block_tables,
+                    slots,
+                    self.kv.device,
+                    seq_lens,
+                    self.manager.sliding_window,
+                )
+            else:
+                metadata = self._grow_rows(counts, duplicates)
+        except OutOfBlocksError as error:
+            if self._seen == 0:
+                self._rows = []
+            raise OutOfBlocksError(
+                f"PagedCache is out of KV blocks ({error}): it holds {self.kv.num_blocks} blocks "
+                f"of {self.kv.block_size} tokens. Give it more (PagedCache(..., num_blocks=...) "
+                "or max_memory=...) or generate fewer or shorter sequences, and call "
+                "cache.reset() before the next generate()"
+            ) from error
         self._metadata = metadata
         self._token_index = (
             None if real is None else real.flatten().nonzero().squeeze(1).to(self.kv.device)
@@ -419,21 +532,29 @@ class PagedCache(Cache):
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
 
     def _grow_rows(self, counts: list[int], duplicates: list[bool]) -> AttentionMetadata:
-        pairs, active, dropped = [], [], []
-        for row, count in enumerate(counts):
-            if count == 0:
-                continue
-            seq_id = self._rows[row]
-            if seq_id is None:
-                seq_id = self._rows[row] = next(self._ids)
-                if duplicates[row]:
-                    self.manager.fork(self._rows[row - 1], seq_id)
-                    dropped.append(len(active))
+        pairs, active, dropped, created = [], [], [], []
+        try:
+            for row, count in enumerate(counts):
+                if count == 0:
+                    continue
+                seq_id = self._rows[row]
+                if seq_id is None:
+                    seq_id = next(self._ids)
+                    if duplicates[row]:
+                        self.manager.fork(self._rows[row - 1], seq_id)
+                        dropped.append(len(active))
+                    else:
+                        self.manager.allocate(seq_id, count)
+                    self._rows[row] = seq_id
+                    created.append(row)
                 else:
-                    self.manager.allocate(seq_id, count)
-            else:
-                pairs += self.manager.append_slots(seq_id, count)
-            active.append((seq_id, count))
+                    pairs += self.manager.append_slots(seq_id, count)
+                active.append((seq_id, count))
+        except OutOfBlocksError:
+            self.manager.free_many([self._rows[row] for row in created], cache=False)
+            for row in created:
+                self._rows[row] = None
+            raise
         self.kv.copy_blocks(pairs)
         seq_ids, query_lens = [s for s, _ in active], [n for _, n in active]
         slots = self.manager.slot_mapping_tensor(seq_ids, query_lens)
@@ -448,6 +569,7 @@ class PagedCache(Cache):
             slots,
             self.kv.device,
             seq_lens,
+            self.manager.sliding_window,
         )
 
     @staticmethod
@@ -506,4 +628,25 @@ class PagedCache(Cache):
         if dropped:
             self.manager.free_many(dropped)
         self._rows = rows
+        if self._fed_ids is not None:
+            self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+
+def _check_generation_inputs(model: torch.nn.Module) -> None:
+    """Let every PagedCache see the full ``input_ids`` of ``model.generate``'s steps (a cache
+    sees only the keys and values of the tokens fed), so that a new prompt is told from a
+    continuation of what the cache holds. Wraps ``prepare_inputs_for_generation`` once."""
+    if getattr(model, "_paged_cache_sees_input_ids", False):
+        return
+    prepare = model.prepare_inputs_for_generation
+
+    @functools.wraps(prepare)
+    def prepare_checked(input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, PagedCache) and isinstance(input_ids, torch.Tensor):
+            cache._check_input_ids(input_ids, kwargs.get("is_first_iteration"))
+        return prepare(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_checked
+    model._paged_cache_sees_input_ids = True
