@@ -1128,6 +1128,17 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
       block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
       logits_soft_cap);
   check_v2_scratch(exp_sums, max_logits, tmp_out, dims, query);
+  for (const auto& [scratch, name] :
+       {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
+        {max_logits, "max_logits"},
+        {tmp_out, "tmp_out"}}) {
+    check_no_overlap(scratch, name, out, "out");
+    check_no_overlap(scratch, name, key_cache, "key_cache");
+    check_no_overlap(scratch, name, value_cache, "value_cache");
+    check_no_overlap(scratch, name, block_tables, "block_tables");
+    check_no_overlap(scratch, name, seq_lens, "seq_lens");
+    if (alibi_slopes.has_value()) check_no_overlap(scratch, name, *alibi_slopes, "alibi_slopes");
+  }
   check_attention_indices(block_tables, seq_lens, dims, sliding_window);
   AttentionParams p{};
   p.out = tmp_out.data_ptr();
