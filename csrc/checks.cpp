@@ -5,7 +5,9 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <utility>
 
 namespace paged_attention {
 
@@ -84,7 +86,123 @@ void check_block_size(int64_t block_size) {
                     "block_size ", block_size, " is not supported (supported: 8, 16, 32)");
 }
 
+// The kernels compute in float32: a value that is finite or non-zero only in double precision
+// would silently become inf (scale) or "no cap" (logits_soft_cap).
+void check_logit_args(double scale, int64_t sliding_window, double logits_soft_cap) {
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale)), "scale must be finite in float32, got ",
+                    scale);
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ",
+                    sliding_window);
+  TORCH_CHECK_VALUE(logits_soft_cap >= 0 && std::isfinite(static_cast<float>(logits_soft_cap)),
+                    "logits_soft_cap must be >= 0 and finite in float32 (0 = none), got ",
+                    logits_soft_cap);
+  TORCH_CHECK_VALUE(logits_soft_cap == 0 || static_cast<float>(logits_soft_cap) > 0,
+                    "logits_soft_cap (", logits_soft_cap,
+                    ") underflows to 0 in float32, which means no cap; pass 0 for none");
+}
+
+// First and one-past-last byte a non-empty tensor can address.
+std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
+  const char* begin = static_cast<const char*>(t.data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {begin, begin + (last + 1) * static_cast<int64_t>(t.element_size())};
+}
+
+// Whether two tensors may share a byte: the same storage and intersecting address spans.
+// Conservative for interleaved views of one storage, which real caches and inputs never are.
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return false;
+  const auto [a_begin, a_end] = byte_span(a);
+  const auto [b_begin, b_end] = byte_span(b);
+  return a_begin < b_end && b_begin < a_end;
+}
+
+
+void check_no_internal_overlap(const at::Tensor& t, int64_t dense_from, const char* name) {
+  // Dims [dense_from, dim) are one dense tile (checked elsewhere); the outer dims, visited by
+  // increasing stride, must each step past everything the dims before them reach.
+  std::vector<int64_t> outer;
+  for (int64_t d = 0; d < dense_from; ++d) {
+    if (t.size(d) > 1) outer.push_back(d);
+  }
+  std::sort(outer.begin(), outer.end(),
+            [&](int64_t a, int64_t b) { return t.stride(a) < t.stride(b); });
+  int64_t reach = 1;  // elements spanned so far
+  for (int64_t d = dense_from; d < t.dim(); ++d) reach *= t.size(d);
+  if (reach == 0) return;
+  for (const int64_t d : outer) {
+    TORCH_CHECK(t.stride(d) >= reach, name,
+                " must not overlap itself (as torch's in-place ops require), got shape ",
+                t.sizes(), " and strides ", t.strides());
+    reach += (t.size(d) - 1) * t.stride(d);
+  }
+}
+
+// The kernels copy every pair of a mapping at the same time, in no fixed order, so a block
+// written twice, or written by one pair and read by another (a chain s -> d -> e, a swap
+// s <-> d), would give a result that depends on the order. Blocks of src and dst are compared by
+// address when the two share memory (copy_blocks; swap_blocks between views of one storage),
+// else by id, where only a repeated destination conflicts. Fan-out (one source, several
+// destinations) is fine. `pairs` is the contiguous host copy of block_mapping.
+void check_mapping_conflicts(const int64_t* pairs, int64_t num_pairs, const at::Tensor& src,
+                             const at::Tensor& dst) {
+  const bool same_memory = src.is_alias_of(dst);
+  const int64_t bytes = same_memory ? block_bytes(src) : 1;
+  if (bytes == 0) return;  // empty blocks: nothing is copied
+  const auto address = [&](const at::Tensor& t, int64_t id) -> int64_t {
+    if (!same_memory) return id;
+    return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())) +
+           id * block_stride_bytes(t);
+  };
+  std::vector<std::pair<int64_t, int64_t>> writes(num_pairs);  // (address, row)
+  std::vector<std::pair<int64_t, int64_t>> reads(num_pairs);
+  for (const auto i : c10::irange(num_pairs)) {
+    reads[i] = {address(src, pairs[2 * i]), i};
+    writes[i] = {address(dst, pairs[2 * i + 1]), i};
+  }
+  std::sort(writes.begin(), writes.end());
+  std::sort(reads.begin(), reads.end());
+  for (int64_t k = 1; k < num_pairs; ++k) {
+    const auto [row, other] = std::minmax(writes[k - 1].second, writes[k].second);
+    TORCH_CHECK_VALUE(writes[k].first - writes[k - 1].first >= bytes, "block_mapping[", other,
+                      ", 1] = ", pairs[2 * other + 1], " writes the block that block_mapping[",
+                      row, ", 1] = ", pairs[2 * row + 1],
+                      " writes: each destination may appear once (the pairs are copied in "
+                      "parallel)");
+  }
+  if (!same_memory) return;
+  for (const auto& [write, row] : writes) {
+    // The first read block that ends after this write starts: it overlaps if it starts before
+    // the write ends.
+    const auto it = std::lower_bound(reads.begin(), reads.end(),
+                                     std::pair<int64_t, int64_t>{write - bytes + 1, -1});
+    TORCH_CHECK_VALUE(it == reads.end() || it->first >= write + bytes, "block_mapping[", row,
+                      ", 1] = ", pairs[2 * row + 1], " overwrites the block that block_mapping[",
+                      it->second, ", 0] = ", pairs[2 * it->second],
+                      " reads: a destination may not also be a source (the pairs are copied in "
+                      "parallel, so chained or swapped pairs have no order; split them into "
+                      "separate calls)");
+  }
+}
+
+// Range and conflict checks of a mapping whose contents can be read without a device sync (on
+// the host), or under the debug switch.
+void check_block_mapping_contents(const at::Tensor& block_mapping, const at::Tensor& src,
+                                  const at::Tensor& dst) {
+  if (!block_mapping.is_cpu() && !debug_checks_enabled()) return;
+  const at::Tensor mapping = block_mapping.cpu().contiguous();
+  check_block_mapping(mapping, src.size(0), dst.size(0));
+  check_mapping_conflicts(mapping.data_ptr<int64_t>(), mapping.size(0), src, dst);
+}
+
 }  // namespace
+
+void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& read,
+                      const char* read_name) {
+  TORCH_CHECK(!may_overlap(written, read), written_name, " must not share memory with ",
+              read_name, " (the op writes ", written_name, " while it reads ", read_name, ")");
+}
 
 CacheDtype parse_cache_dtype(const std::string& kv_cache_dtype) {
   if (kv_cache_dtype == "auto") return CacheDtype::kAuto;
@@ -188,11 +306,15 @@ AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& quer
                       slopes.sizes());
     TORCH_CHECK(slopes.is_contiguous(), "alibi_slopes must be contiguous");
   }
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
-  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ",
-                    sliding_window);
-  TORCH_CHECK_VALUE(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap),
-                    "logits_soft_cap must be >= 0 (0 = none), got ", logits_soft_cap);
+  check_logit_args(scale, sliding_window, logits_soft_cap);
+  check_no_overlap(out, "out", query, "query");
+  check_no_overlap(out, "out", key_cache, "key_cache");
+  check_no_overlap(out, "out", value_cache, "value_cache");
+  check_no_overlap(out, "out", block_tables, "block_tables");
+  check_no_overlap(out, "out", seq_lens, "seq_lens");
+  if (alibi_slopes.has_value()) check_no_overlap(out, "out", *alibi_slopes, "alibi_slopes");
+  check_no_overlap(out, "out", k_scale, "k_scale");
+  check_no_overlap(out, "out", v_scale, "v_scale");
   return dims;
 }
 
@@ -224,6 +346,16 @@ void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
                     "tmp_out must have shape [num_seqs, num_heads, partitions, head_size] = [",
                     dims.num_seqs, ", ", dims.num_heads, ", ", exp_sums.size(2), ", ",
                     dims.head_size, "], got ", tmp_out.sizes());
+  // The scratch tensors are written while the inputs are read (check_no_overlap against the
+  // other inputs and out is the caller's, which holds them).
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
+                                {max_logits, "max_logits"},
+                                {tmp_out, "tmp_out"}}) {
+    check_no_overlap(t, name, query, "query");
+  }
+  check_no_overlap(max_logits, "max_logits", exp_sums, "exp_sums");
+  check_no_overlap(tmp_out, "tmp_out", exp_sums, "exp_sums");
+  check_no_overlap(tmp_out, "tmp_out", max_logits, "max_logits");
 }
 
 void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -292,6 +424,21 @@ CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& 
   TORCH_CHECK_VALUE(slot_mapping.size(0) == dims.num_tokens, "slot_mapping must have num_tokens (",
                     dims.num_tokens, ") entries, got ", slot_mapping.size(0));
   TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+
+  // The caches are written while every other argument is still being read.
+  for (const auto& [cache, cache_name] : {std::pair<const at::Tensor&, const char*>{key_cache,
+                                                                                   "key_cache"},
+                                          {value_cache, "value_cache"}}) {
+    check_no_internal_overlap(cache, 2, cache_name);
+    for (const auto& [input, input_name] :
+         {std::pair<const at::Tensor&, const char*>{key, "key"},
+          {value, "value"},
+          {slot_mapping, "slot_mapping"},
+          {k_scale, "k_scale"},
+          {v_scale, "v_scale"}}) {
+      check_no_overlap(cache, cache_name, input, input_name);
+    }
+  }
   return dims;
 }
 
@@ -299,9 +446,19 @@ void check_slot_mapping(const at::Tensor& slot_mapping, const CacheDims& dims) {
   const at::Tensor slots = slot_mapping.cpu();
   const int64_t* ptr = slots.data_ptr<int64_t>();
   const int64_t num_slots = dims.num_blocks * dims.block_size;
+  std::vector<std::pair<int64_t, int64_t>> stored;  // (slot, token)
+  stored.reserve(dims.num_tokens);
   for (const auto i : c10::irange(dims.num_tokens)) {
     TORCH_CHECK_VALUE(ptr[i] < num_slots, "slot_mapping[", i, "] = ", ptr[i],
                       " is out of range (num_blocks * block_size = ", num_slots, ")");
+    if (ptr[i] >= 0) stored.emplace_back(ptr[i], i);
+  }
+  // Tokens are stored in parallel: two of them in one slot would leave either one there.
+  std::sort(stored.begin(), stored.end());
+  for (size_t k = 1; k < stored.size(); ++k) {
+    TORCH_CHECK_VALUE(stored[k].first != stored[k - 1].first, "slot_mapping[",
+                      stored[k].second, "] = ", stored[k].first, " repeats slot_mapping[",
+                      stored[k - 1].second, "]: each slot may be written once per call");
   }
 }
 
@@ -347,6 +504,8 @@ void check_copy_blocks_args(const std::vector<at::Tensor>& key_caches,
                   "] must have as many blocks as key_caches[0] (", first.size(0), "), got shape ",
                   t.sizes());
       check_inner_contiguous(t, 1, name);
+      check_no_internal_overlap(t, 1, name);
+      check_no_overlap(t, name, block_mapping, "block_mapping");
     }
     TORCH_CHECK_VALUE(key_caches[i].sizes() == first.sizes(), "key_caches[", i,
                       "] must have the shape of key_caches[0] (", first.sizes(), "), got ",
@@ -355,6 +514,8 @@ void check_copy_blocks_args(const std::vector<at::Tensor>& key_caches,
                       "] must have the shape of value_caches[0] (", value_caches[0].sizes(),
                       "), got ", value_caches[i].sizes());
   }
+  // Every layer uses the same ids, and each cache tensor is its own pool.
+  check_block_mapping_contents(block_mapping, first, first);
 }
 
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
@@ -369,6 +530,9 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
                     " and ", dst.sizes());
   check_inner_contiguous(src, 1, "src");
   check_inner_contiguous(dst, 1, "dst");
+  check_no_internal_overlap(dst, 1, "dst");
+  check_no_overlap(dst, "dst", block_mapping, "block_mapping");
+  check_block_mapping_contents(block_mapping, src, dst);
 }
 
 int64_t block_stride_bytes(const at::Tensor& cache) {

@@ -44,7 +44,9 @@ struct AttentionDims {
 // Requirements: query [num_seqs, num_heads, head_size] with unit stride in the last dim (it may be
 // a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the DESIGN.md
 // layout, contiguous within a block (dims 0 and 1 may be strided); block_tables int32 2-D with
-// unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32 [num_heads].
+// unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32 [num_heads];
+// scale finite and logits_soft_cap 0 or positive, both in float32; out sharing no memory with any
+// input.
 AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    int64_t num_kv_heads, double scale,
@@ -76,14 +78,16 @@ struct CacheDims {
   CacheDtype cache_dtype;
 };
 
-// key/value [num_tokens, num_kv_heads, head_size], any strides; slot_mapping int64 [num_tokens].
+// key/value [num_tokens, num_kv_heads, head_size], any strides; slot_mapping int64 [num_tokens];
+// the caches overlap neither themselves nor any input.
 CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& key_cache, const at::Tensor& value_cache,
                                        const at::Tensor& slot_mapping,
                                        const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                                        const at::Tensor& v_scale);
 
-// Contents: each slot is negative (skip) or in [0, num_blocks * block_size).
+// Contents: each slot is negative (skip) or in [0, num_blocks * block_size), and no slot is
+// written twice.
 void check_slot_mapping(const at::Tensor& slot_mapping, const CacheDims& dims);
 
 // block_mapping int64 [n, 2]; each (src, dst) in range of its pool.
@@ -91,14 +95,25 @@ void check_block_mapping_shape(const at::Tensor& block_mapping);
 void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
                          int64_t num_dst_blocks);
 
-// key_caches/value_caches: one pair per layer, all with identical shape, dtype and device.
+// key_caches/value_caches: one pair per layer, all with identical shape, dtype and device, none
+// overlapping itself or block_mapping. When block_mapping is on the host (or under the debug
+// switch) its contents too: ids in range, each destination at most once and never also a source
+// (the pairs are copied in parallel; one source may fan out to several destinations).
 void check_copy_blocks_args(const std::vector<at::Tensor>& key_caches,
                             const std::vector<at::Tensor>& value_caches,
                             const at::Tensor& block_mapping);
 
-// src/dst: same dtype, same shape after dim 0 (the block dim), each block contiguous.
+// src/dst: same dtype, same shape after dim 0 (the block dim), each block contiguous, dst not
+// overlapping itself or block_mapping. Contents as for copy_blocks where readable; src and dst
+// ids index different pools, so a destination that is also a source conflicts only when src and
+// dst share memory (then blocks are compared by address).
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
                             const at::Tensor& block_mapping);
+
+// `written` (an output) must share no memory with `read` (an input), as torch's out= ops
+// require; raises naming both.
+void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& read,
+                      const char* read_name);
 
 // Bytes between consecutive blocks of a cache tensor and bytes in one block.
 int64_t block_stride_bytes(const at::Tensor& cache);

@@ -7,49 +7,107 @@ and their semantics in reference.py.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from paged_attention import _C  # noqa: F401  (loading the library registers the ops)
-from paged_attention.reference import PARTITION_SIZE
+from paged_attention.reference import PARTITION_SIZE, is_fp8
 
 ops = torch.ops.paged_attention
 
 # --------------------------------------------------------------------------------------------
 # Fake kernels: every op only mutates its arguments, so tracing needs nothing but the schema.
+#
+# The dispatcher also runs a fake kernel for a real call that has a single ``meta`` tensor among
+# CPU or CUDA ones (the Meta key outranks every backend), which would make the call a silent
+# no-op. Each fake kernel therefore first rejects a mix of meta and other devices, as torch's own
+# ops do; all-meta calls and FakeTensor tracing (where tensors report their fake device) pass.
 
 
-@torch.library.register_fake("paged_attention::paged_attention_v1")
-def _paged_attention_v1_fake(out, query, key_cache, value_cache, *args, **kwargs) -> None:
-    return None
+def _named_tensors(op_name: str, args: tuple, kwargs: dict):
+    """``(name, tensor)`` for every tensor argument of a call, list elements as ``name[i]``."""
+    schema = getattr(ops, op_name).default._schema
+    for position, argument in enumerate(schema.arguments):
+        if position < len(args):
+            value = args[position]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        if isinstance(value, torch.Tensor):
+            yield argument.name, value
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    yield f"{argument.name}[{i}]", item
 
 
-@torch.library.register_fake("paged_attention::paged_attention_v2")
-def _paged_attention_v2_fake(out, exp_sums, max_logits, tmp_out, query, *args, **kwargs) -> None:
-    return None
+def _check_no_meta_among_real(op_name: str, args: tuple, kwargs: dict) -> None:
+    named = list(_named_tensors(op_name, args, kwargs))
+    meta = next((name for name, t in named if t.device.type == "meta"), None)
+    real = next(((name, t.device) for name, t in named if t.device.type != "meta"), None)
+    if meta is not None and real is not None:
+        raise RuntimeError(
+            f"{op_name}: expected all tensors to be on the same device, but {meta} is on meta "
+            f"and {real[0]} on {real[1]}"
+        )
 
 
-@torch.library.register_fake("paged_attention::reshape_and_cache")
-def _reshape_and_cache_fake(key, value, key_cache, value_cache, *args, **kwargs) -> None:
-    return None
+def _register_fake(op_name: str) -> None:
+    def fake(*args, **kwargs) -> None:
+        _check_no_meta_among_real(op_name, args, kwargs)
+
+    fake.__name__ = f"_{op_name}_fake"
+    torch.library.register_fake(f"paged_attention::{op_name}")(fake)
 
 
-@torch.library.register_fake("paged_attention::copy_blocks")
-def _copy_blocks_fake(key_caches, value_caches, block_mapping) -> None:
-    return None
-
-
-@torch.library.register_fake("paged_attention::swap_blocks")
-def _swap_blocks_fake(src, dst, block_mapping) -> None:
-    return None
+for _op_name in (
+    "paged_attention_v1",
+    "paged_attention_v2",
+    "reshape_and_cache",
+    "copy_blocks",
+    "swap_blocks",
+):
+    _register_fake(_op_name)
 
 
 # --------------------------------------------------------------------------------------------
 # Typed wrappers
 
 
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)
+def _scales(
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales to pass to an op: an fp8 cache needs both (a silent 1.0 would silently give
+    wrong values); without fp8 the op ignores them, so missing ones become 1."""
+    if is_fp8(kv_cache_dtype):
+        missing = [name for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is None]
+        if missing:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs k_scale and v_scale (1-element float32 "
+                f"tensors on the cache's device); missing: {', '.join(missing)}"
+            )
+        return k_scale, v_scale
+    unit = None
+    if k_scale is None or v_scale is None:
+        unit = torch.ones(1, dtype=torch.float32, device=device)
+    return (unit if k_scale is None else k_scale), (unit if v_scale is None else v_scale)
+
+
+def _check_real(value, name: str) -> None:
+    if not isinstance(value, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+
+
+def _check_rank(t: torch.Tensor, rank: int, name: str, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
 
 
 def reshape_and_cache(
@@ -63,30 +121,39 @@ def reshape_and_cache(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping``
-    (int64; negative = skip). Scales default to 1."""
-    device = key_cache.device
+    (int64; negative = skip). ``key``/``value`` must not share memory with the caches.
+
+    With an fp8 ``kv_cache_dtype``, ``k_scale`` and ``v_scale`` (1-element float32 tensors on the
+    cache's device) are required: the values stored are ``x / scale``. Otherwise they are unused.
+    """
+    k_scale, v_scale = _scales(kv_cache_dtype, k_scale, v_scale, key_cache.device)
     ops.reshape_and_cache(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        kv_cache_dtype,
-        _unit_scale(device) if k_scale is None else k_scale,
-        _unit_scale(device) if v_scale is None else v_scale,
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
     )
 
 
 def copy_blocks(
     key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
 ) -> None:
-    """Copy blocks ``src -> dst`` (int64 ``[n, 2]``) in every layer's caches, in one call."""
+    """Copy blocks ``src -> dst`` (int64 ``[n, 2]``) in every layer's caches, in one call.
+
+    The pairs are copied in parallel, so each destination may appear once and never also as a
+    source (no chains ``[[0, 1], [1, 2]]``, no swaps ``[[0, 1], [1, 0]]``: split those into
+    separate calls); one source may fan out to several destinations. A mapping on the host is
+    always checked; on CUDA a device-side mapping only under ``PAGED_ATTENTION_DEBUG_CHECKS=1``.
+    """
     ops.copy_blocks(key_caches, value_caches, block_mapping)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy blocks ``src[s] -> dst[d]`` for each row ``(s, d)``; src and dst may be on different
-    devices (host <-> GPU)."""
+    devices (host <-> GPU).
+
+    Each destination may appear once. ``src`` and ``dst`` ids index different pools, so a
+    destination id may equal a source id, except when ``src`` and ``dst`` share memory: then no
+    destination block may overlap a block some pair reads (checked as for :func:`copy_blocks`).
+    ``dst`` must not overlap itself (e.g. an expanded, stride-0 tensor).
+    """
     ops.swap_blocks(src, dst, block_mapping)
 
 
@@ -172,23 +239,30 @@ def paged_attention(
     ``head_size ** -0.5``. Pass ``max_seq_len`` (an int >= every seq_len) to avoid reading
     ``seq_lens`` back from the GPU, which synchronises and cannot be captured in a CUDA graph.
     ``version`` forces the v1 or v2 kernel; by default :func:`use_v2` chooses.
+    An fp8 ``kv_cache_dtype`` requires ``k_scale`` and ``v_scale`` (a ``ValueError`` otherwise).
+    ``scale`` and ``logits_soft_cap`` are used in float32 and checked there: a scale that is inf
+    in float32, or a cap that rounds to 0, raises.
     """
+    _check_rank(query, 3, "query", "[num_seqs, num_heads, head_size]")
+    _check_rank(
+        key_cache, 5, "key_cache", "[num_blocks, num_kv_heads, head_size / x, block_size, x]"
+    )
+    _check_rank(value_cache, 4, "value_cache", "[num_blocks, num_kv_heads, head_size, block_size]")
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, block_size = value_cache.shape[1], value_cache.shape[3]
     if scale is None:
         scale = head_size**-0.5
+    _check_real(scale, "scale")
+    _check_real(logits_soft_cap, "logits_soft_cap")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if out is None:
         out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
-    if k_scale is None or v_scale is None:
-        unit = _unit_scale(key_cache.device)
-        k_scale = unit if k_scale is None else k_scale
-        v_scale = unit if v_scale is None else v_scale
+    k_scale, v_scale = _scales(kv_cache_dtype, k_scale, v_scale, key_cache.device)
+    if version is not None and (type(version) is not int or version not in (1, 2)):
+        raise ValueError(f"version must be 1, 2 or None, got {version!r}")
     if version is None:
         version = 2 if use_v2(query, num_kv_heads, max_seq_len, block_size) else 1
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1, 2 or None, got {version!r}")
     common = (
         query,
         key_cache,

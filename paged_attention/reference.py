@@ -13,6 +13,9 @@ Semantics fixed here (and followed by the kernels):
 * fp8 caches (``uint8`` tensors): ``stored = fp8(clamp(x / scale, -max, max))`` rounded to nearest
   even, ``x' = float(stored) * scale``; e4m3 is the ``float8_e4m3fn`` format (max 448), e5m2 is
   ``float8_e5m2`` (max 57344).
+* ``copy_blocks``/``swap_blocks`` copy their pairs in parallel: a destination block appears once
+  and is never also read by a pair (no chains, no swaps; fan-out of one source is fine); other
+  mappings raise (:func:`check_block_mapping`).
 * v2 partition outputs: for partition ``j`` (tokens ``[512 j, 512 (j + 1))``), ``max_logits`` is
   the largest attended logit, ``exp_sums`` is ``sum(exp(s - max_logit))`` and ``tmp_out`` is the
   partition's softmax-weighted value sum divided by its ``exp_sum``. A partition with no attended
@@ -94,17 +97,55 @@ def reshape_and_cache(
     value_cache[blocks, :, :, offsets] = v
 
 
+def check_block_mapping(
+    block_mapping: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, op: str
+) -> None:
+    """The pairs of a copy or swap are copied in parallel, in no order, so a result is defined
+    only when each destination block is written once and no pair writes a block another reads.
+    ``src`` and ``dst`` ids index different pools unless the two tensors share memory (then
+    blocks are compared by address). Raises ``ValueError`` naming ``block_mapping``."""
+    pairs = block_mapping.cpu().tolist()
+    same_memory = src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
+
+    def block(t: torch.Tensor, i: int) -> tuple[int, int]:  # [first byte, end) of block i
+        size = t[0].numel() * t.element_size() if t.shape[0] else 0
+        start = t.data_ptr() + i * t.stride(0) * t.element_size()
+        return (start, start + size) if same_memory else (i, i + 1)
+
+    writes = [block(dst, d) for _, d in pairs]
+    reads = [block(src, s) for s, _ in pairs]
+    for i, (w0, w1) in enumerate(writes):
+        for j in range(i):
+            if w0 < writes[j][1] and writes[j][0] < w1:
+                raise ValueError(
+                    f"{op}: block_mapping[{i}] writes the block block_mapping[{j}] "
+                    "writes (each destination may appear once)"
+                )
+        for j, (r0, r1) in enumerate(reads if same_memory else []):
+            if w0 < r1 and r0 < w1:
+                raise ValueError(
+                    f"{op}: block_mapping[{i}] overwrites the block "
+                    f"block_mapping[{j}] reads (no chains or swaps)"
+                )
+
+
 def copy_blocks(
     key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
 ) -> None:
-    """For every layer, ``cache[dst] = cache[src]`` for each ``(src, dst)`` row of the mapping."""
+    """For every layer, ``cache[dst] = cache[src]`` for each ``(src, dst)`` row of the mapping.
+    One source may go to several destinations; a destination may appear once and may not be a
+    source too (:func:`check_block_mapping`)."""
+    if key_caches:
+        check_block_mapping(block_mapping, key_caches[0], key_caches[0], "copy_blocks")
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     for cache in (*key_caches, *value_caches):
         cache[dst.to(cache.device)] = cache[src.to(cache.device)]
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """``dst[d] = src[s]`` for each ``(s, d)`` row, across devices."""
+    """``dst[d] = src[s]`` for each ``(s, d)`` row, across devices. Each destination may appear
+    once; when src and dst share memory, no destination may overlap a source."""
+    check_block_mapping(block_mapping, src, dst, "swap_blocks")
     mapping = block_mapping.cpu()
     dst[mapping[:, 1].to(dst.device)] = src[mapping[:, 0].to(src.device)].to(dst.device)
 
@@ -121,15 +162,24 @@ def gather_kv(
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys and values as float32 ``[seq_len, num_kv_heads, head_size]``."""
+    """One sequence's keys and values as float32 ``[seq_len, num_kv_heads, head_size]``.
+
+    Blocks wholly before position ``start`` are not read (their table entries may be released
+    or stale, as before a sliding window); positions before ``start`` hold zeros."""
     _, num_kv_heads, head_size, block_size = value_cache.shape
+    first = min(start, seq_len) // block_size
     num_blocks = math.ceil(seq_len / block_size)
-    blocks = block_table[:num_blocks].long().to(key_cache.device)
+    blocks = block_table[first:num_blocks].long().to(key_cache.device)
     keys = key_cache[blocks].permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, head_size)
     values = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)
-    keys = dequantize(keys[:seq_len], kv_cache_dtype, k_scale)
-    values = dequantize(values[:seq_len], kv_cache_dtype, v_scale)
+    keys = dequantize(keys[: seq_len - first * block_size], kv_cache_dtype, k_scale)
+    values = dequantize(values[: seq_len - first * block_size], kv_cache_dtype, v_scale)
+    skipped = min(start, seq_len)
+    pad = torch.zeros(skipped, num_kv_heads, head_size, device=keys.device)
+    keys = torch.cat([pad, keys[skipped - first * block_size :]])
+    values = torch.cat([pad, values[skipped - first * block_size :]])
     return keys, values
 
 
@@ -164,10 +214,20 @@ def _attend(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hl,lhd->hd", torch.softmax(logits, dim=-1), values)
 
 
-def _sequences(block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale):
+def _sequences(
+    block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale, window
+):
     for s, seq_len in enumerate(seq_lens.tolist()):
+        start = max(0, seq_len - window) if window > 0 else 0  # the first attended position
         keys, values = gather_kv(
-            key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale
+            key_cache,
+            value_cache,
+            block_tables[s],
+            seq_len,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+            start,
         )
         yield s, seq_len, keys, values
 
@@ -192,7 +252,14 @@ def paged_attention_v1(
 ) -> None:
     """Decode attention: one query token per sequence against its paged context."""
     for s, seq_len, keys, values in _sequences(
-        block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
+        block_tables,
+        seq_lens,
+        key_cache,
+        value_cache,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        sliding_window,
     ):
         if seq_len == 0:
             out[s] = 0
@@ -227,7 +294,14 @@ def paged_attention_v2(
     """Split-K decode attention: per-partition results, then their exact combination."""
     num_partitions = exp_sums.shape[2]
     for s, _, keys, values in _sequences(
-        block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale
+        block_tables,
+        seq_lens,
+        key_cache,
+        value_cache,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        sliding_window,
     ):
         logits = attention_logits(
             query[s], keys, scale, alibi_slopes, sliding_window, logits_soft_cap

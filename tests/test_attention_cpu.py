@@ -564,3 +564,114 @@ def test_seq_len_beyond_block_table_raises():
     with pytest.raises((RuntimeError, ValueError), match="seq_lens"):
         ops.paged_attention_v1(torch.empty_like(query), *args)
     assert math.isfinite(float(run_v1(attention_args(query, kv, 1)).sum()))
+
+
+def _wrapper_inputs(dtype=torch.float32, kv_cache_dtype="auto"):
+    kv = make_paged_kv(2, [10, 40], 2, 64, 16, dtype, kv_cache_dtype)
+    return make_query(2, 4, 64, dtype), kv
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (dict(query=lambda q: q[:, 0]), ValueError, r"query must be 3-D .* got shape \(2, 64\)"),
+        (dict(value_cache=lambda v: v[:, 0]), ValueError, "value_cache must be 4-D"),
+        (dict(logits_soft_cap=1e-50), ValueError, r"logits_soft_cap \(1e-50\) underflows to 0"),
+        (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap must be >= 0 and finite"),
+        (dict(scale=1e39), ValueError, "scale must be finite in float32"),
+        (dict(scale=math.nan), ValueError, "scale must be finite in float32"),
+    ],
+    ids=["2-D query", "3-D value_cache", "cap underflows", "cap overflows", "scale", "nan scale"],
+)
+@pytest.mark.parametrize("version", [1, 2])
+def test_wrapper_errors_name_the_argument(change, error, message, version):
+    query, kv = _wrapper_inputs()
+    tensors = dict(query=query, value_cache=kv.value_cache)
+    options = {}
+    for name, value in change.items():
+        if name in tensors:
+            tensors[name] = value(tensors[name])
+        else:
+            options[name] = value
+    with pytest.raises(error, match=message):
+        paged_attention.paged_attention(
+            tensors["query"], kv.key_cache, tensors["value_cache"], kv.block_tables, kv.seq_lens,
+            max_seq_len=kv.max_seq_len, version=version, **options,
+        )  # fmt: skip
+
+
+def test_fp8_attention_requires_scales():
+    query, kv = _wrapper_inputs(torch.bfloat16, "fp8_e4m3")
+    common = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale.*missing: k_scale, v_scale"):
+        paged_attention.paged_attention(*common, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="missing: k_scale"):
+        paged_attention.paged_attention(*common, kv_cache_dtype="fp8_e4m3", v_scale=kv.v_scale)
+    out = paged_attention.paged_attention(
+        *common, kv_cache_dtype="fp8_e4m3", k_scale=kv.k_scale, v_scale=kv.v_scale
+    )
+    expected = run_reference_v1(attention_args(query, kv, 4))
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("meta_arg", ["alibi_slopes", "k_scale", "seq_lens", "block_tables"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_meta_argument_among_cpu_ones_raises(meta_arg, version):
+    """The Meta dispatch key outranks CPU, so one meta tensor used to route the whole call to the
+    fake kernel: a silent no-op returning uninitialised memory."""
+    query, kv = _wrapper_inputs()
+    args = list(attention_args(query, kv, 4, alibi=True))
+    index = {"alibi_slopes": 9, "k_scale": 11, "seq_lens": 6, "block_tables": 5}[meta_arg]
+    args[index] = args[index].to("meta")
+    message = f"same device, but {meta_arg} is on meta and out on cpu"
+    with pytest.raises(RuntimeError, match=message):
+        if version == 1:
+            run_v1(args)
+        else:
+            run_v2(args)
+    with pytest.raises(RuntimeError, match=f"{meta_arg} is on meta"):
+        paged_attention.paged_attention(
+            query, *args[1:3], args[5], args[6], max_seq_len=40, alibi_slopes=args[9],
+            k_scale=args[11], v_scale=args[12], version=version,
+        )  # fmt: skip
+
+
+def test_all_meta_attention_still_runs_the_fake_kernel():
+    query, kv = _wrapper_inputs()
+    args = [
+        a.to("meta") if isinstance(a, torch.Tensor) else a for a in attention_args(query, kv, 4)
+    ]
+    out = paged_attention.paged_attention(*args[:3], args[5], args[6], max_seq_len=40)
+    assert out.device.type == "meta" and out.shape == query.shape
+
+
+@pytest.mark.parametrize("target", ["query", "block_tables", "seq_lens", "key_cache"])
+def test_out_sharing_memory_with_an_input_is_rejected(target):
+    """out is written while the inputs are read: an out that overlaps the block table could turn
+    block ids into garbage mid-call."""
+    query, kv = _wrapper_inputs()
+    args = list(attention_args(query, kv, 4))
+    if target == "query":
+        out = args[0] = query.clone()
+    elif target == "key_cache":
+        out = kv.key_cache.view(-1)[: query.numel()].view(query.shape)
+    else:
+        index = {"block_tables": 5, "seq_lens": 6}[target]
+        out = torch.zeros(query.shape)
+        args[index] = out.view(-1)[: args[index].numel()].view(torch.int32).view(args[index].shape)
+        args[index].copy_(attention_args(query, kv, 4)[index])
+    with pytest.raises(RuntimeError, match=f"out must not share memory with {target}"):
+        ops.paged_attention_v1(out, *args)
+    with pytest.raises(RuntimeError, match=f"out must not share memory with {target}"):
+        ops.paged_attention_v2(out, *v2_scratch(query, 40), *args)
+
+
+def test_v2_scratch_sharing_memory_is_rejected():
+    query, kv = _wrapper_inputs()
+    args = attention_args(query, kv, 4)
+    exp_sums, max_logits, tmp_out = v2_scratch(query, 40)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="max_logits must not share memory with exp_sums"):
+        ops.paged_attention_v2(out, exp_sums, exp_sums, tmp_out, *args)
+    with pytest.raises(RuntimeError, match="tmp_out must not share memory with out"):
+        ops.paged_attention_v2(out, exp_sums, max_logits, out.view(tmp_out.shape), *args)

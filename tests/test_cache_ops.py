@@ -161,6 +161,7 @@ def _reshape_args(**overrides):
         ({"key": torch.randint(0, 3, (3, 2, 64))}, "key must be float32, float16 or bfloat16"),
         ({"value": torch.randn(3, 2, 32, dtype=torch.float16)}, "value must have the shape"),
         ({"slot_mapping": torch.tensor([0, 1, 64])}, r"slot_mapping\[2\] = 64 is out of range"),
+        ({"slot_mapping": torch.tensor([5, -1, 5])}, r"slot_mapping\[2\] = 5 repeats"),
         ({"slot_mapping": torch.tensor([0, 1], dtype=torch.int64)}, "slot_mapping must have"),
         ({"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32)}, "slot_mapping must be Long"),
         ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
@@ -244,3 +245,179 @@ def test_device_mismatch_is_rejected():
     args = _reshape_args(key_cache=key_cache.cuda(), value_cache=value_cache.cuda())
     with pytest.raises(RuntimeError, match="key_cache must be on the same device as key"):
         ops.reshape_and_cache(*args.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Mappings the parallel copies cannot order: rejected before anything is written.
+
+
+@pytest.mark.parametrize(
+    "mapping,message",
+    [
+        ([[0, 1], [1, 2]], r"block_mapping\[0, 1\] = 1 overwrites the block that block_mapping"),
+        ([[0, 1], [1, 0]], "a destination may not also be a source"),
+        ([[2, 2]], "a destination may not also be a source"),
+        ([[0, 3], [1, 3]], r"block_mapping\[1, 1\] = 3 writes the block that block_mapping\[0"),
+    ],
+    ids=["chain", "swap", "self", "duplicate destination"],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chained_swapped_or_repeated_pairs_are_rejected(mapping, message, threads):
+    """The kernels copy pairs in parallel, so these results would depend on the order (and the
+    thread count); the oracle rejects them too."""
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "auto")
+    mapping = torch.tensor(mapping)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with pytest.raises(ValueError, match=message):
+            paged_attention.copy_blocks([key_cache], [value_cache], mapping)
+        with pytest.raises(ValueError, match=message):
+            paged_attention.swap_blocks(key_cache, key_cache, mapping)
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(ValueError, match="block_mapping"):
+        reference.copy_blocks([key_cache.clone()], [value_cache.clone()], mapping)
+    assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
+
+
+def test_swap_blocks_between_pools_may_reuse_ids():
+    """Between two tensors, ids index two pools: (0, 1) and (1, 0) swap nothing into a source."""
+    src = torch.randn(4, 2, 8)
+    dst = torch.zeros(4, 2, 8)
+    mapping = torch.tensor([[0, 1], [1, 0], [3, 3]])
+    expected = dst.clone()
+    reference.swap_blocks(src, expected, mapping)
+    paged_attention.swap_blocks(src, dst, mapping)
+    assert torch.equal(dst, expected)
+    with pytest.raises(ValueError, match="each destination may appear once"):
+        paged_attention.swap_blocks(src, dst, torch.tensor([[0, 2], [1, 2]]))
+
+
+def test_swap_blocks_between_views_of_one_storage_compares_addresses():
+    big = torch.randn(6, 2, 8)
+    src, dst = big[:4], big[2:]  # src block i + 2 is dst block i
+    expected = big.clone()
+    expected[2 + 3] = expected[0]
+    paged_attention.swap_blocks(src, dst, torch.tensor([[0, 3]]))
+    assert torch.equal(big, expected)
+    with pytest.raises(ValueError, match="a destination may not also be a source"):
+        paged_attention.swap_blocks(src, dst, torch.tensor([[2, 0]]))  # the same block
+    with pytest.raises(ValueError, match="a destination may not also be a source"):
+        paged_attention.swap_blocks(src, dst, torch.tensor([[0, 1], [3, 2]]))  # dst 1 = src 3
+    assert torch.equal(big, expected)
+
+
+def test_fan_out_with_many_pairs_still_copies():
+    key_cache, value_cache = _caches(64, 1, 32, 8, torch.float32, "auto")
+    mapping = torch.stack([torch.full((40,), 5), torch.arange(10, 50)], dim=1)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.copy_blocks([expected_k], [expected_v], mapping)
+    paged_attention.copy_blocks([key_cache], [value_cache], mapping)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs that overlap themselves or an input, as torch's in-place ops refuse them.
+
+
+def test_reshape_and_cache_rejects_inputs_that_alias_the_caches():
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "auto")
+    inside_key_cache = key_cache.view(-1)[: 3 * 2 * 64].view(3, 2, 64)
+    inside_value_cache = value_cache.view(-1)[-3 * 2 * 64 :].view(3, 2, 64)
+    for overrides, message in (
+        (dict(key=inside_key_cache), "key_cache must not share memory with key"),
+        (dict(value=inside_value_cache), "value_cache must not share memory with value"),
+        (dict(key=inside_value_cache), "value_cache must not share memory with key"),
+    ):
+        args = _reshape_args(key_cache=key_cache, value_cache=value_cache, **overrides)
+        before_k, before_v = key_cache.clone(), value_cache.clone()
+        with pytest.raises(RuntimeError, match=message):
+            paged_attention.reshape_and_cache(*list(args.values())[:5])
+        assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
+
+
+def test_reshape_and_cache_rejects_an_expanded_cache():
+    key_cache, value_cache = _caches(1, 2, 64, 16, torch.float16, "auto")
+    args = _reshape_args(key_cache=key_cache.expand(4, -1, -1, -1, -1),
+                         value_cache=value_cache.expand(4, -1, -1, -1))  # fmt: skip
+    with pytest.raises(RuntimeError, match="key_cache must not overlap itself"):
+        ops.reshape_and_cache(*args.values())
+
+
+def test_swap_and_copy_reject_destinations_that_overlap_themselves():
+    src = torch.randn(4, 2, 8)
+    expanded = torch.zeros(1, 2, 8).expand(4, -1, -1)
+    with pytest.raises(RuntimeError, match="dst must not overlap itself"):
+        paged_attention.swap_blocks(src, expanded, torch.tensor([[0, 1], [1, 2]]))
+    assert torch.equal(expanded, torch.zeros_like(expanded))
+    overlapping = torch.zeros(20).as_strided((4, 2, 4), (3, 4, 1))  # blocks 3 apart, 8 long
+    with pytest.raises(RuntimeError, match="dst must not overlap itself"):
+        paged_attention.swap_blocks(torch.randn(4, 2, 4), overlapping, torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match=r"key_caches must not overlap itself"):
+        paged_attention.copy_blocks([expanded], [torch.zeros(4, 2, 8)], torch.tensor([[0, 1]]))
+
+
+def test_mapping_that_aliases_a_destination_is_rejected():
+    dst = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="dst must not share memory with block_mapping"):
+        paged_attention.swap_blocks(torch.ones(4, 2, dtype=torch.int64), dst, dst[:1])
+
+
+# --------------------------------------------------------------------------------------------
+# A meta tensor among real ones: the device error of torch's own ops, not a silent fake call.
+
+
+@pytest.mark.parametrize("meta_arg", ["slot_mapping", "k_scale", "key"])
+def test_reshape_and_cache_with_a_meta_argument_raises(meta_arg):
+    args = _reshape_args()
+    args[meta_arg] = args[meta_arg].to("meta")
+    before = args["key_cache"].clone()
+    with pytest.raises(RuntimeError, match=f"same device.*{meta_arg} is on meta"):
+        ops.reshape_and_cache(*args.values())
+    assert torch.equal(args["key_cache"], before)
+
+
+def test_copy_and_swap_with_a_meta_argument_raise():
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "auto")
+    meta_mapping = torch.tensor([[0, 1]], device="meta")
+    with pytest.raises(RuntimeError, match="block_mapping is on meta"):
+        ops.copy_blocks([key_cache], [value_cache], meta_mapping)
+    with pytest.raises(RuntimeError, match=r"value_caches\[0\] is on meta"):
+        ops.copy_blocks([key_cache], [value_cache.to("meta")], torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="dst is on meta"):
+        ops.swap_blocks(key_cache, key_cache.to("meta"), torch.tensor([[0, 1]]))
+
+
+def test_all_meta_calls_still_trace():
+    args = {
+        k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _reshape_args().items()
+    }
+    ops.reshape_and_cache(*args.values())
+    ops.copy_blocks(
+        [args["key_cache"]],
+        [args["value_cache"]],
+        torch.zeros(1, 2, dtype=torch.int64, device="meta"),
+    )
+    ops.swap_blocks(
+        args["key_cache"], args["key_cache"], torch.zeros(1, 2, dtype=torch.int64, device="meta")
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 needs its scales
+
+
+def test_fp8_reshape_and_cache_requires_scales():
+    key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "fp8")
+    key = torch.randn(3, 2, 64, dtype=torch.float16)
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="needs k_scale and v_scale.*missing: k_scale, v_scale"):
+        paged_attention.reshape_and_cache(key, key, key_cache, value_cache, slots, "fp8")
+    with pytest.raises(ValueError, match="missing: v_scale"):
+        paged_attention.reshape_and_cache(
+            key, key, key_cache, value_cache, slots, "fp8", k_scale=torch.ones(1)
+        )
+    paged_attention.reshape_and_cache(key, key, key_cache, value_cache, slots, "fp8",
+                                      torch.ones(1), torch.ones(1))  # fmt: skip

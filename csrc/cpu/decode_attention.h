@@ -1,0 +1,642 @@
+// CPU paged attention: decode (one query token per sequence) over a block-paged KV cache. Free of
+// torch headers: csrc/cpu/attention.cpp fills AttentionParams and runs the units.
+//
+// Work unit: one (sequence, run of up to 4 adjacent KV heads[, partition]). A unit reads each KV
+// head's key and value tiles once and serves the whole group of query heads that share that KV
+// head (GQA/MQA). Two passes per unit: keys -> logits of every attended token (kept in a
+// per-thread buffer), then a max-subtracted softmax and the probability-weighted sum of the
+// values, all in fp32. The KV heads of a unit are visited block by block, so the unit reads each
+// block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
+// of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
+//
+// The kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA,
+// baseline); attention.cpp picks the variant at run time from torch's CPU capability, so the build
+// stays portable and ATEN_CPU_CAPABILITY=avx2|default forces a narrower variant.
+//
+// Tile layouts (DESIGN.md), per block and KV head, both contiguous:
+//   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
+//   values [head_size][block_size]
+// Tiles are read in 64-byte chunks, in storage order, each converted to fp32 vectors in a
+// de-interleaved lane order (see load_chunk). The query and the probabilities are laid out once
+// per unit/block in the matching order ("patterns"), the multiply-adds accumulate lane-wise, and
+// a shuffle tree sums groups of lanes at the end: a key chunk always holds 4 tokens x 4 lanes, a
+// value chunk holds whole head-dim rows (or half a row for fp32 with block size 32).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/simd.h"
+
+namespace paged_attention::cpu {
+
+// Everything a kernel needs, as raw pointers and element strides (no tensors past this point).
+struct AttentionParams {
+  const void* query;
+  int64_t query_seq_stride;
+  int64_t query_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t key_block_stride;
+  int64_t key_head_stride;
+  int64_t value_block_stride;
+  int64_t value_head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  const int32_t* seq_lens;
+  const float* alibi_slopes;  // null without ALiBi
+  float scale;
+  float logits_soft_cap;   // 0: none
+  int64_t sliding_window;  // 0: none
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  float key_scale;  // fp8 caches: dequantisation scales (1 otherwise)
+  float value_scale;
+  // v1: out [num_seqs, num_heads, head_size]. v2: tmp_out [num_seqs, num_heads, partitions,
+  // head_size] plus max_logits/exp_sums [num_seqs, num_heads, partitions].
+  void* out;
+  float* max_logits;
+  float* exp_sums;
+  int64_t num_partitions;  // 1 for v1
+  int64_t partition_size;  // tokens per unit; v1: unlimited
+  int64_t max_unit_tokens;  // the most tokens any unit attends to
+  int64_t unit_kv_heads;    // KV heads per unit (the last unit of a sequence may have fewer)
+};
+
+// Query heads whose multiply-adds share a loaded cache vector (the AVX2 variant uses half as
+// many: see kHeads in attend_tokens); buffers are sized for this many.
+constexpr int kHeadTile = 4;
+constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
+// Probability patterns per block and head: at most 4 vectors per chunk times 2 chunks per value
+// row (fp32, block size 32). A fixed stride keeps the pattern offsets compile-time constants in
+// the value loop, which would otherwise run short of general-purpose registers.
+constexpr int kMaxPatterns = 8;
+
+// Blocks are scattered in memory, so the hardware prefetchers cannot run ahead across them; the
+// kernel requests the tiles it will read next itself, a few lines at a time between its
+// multiply-adds (a burst of requests would stall once the line-fill buffers are full). Key tiles
+// are requested into L2 only (`prefetcht2`): on the machine this was tuned on that made the key
+// pass 7-10% faster than requests into L1. While the key pass reads one group of kPrefetchGroup
+// tiles (in the order the unit reads its tiles), it requests the next group's lines one line of
+// each tile in turn, not tile after tile. There the order mattered, not the distance: about 16
+// tiles ahead, v1 bf16 at 32 x 4096 took 25.0-25.5 ms one tile after another and 23.0-24.1 ms
+// round-robin over 4 tiles; groups of 4 or 16 were within noise of 8. Value tiles go to L1 one
+// KV head's group of kValueBlocks tiles ahead, one tile per block in turn (the AVX2 variant
+// requests them all at once; into L2 instead: no measurable difference); a group of every KV
+// head of the unit ahead (4 times as far) was 2-5% slower.
+constexpr int64_t kPrefetchGroup = 8;
+
+// The most KV heads per unit (see the top of the file). With head size 128 and block size 16, 4
+// heads' key tiles of a block are one 16 KiB (bf16) or 32 KiB (fp32) run of memory.
+constexpr int64_t kMaxUnitKvHeads = 4;
+
+// Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats; "heads"
+// is the number of KV heads of a unit.
+struct Scratch {
+  AlignedFloats query_patterns;  // [heads][group_pad][head_size / 4][4]
+  AlignedFloats logits;          // [heads * group][logit_stride]: logits, then exp(logit - max)
+  AlignedFloats block_logits;    // [group_pad][block_size]
+  AlignedFloats prob_patterns;   // [kValueBlocks][group_pad][kMaxPatterns] vectors
+  AlignedFloats accumulators;    // [heads][group_pad][value chunks per tile] vectors
+  int64_t logit_stride;
+
+  void resize(int64_t heads, int64_t group, int64_t head_size, int64_t block_size,
+              int64_t max_tokens) {
+    const int64_t group_pad = round_up(group, kHeadTile);
+    logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
+    query_patterns.resize(heads * group_pad * head_size);
+    logits.resize(heads * group * logit_stride);
+    block_logits.resize(group_pad * block_size);
+    prob_patterns.resize(kValueBlocks * group_pad * kMaxPatterns * kLanes);
+    // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
+    accumulators.resize(heads * group_pad * head_size * block_size);
+  }
+};
+
+// Attends the query heads of KV heads [kv_head, kv_head + heads) to tokens [begin, end) of one
+// sequence (end > begin). Writes, per query head (row hh * group + g for query head g of KV head
+// kv_head + hh), the normalised output (float), the max logit and the exp sum.
+// kSplit (the AVX2 variant): 16-lane vectors have no register of their own there, and GCC keeps
+// them on the stack; the multiply-add loops then hold every vector as two 8-lane halves, in
+// registers, with 2 heads per loaded cache vector instead of 4 (16 registers, not 32).
+template <typename scalar_t, typename cache_t, bool kSplit>
+inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int64_t kv_head,
+                          int64_t heads, int64_t begin, int64_t end, float* out, float* max_logit,
+                          float* exp_sum) {
+  constexpr int k = kVectorsPerChunk<cache_t>;
+  constexpr int64_t chunk_elems = kElementsPerChunk<cache_t>;
+  constexpr int64_t x = 16 / sizeof(cache_t);  // key layout: elements per 16 bytes
+  // Chunks whose multiply-adds share one loaded query/probability pattern: 4 when the
+  // accumulators and converted chunks still fit in 32 vector registers, else 2.
+  constexpr bool kWideTile = !kSplit && k <= 2;
+  constexpr int kHeads = kSplit ? kHeadTile / 2 : kHeadTile;  // heads sharing a loaded vector
+  // The multiply-add loops hold each 16-lane vector as kParts pieces of type V: one 16-lane
+  // vector, or (kSplit) two 8-lane halves, lanes 8h..8h+7 in half h.
+  using V = std::conditional_t<kSplit, f32x8, f32x16>;
+  constexpr int kParts = kSplit ? 2 : 1;
+  constexpr int kPartLanes = kLanes / kParts;
+  constexpr int64_t kPartElems = kElementsPerChunk<cache_t> / kParts;
+  const int64_t head_size = p.head_size;
+  const int64_t block_size = p.block_size;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t group_pad = round_up(group, kHeads);
+  const int64_t rows = heads * group;
+  const int64_t seq_len = p.seq_lens[seq];
+  const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
+  const cache_t* key_base = static_cast<const cache_t*>(p.key_cache) + kv_head * p.key_head_stride;
+  const cache_t* value_base =
+      static_cast<const cache_t*>(p.value_cache) + kv_head * p.value_head_stride;
+  const int64_t first_block = begin / block_size;
+  const int64_t end_block = (end + block_size - 1) / block_size;
+  const int64_t n = end - begin;
+
+  // ---- Pass 1: logits. A key chunk holds 4 tokens x 16 dims in the order of load_chunk: lane l
+  // of vector v is token 4m + l / 4, dim c * x + (l % 4) * k + v (m: chunk within a dim-row c).
+  // Lane l of (c, v) needs query element c * x + (l % 4) * k + v, times scale: the query
+  // pattern of (c, v) is those 4 floats, repeated across the vector when loaded.
+  const int64_t dim_rows = head_size / x;
+  const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
+  const int64_t head_patterns = group_pad * patterns_per_head * 4;  // floats per KV head
+  float* query_patterns = s.query_patterns.data();
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    float* head_qp = query_patterns + hh * head_patterns;
+    std::fill(head_qp + group * patterns_per_head * 4, head_qp + head_patterns,
+              0.0f);  // padding heads
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
+                          ((kv_head + hh) * group + g) * p.query_head_stride;
+      for (int64_t c = 0; c < dim_rows; ++c) {
+        for (int v = 0; v < k; ++v) {
+          float* pattern = head_qp + (g * patterns_per_head + c * k + v) * 4;
+          for (int l = 0; l < 4; ++l) {
+            pattern[l] = static_cast<float>(q[c * x + l * k + v]) * p.scale;
+          }
+        }
+      }
+    }
+  }
+  float* logits = s.logits.data();
+  float* block_logits = s.block_logits.data();
+  const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
+  // The unit's tiles in the order it reads them, for the requests ahead: the key tiles block by
+  // block (the heads of a block together), then the value tiles as the value pass visits them
+  // (per group of kValueBlocks blocks, head by head); null past the end.
+  const int64_t blocks = end_block - first_block;
+  const int64_t key_tiles = blocks * heads;
+  auto tile_in_reading_order = [&](int64_t t) -> const char* {
+    const cache_t* tile = nullptr;
+    if (t < key_tiles) {
+      tile = key_base + block_table[first_block + t / heads] * p.key_block_stride +
+             t % heads * p.key_head_stride;
+    } else if (t < 2 * key_tiles) {
+      t -= key_tiles;
+      const int64_t group_first = t / (heads * kValueBlocks) * kValueBlocks;
+      const int64_t group_blocks = std::min<int64_t>(kValueBlocks, blocks - group_first);
+      const int64_t in_group = t - group_first * heads;
+      tile = value_base +
+             block_table[first_block + group_first + in_group % group_blocks] *
+                 p.value_block_stride +
+             in_group / group_blocks * p.value_head_stride;
+    }
+    return reinterpret_cast<const char*>(tile);
+  };
+  const int64_t row_lines = block_size * 16 / 64;  // 64-byte lines per dim-row of a tile
+  const int64_t tile_lines = dim_rows * row_lines;
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const cache_t* block_tiles = key_base + block_table[b] * p.key_block_stride;
+    // Slots outside [begin, end) (the tail of the last block, or before a sliding window)
+    // produce logits from whatever the cache holds there; they are not copied out.
+    const int64_t lo = std::max(begin, b * block_size);
+    const int64_t hi = std::min(end, (b + 1) * block_size);
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const cache_t* tile = block_tiles + hh * p.key_head_stride;
+      // The next group of kPrefetchGroup tiles, whose lines this tile's key pass requests:
+      // requests [first_request, first_request + tile_lines) of the group's interleaved order.
+      const int64_t tile_index = (b - first_block) * heads + hh;
+      const char* ahead[kPrefetchGroup];
+      for (int i = 0; i < kPrefetchGroup; ++i) {
+        ahead[i] = tile_in_reading_order((tile_index / kPrefetchGroup + 1) * kPrefetchGroup + i);
+      }
+      const int64_t first_request = tile_index % kPrefetchGroup * tile_lines;
+      for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
+        const float* qp = query_patterns + hh * head_patterns + g0 * patterns_per_head * 4;
+        // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
+        auto chunk_logits = [&]<int kTile>(int64_t m0) {
+          V acc[kHeads][kTile][kParts] = {};
+          for (int64_t c = 0; c < dim_rows; ++c) {
+            if (g0 == 0 && m0 == 0) {  // dim-row c's share of the requests
+              for (int64_t l = 0; l < row_lines; ++l) {
+                const int64_t request = first_request + c * row_lines + l;
+                const char* ahead_tile = ahead[request % kPrefetchGroup];
+                if (ahead_tile != nullptr) {
+                  __builtin_prefetch(ahead_tile + request / kPrefetchGroup * 64, 0, kToL2);
+                }
+              }
+            }
+            V keys[kTile][kParts][k];
+            for (int m = 0; m < kTile; ++m) {
+              for (int part = 0; part < kParts; ++part) {
+                load_chunk(tile + c * block_size * x + (m0 + m) * chunk_elems + part * kPartElems,
+                           p.key_scale, keys[m][part]);
+              }
+            }
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeads; ++g) {
+                const V q = repeat_quad<V>(qp + (g * patterns_per_head + c * k + v) * 4);
+                for (int part = 0; part < kParts; ++part) {
+                  for (int m = 0; m < kTile; ++m) acc[g][m][part] += q * keys[m][part][v];
+                }
+              }
+            }
+          }
+          for (int g = 0; g < kHeads; ++g) {
+            float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
+            if constexpr (kSplit) {
+              for (int m = 0; m < kTile; ++m) {
+                float lanes[kLanes];
+                for (int part = 0; part < kParts; ++part) {
+                  store_vector(lanes + part * kPartLanes, acc[g][m][part]);
+                }
+                for (int t = 0; t < 4; ++t) {
+                  const float* sums = lanes + 4 * t;  // the token's 4 partial sums
+                  dst[m * 4 + t] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+                }
+              }
+            } else if constexpr (kTile == 4) {
+              store_vector(dst, sum_token_lanes(acc[g][0][0], acc[g][1][0], acc[g][2][0],
+                                                acc[g][3][0]));
+            } else {
+              for (int m = 0; m < kTile; ++m) {
+                const f32x16 sums = group_sum<4>(acc[g][m][0]);
+                for (int t = 0; t < 4; ++t) dst[m * 4 + t] = sums[4 * t];
+              }
+            }
+          }
+        };
+        if (kWideTile && key_chunks_per_row % 4 == 0) {
+          for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += 4) {
+            chunk_logits.template operator()<4>(m0);
+          }
+        } else {
+          // kSplit: 1 chunk at a time when a chunk converts to 2 or 4 vectors (16 registers).
+          constexpr int kNarrowTile = kSplit && k > 1 ? 1 : 2;
+          for (int64_t m0 = 0; m0 < key_chunks_per_row; m0 += kNarrowTile) {
+            chunk_logits.template operator()<kNarrowTile>(m0);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        std::memcpy(logits + (hh * group + g) * s.logit_stride + (lo - begin),
+                    block_logits + g * block_size + (lo - b * block_size),
+                    (hi - lo) * sizeof(float));
+      }
+    }
+  }
+
+  // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, a vector V of tokens at a time
+  // (the logits rows are padded to a multiple of 16).
+  using I = IntsOf<V>;
+  constexpr int kRowLanes = kPartLanes;
+  const int64_t h0 = kv_head * group;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * s.logit_stride;
+    const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + r] : 0.0f;
+    V row_max = splat<V>(-kInf);
+    for (int64_t t = 0; t < n; t += kRowLanes) {
+      const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
+      V v = load_vector<V>(row + t);
+      if (p.logits_soft_cap > 0) v = p.logits_soft_cap * vtanh(v / p.logits_soft_cap);
+      if (p.alibi_slopes != nullptr) {
+        // position - seq_len + 1, for positions begin + t + lane
+        const V rel = __builtin_convertvector(lane_index<I>(), V) +
+                      static_cast<float>(begin + t - seq_len + 1);
+        v += slope * rel;
+      }
+      v = valid ? v : splat<V>(-kInf);
+      std::memcpy(row + t, &v, sizeof(v));
+      row_max = v > row_max ? v : row_max;
+    }
+    float m = row_max[0];
+    for (int i = 1; i < kRowLanes; ++i) m = std::max(m, row_max[i]);
+    V row_sum{};
+    for (int64_t t = 0; t < n; t += kRowLanes) {
+      const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
+      const V e = zero_where_not(vexp(load_vector<V>(row + t) - m), valid);
+      std::memcpy(row + t, &e, sizeof(e));
+      row_sum += e;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < kRowLanes; ++i) sum += row_sum[i];
+    max_logit[r] = m;
+    exp_sum[r] = sum;
+  }
+
+  // ---- Pass 2: values. Chunk m of a value tile, vector v, lane l is element e = m * chunk_elems
+  // + l * k + v, i.e. head dim e / block_size and token e % block_size. The probability pattern
+  // holds each lane's token probability; the pattern repeats every chunk when a chunk spans whole
+  // rows, and every 2 chunks when a row spans two chunks (fp32, block size 32).
+  const int64_t chunks_per_row = std::max<int64_t>(1, block_size / chunk_elems);
+  const int64_t patterns = k * chunks_per_row;
+  const int64_t value_chunks = head_size * block_size / chunk_elems;
+  float* acc_mem = s.accumulators.data();
+  const int64_t head_acc_floats = group_pad * value_chunks * kLanes;  // per KV head
+  std::fill(acc_mem, acc_mem + heads * head_acc_floats, 0.0f);
+  float* prob_patterns = s.prob_patterns.data();
+  const int64_t pattern_block_stride = group_pad * kMaxPatterns * kLanes;
+  i32x16 pattern_tokens[kMaxPatterns];  // token of each lane of each pattern, within a block
+  for (int64_t pat = 0; pat < patterns; ++pat) {
+    for (int l = 0; l < kLanes; ++l) {
+      pattern_tokens[pat][l] = static_cast<int32_t>(((pat / k) * chunk_elems + pat % k + l * k) %
+                                                    block_size);
+    }
+  }
+  i32x16 keep[kValueBlocks][kMaxPatterns];  // lanes of valid tokens, per block and pattern
+  bool partial[kValueBlocks];
+  const cache_t* block_tiles[kValueBlocks];  // first KV head's tiles of this group of blocks
+  const cache_t* next_block_tiles[kValueBlocks];  // and of the next group
+  const cache_t* tiles[kValueBlocks];  // the current KV head's
+  const cache_t* next_tiles[kValueBlocks];
+  for (int64_t b0 = first_block; b0 < end_block; b0 += kValueBlocks) {
+    const int64_t nb = std::min<int64_t>(kValueBlocks, end_block - b0);
+    const int64_t next_nb = std::min<int64_t>(kValueBlocks, end_block - b0 - nb);
+    for (int64_t i = 0; i < next_nb; ++i) {
+      next_block_tiles[i] = value_base + block_table[b0 + nb + i] * p.value_block_stride;
+    }
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t block_start = (b0 + i) * block_size;
+      block_tiles[i] = value_base + block_table[b0 + i] * p.value_block_stride;
+      partial[i] = block_start < begin || block_start + block_size > end;
+      if (!partial[i]) continue;
+      for (int64_t pat = 0; pat < patterns; ++pat) {
+        for (int l = 0; l < kLanes; ++l) {
+          const int64_t pos = block_start - begin + pattern_tokens[pat][l];
+          keep[i][pat][l] = pos >= 0 && pos < n ? -1 : 0;
+        }
+      }
+    }
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      // The tiles read next: the next KV head's of this group, or the first head's of the next.
+      const int64_t prefetch_nb = hh + 1 < heads ? nb : next_nb;
+      for (int64_t i = 0; i < prefetch_nb; ++i) {
+        next_tiles[i] = hh + 1 < heads ? block_tiles[i] + (hh + 1) * p.value_head_stride
+                                       : next_block_tiles[i];
+      }
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t block_start = (b0 + i) * block_size;
+        tiles[i] = block_tiles[i] + hh * p.value_head_stride;
+        float* patterns_out = prob_patterns + i * pattern_block_stride;
+        for (int64_t pat = 0; pat < patterns; ++pat) {
+          const i32x16 token = pattern_tokens[pat];
+          for (int64_t g = 0; g < group_pad; ++g) {
+            float* dst = patterns_out + (g * kMaxPatterns + pat) * kLanes;
+            const float* row = logits + (hh * group + std::min(g, group - 1)) * s.logit_stride;
+            if (g >= group) {
+              std::fill(dst, dst + kLanes, 0.0f);
+            } else if (!partial[i]) {
+              if constexpr (kSplit) {
+                permute_block_split(dst, row + (block_start - begin), token, block_size);
+              } else {
+                store_vector(dst, permute_block(row + (block_start - begin), token, block_size));
+              }
+            } else {
+              for (int l = 0; l < kLanes; ++l) {
+                const int64_t pos = block_start - begin + token[l];
+                dst[l] = pos >= 0 && pos < n ? row[pos] : 0.0f;
+              }
+            }
+          }
+        }
+      }
+      float* head_acc = acc_mem + hh * head_acc_floats;
+      for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
+        // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
+        // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
+        auto chunk_values = [&]<int kTile>(int64_t m0) {
+          f32x16 acc[kHeads][kTile];
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
+              acc[g][m] =
+                  load_vector<f32x16>(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes);
+            }
+          }
+          for (int64_t i = 0; i < nb; ++i) {
+            // The same chunks of the tiles read next, one tile per block so that the requests
+            // spread between the multiply-adds (2% faster than all at once, bf16 32 x 4096).
+            if (g0 == 0 && i < prefetch_nb) {
+              prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
+            }
+            f32x16 values[kTile][k];
+            for (int m = 0; m < kTile; ++m) {
+              load_chunk(tiles[i] + (m0 + m) * chunk_elems, p.value_scale, values[m]);
+            }
+            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+              for (int m = 0; m < kTile; ++m) {
+                for (int v = 0; v < k; ++v) {
+                  values[m][v] =
+                      zero_where_not(values[m][v], keep[i][(m % chunks_per_row) * k + v]);
+                }
+              }
+            }
+            const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeads; ++g) {
+                const float* pattern = pp + (g * kMaxPatterns + v) * kLanes;
+                const f32x16 even = load_vector<f32x16>(pattern);
+                const f32x16 odd =
+                    chunks_per_row > 1 ? load_vector<f32x16>(pattern + k * kLanes) : even;
+                for (int m = 0; m < kTile; ++m) acc[g][m] += (m % 2 ? odd : even) * values[m][v];
+              }
+            }
+          }
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
+              store_vector(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
+            }
+          }
+        };
+        // The same, as 8-lane halves (kSplit), 2 chunks at a time. A separate loop rather than
+        // chunk_values over kParts pieces (as chunk_logits is): that form made GCC spill more
+        // vectors in the AVX-512 build (45 -> 67-116 zmm spill stores) and measured slower.
+        auto chunk_values_split = [&](int64_t m0) {
+          constexpr int kTile = 2;
+          f32x8 acc[kHeads][kTile][2];
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
+              for (int h = 0; h < 2; ++h) {
+                acc[g][m][h] = load_vector<f32x8>(
+                    head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h);
+              }
+            }
+          }
+          // Here all at once: spread over the block loop (as in chunk_values), bf16 at 32 x 4096
+          // measured 2-7% slower in this variant.
+          if (g0 == 0) {
+            for (int64_t i = 0; i < prefetch_nb; ++i) {
+              prefetch_lines<kToL1>(next_tiles[i] + m0 * chunk_elems, kTile * 64);
+            }
+          }
+          for (int64_t i = 0; i < nb; ++i) {
+            f32x8 values[kTile][2][k];
+            for (int m = 0; m < kTile; ++m) {
+              for (int h = 0; h < 2; ++h) {
+                load_chunk(tiles[i] + (m0 + m) * chunk_elems + h * chunk_elems / 2, p.value_scale,
+                           values[m][h]);
+              }
+            }
+            if (partial[i]) {  // never let 0 * NaN from an unused slot into the sum
+              for (int m = 0; m < kTile; ++m) {
+                for (int h = 0; h < 2; ++h) {
+                  for (int v = 0; v < k; ++v) {
+                    const auto* mask = reinterpret_cast<const char*>(
+                                           &keep[i][(m % chunks_per_row) * k + v]) +
+                                       h * sizeof(i32x8);
+                    values[m][h][v] = bit_cast<f32x8>(bit_cast<i32x8>(values[m][h][v]) &
+                                                      load_vector<i32x8>(mask));
+                  }
+                }
+              }
+            }
+            const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
+            for (int v = 0; v < k; ++v) {
+              for (int g = 0; g < kHeads; ++g) {
+                for (int h = 0; h < 2; ++h) {
+                  const f32x8 even =
+                      load_vector<f32x8>(pp + (g * kMaxPatterns + v) * kLanes + 8 * h);
+                  const f32x8 odd =
+                      chunks_per_row > 1
+                          ? load_vector<f32x8>(pp + (g * kMaxPatterns + k + v) * kLanes + 8 * h)
+                          : even;
+                  acc[g][0][h] += even * values[0][h][v];
+                  acc[g][1][h] += odd * values[1][h][v];
+                }
+              }
+            }
+          }
+          for (int g = 0; g < kHeads; ++g) {
+            for (int m = 0; m < kTile; ++m) {
+              for (int h = 0; h < 2; ++h) {
+                store_vector(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
+                             acc[g][m][h]);
+              }
+            }
+          }
+        };
+        int64_t m0 = 0;
+        if constexpr (kSplit) {
+          for (; m0 < value_chunks; m0 += 2) chunk_values_split(m0);
+        } else {
+          if (kWideTile) {
+            for (; m0 + 4 <= value_chunks; m0 += 4) chunk_values.template operator()<4>(m0);
+          }
+          for (; m0 < value_chunks; m0 += 2) chunk_values.template operator()<2>(m0);
+        }
+      }
+    }
+  }
+  // Fold the lane-wise sums into head dims: a chunk covers rows_per_chunk rows of lanes_per_row
+  // lanes each, or (chunks_per_row > 1) part of one row.
+  const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_elems / block_size);
+  const int64_t lanes_per_row = kLanes / rows_per_chunk;
+  std::fill(out, out + rows * head_size, 0.0f);
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* lanes = acc_mem + hh * head_acc_floats + g * value_chunks * kLanes;
+      float* row_out = out + (hh * group + g) * head_size;
+      for (int64_t m = 0; m < value_chunks; ++m) {
+        const f32x16 sums = group_sum(load_vector<f32x16>(lanes + m * kLanes), lanes_per_row);
+        const int64_t first_row = m / chunks_per_row * rows_per_chunk;
+        for (int64_t r = 0; r < rows_per_chunk; ++r) {
+          row_out[first_row + r] += sums[r * lanes_per_row];
+        }
+      }
+      const float inv_sum = 1.0f / exp_sum[hh * group + g];
+      for (int64_t d = 0; d < head_size; ++d) row_out[d] *= inv_sum;
+    }
+  }
+}
+
+inline int64_t kv_head_runs(const AttentionParams& p) {
+  return (p.num_kv_heads + p.unit_kv_heads - 1) / p.unit_kv_heads;
+}
+
+inline int64_t unit_count(const AttentionParams& p) {
+  return p.num_seqs * kv_head_runs(p) * p.num_partitions;
+}
+
+// Runs units of (sequence, run of KV heads, partition), numbered in that nesting order, taking
+// the next unnumbered one from `next_unit` until none is left. Taking units one at a time
+// balances sequences of different lengths (and threads slowed by other work on the machine).
+template <typename scalar_t, typename cache_t, bool kSplit>
+inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t runs = kv_head_runs(p);
+  const int64_t units = unit_count(p);
+  Scratch s;
+  s.resize(p.unit_kv_heads, group, p.head_size, p.block_size, p.max_unit_tokens);
+  std::vector<float> result(p.unit_kv_heads * group * p.head_size);
+  std::vector<float> max_logit(p.unit_kv_heads * group);
+  std::vector<float> exp_sum(p.unit_kv_heads * group);
+
+  for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < units;
+       u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
+    const int64_t partition = u % p.num_partitions;
+    const int64_t kv_head = (u / p.num_partitions) % runs * p.unit_kv_heads;
+    const int64_t heads = std::min(p.unit_kv_heads, p.num_kv_heads - kv_head);
+    const int64_t rows = heads * group;
+    const int64_t seq = u / (p.num_partitions * runs);
+    const int64_t seq_len = p.seq_lens[seq];
+    int64_t begin = p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
+    int64_t end = seq_len;
+    begin = std::max(begin, partition * p.partition_size);
+    end = std::min(end, (partition + 1) * p.partition_size);
+    if (begin >= end) {
+      std::fill(result.begin(), result.end(), 0.0f);
+      std::fill(max_logit.begin(), max_logit.end(), -std::numeric_limits<float>::infinity());
+      std::fill(exp_sum.begin(), exp_sum.end(), 0.0f);
+    } else {
+      attend_tokens<scalar_t, cache_t, kSplit>(p, s, seq, kv_head, heads, begin, end,
+                                               result.data(), max_logit.data(), exp_sum.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = (seq * p.num_heads + kv_head * group + r) * p.num_partitions + partition;
+      scalar_t* dst = static_cast<scalar_t*>(p.out) + row * p.head_size;
+      for (int64_t d = 0; d < p.head_size; ++d) {
+        dst[d] = static_cast<scalar_t>(result[r * p.head_size + d]);
+      }
+      if (p.max_logits != nullptr) {
+        p.max_logits[row] = max_logit[r];
+        p.exp_sums[row] = exp_sum[r];
+      }
+    }
+  }
+}
+
+// One compiled copy of the kernels per instruction set; `flatten` inlines every helper into it,
+// so each copy is compiled for its own target.
+#define PA_DEFINE_VARIANT(name, split, attributes)                                            \
+  template <typename scalar_t, typename cache_t>                                              \
+  attributes void name(const AttentionParams& p, std::atomic<int64_t>& next_unit) {         \
+    run_units<scalar_t, cache_t, split>(p, next_unit);                                        \
+  }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+PA_DEFINE_VARIANT(run_units_avx512, false,
+                  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,bmi2"),
+                                 flatten)))
+PA_DEFINE_VARIANT(run_units_avx2, true, __attribute__((target("avx2,fma,f16c,bmi2"), flatten)))
+#define PA_HAVE_X86_VARIANTS 1
+#endif
+PA_DEFINE_VARIANT(run_units_baseline, false, __attribute__((flatten)))
+#undef PA_DEFINE_VARIANT
+
+}  // namespace paged_attention::cpu
