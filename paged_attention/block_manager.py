@@ -137,16 +137,53 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _as_list(tokens: Sequence[int]) -> list[int]:
-    """Token ids as a list of ints (from a list, which is only read, an array or a tensor)."""
+def _integer_dtype(array: np.ndarray | torch.Tensor) -> bool:
+    if isinstance(array, np.ndarray):
+        return array.dtype.kind in "iu"
+    dtype = array.dtype
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _as_int(value, name: str, minimum: int | None = 0) -> int:
+    """An integer argument of at least ``minimum`` (None: any): an int, a numpy integer or a 0-d
+    integer array or tensor. Bools and floats are refused, even integral ones (2.0 is likely a
+    bug)."""
+    if type(value) is not int:
+        integer = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            integer = value.ndim == 0 and _integer_dtype(value)
+        if not integer:
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_list(tokens: Sequence[int], name: str = "tokens") -> list[int]:
+    """Token ids as a list of ints (from a list, which is only read, a 1-d integer array or
+    tensor, or another iterable)."""
     if isinstance(tokens, list):
         return tokens
-    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    if isinstance(tokens, (np.ndarray, torch.Tensor)):
+        if tokens.ndim != 1 or not _integer_dtype(tokens):
+            raise TypeError(f"{name} must be 1-d integer ids, got {tokens.ndim}-d {tokens.dtype}")
+        return tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise TypeError(f"{name} must be token ids, got {tokens!r}")
+    return list(tokens)
 
 
 class BlockManager:
     """Block tables, reference counts and the prefix cache for a paged KV cache (see the
-    module docstring for the semantics)."""
+    module docstring for the semantics).
+
+    Sizes and counts (block counts, ``block_size``, ``sliding_window``, ``max_blocks_per_seq``,
+    token counts, ``n``) are integers: an ``int``, a numpy integer or a 0-d integer tensor or
+    array; a bool or a float (even ``2.0``) raises ``TypeError`` naming the argument, a value out
+    of range ``ValueError``. ``watermark`` is the fraction of device blocks ``can_allocate``
+    holds back, in ``[0, 1)``. Token ids are a list, a 1-d integer tensor or array, or any
+    iterable of ints."""
 
     def __init__(
         self,
@@ -159,18 +196,20 @@ class BlockManager:
         sliding_window: int | None = None,
         max_blocks_per_seq: int | None = None,
     ) -> None:
-        if num_device_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
-            raise ValueError(
-                f"need num_device_blocks > 0, block_size > 0, num_host_blocks >= 0; got "
-                f"{num_device_blocks}, {block_size}, {num_host_blocks}"
-            )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        num_device_blocks = _as_int(num_device_blocks, "num_device_blocks", 1)
+        block_size = _as_int(block_size, "block_size", 1)
+        num_host_blocks = _as_int(num_host_blocks, "num_host_blocks", 0)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float, np.number)):
+            raise TypeError(f"watermark must be a fraction of the device blocks, got {watermark!r}")
+        if not 0.0 <= watermark < 1.0:  # NaN fails too
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window is not None:
+            sliding_window = _as_int(sliding_window, "sliding_window", 1)
         if sliding_window is not None and enable_prefix_caching:
             # A cached prefix block may already have been released by its owner.
             raise ValueError("prefix caching and sliding window cannot be combined")
-        if max_blocks_per_seq is not None and max_blocks_per_seq <= 0:
-            raise ValueError(f"max_blocks_per_seq must be positive, got {max_blocks_per_seq}")
+        if max_blocks_per_seq is not None:
+            max_blocks_per_seq = _as_int(max_blocks_per_seq, "max_blocks_per_seq", 1)
         self.num_device_blocks = num_device_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
@@ -296,6 +335,8 @@ class BlockManager:
         """Reserve slots for ``n`` new tokens; returns the copy-on-write ``(src, dst)`` pairs.
         ``tokens`` (``n`` ids) keep the sequence's new full blocks eligible for prefix caching."""
         row = self._device_row(seq_id)
+        if type(n) is not int:
+            n = _as_int(n, "n", minimum=None)
         if n < 0:
             raise ValueError(f"cannot append {n} tokens to sequence {seq_id}")
         if tokens is not None:
@@ -365,8 +406,10 @@ class BlockManager:
         """``free`` for several sequences at once."""
         seq_ids = list(seq_ids)
         for seq_id in seq_ids:
-            if seq_id not in self._row_of and seq_id in self._freed_ids:
-                raise DoubleFreeError(f"sequence {seq_id} was already freed")
+            if seq_id not in self._row_of:
+                if seq_id in self._freed_ids:
+                    raise DoubleFreeError(f"sequence {seq_id} was already freed")
+                raise UnknownSequenceError(f"unknown sequence {seq_id}")
         if len(set(seq_ids)) != len(seq_ids):
             raise DoubleFreeError(f"a sequence appears twice in {seq_ids}")
         rows = self._rows(seq_ids)
@@ -454,7 +497,7 @@ class BlockManager:
         """int64 slots of the last ``k`` tokens of each sequence, in ``seq_ids`` order;
         -1 (skip) for a token whose block the sliding window released."""
         rows = self._device_rows(seq_ids)
-        counts = np.broadcast_to(np.asarray(num_new_tokens, dtype=np.int64), rows.shape)
+        counts = self._token_counts(num_new_tokens, rows.size)
         lens = self._seq_lens[rows]
         if ((counts < 0) | (counts > lens)).any():
             bad = int(np.flatnonzero((counts < 0) | (counts > lens))[0])
@@ -799,12 +842,26 @@ class BlockManager:
     # ------------------------------------------------------------------ internals: prefix cache
 
     def _token_args(self, tokens: int | Sequence[int]) -> tuple[int, list[int] | None]:
-        if isinstance(tokens, (int, np.integer)):
-            if tokens < 0:
-                raise ValueError(f"token count must be >= 0, got {tokens}")
-            return int(tokens), None
+        """A token count (an integer, 0-d integer tensors included) or the token ids."""
+        if isinstance(tokens, (int, float, np.number)) or getattr(tokens, "ndim", 1) == 0:
+            return _as_int(tokens, "token count"), None
         tokens = _as_list(tokens)
         return len(tokens), tokens
+
+    @staticmethod
+    def _token_counts(counts: int | Sequence[int], num_seqs: int) -> np.ndarray:
+        """``num_new_tokens`` of slot_mapping_tensor as int64 ``[num_seqs]``."""
+        if isinstance(counts, (int, float, np.number)) or getattr(counts, "ndim", 1) == 0:
+            return np.full(num_seqs, _as_int(counts, "num_new_tokens", minimum=None))
+        array = np.asarray(counts.tolist() if isinstance(counts, torch.Tensor) else counts)
+        if array.shape != (num_seqs,):
+            raise ValueError(
+                f"num_new_tokens must be one count per sequence ({num_seqs}), got "
+                f"shape {list(array.shape)}"
+            )
+        if array.size and array.dtype.kind not in "iu":
+            raise TypeError(f"num_new_tokens must be integers, got {counts!r}")
+        return array.astype(np.int64, copy=False)
 
     def _blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
         """Free blocks a sequence of ``num_blocks`` consumes: its fresh blocks, and the hits

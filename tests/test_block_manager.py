@@ -497,6 +497,89 @@ def test_options_validation():
         BlockManager(4, 16, max_blocks_per_seq=0)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"watermark": -1.0}, ValueError, "watermark"),
+        ({"watermark": 1.0}, ValueError, "watermark"),
+        ({"watermark": float("nan")}, ValueError, "watermark"),
+        ({"watermark": True}, TypeError, "watermark"),
+        ({"watermark": "0.1"}, TypeError, "watermark"),
+        ({"block_size": 2.5}, TypeError, "block_size"),
+        ({"block_size": 4.0}, TypeError, "block_size"),
+        ({"block_size": True}, TypeError, "block_size"),
+        ({"block_size": torch.tensor(4.0)}, TypeError, "block_size"),
+        ({"block_size": torch.tensor([4])}, TypeError, "block_size"),
+        ({"num_device_blocks": 8.0}, TypeError, "num_device_blocks"),
+        ({"num_host_blocks": 1.5}, TypeError, "num_host_blocks"),
+        ({"num_host_blocks": -1}, ValueError, "num_host_blocks"),
+        ({"sliding_window": 2.5}, TypeError, "sliding_window"),
+        ({"sliding_window": True}, TypeError, "sliding_window"),
+        ({"max_blocks_per_seq": 2.5}, TypeError, "max_blocks_per_seq"),
+    ],
+)
+def test_constructor_refuses_non_integers_and_bad_watermarks(kwargs, error, name):
+    arguments = {"num_device_blocks": 8, "block_size": 4, "num_host_blocks": 2, **kwargs}
+    with pytest.raises(error, match=name):
+        BlockManager(**arguments)
+
+
+def test_constructor_takes_numpy_and_0d_tensor_integers():
+    bm = BlockManager(
+        np.int64(8),
+        torch.tensor(4),
+        np.array(2, dtype=np.int32),
+        watermark=np.float32(0.25),
+        sliding_window=np.uint8(6),
+        max_blocks_per_seq=torch.tensor(5, dtype=torch.int16),
+    )
+    sizes = (bm.num_device_blocks, bm.block_size, bm.num_host_blocks, bm.sliding_window)
+    assert sizes == (8, 4, 2, 6) and bm.max_blocks_per_seq == 5 and bm.watermark_blocks == 2
+    assert all(type(v) is int for v in (*sizes, bm.max_blocks_per_seq))
+    bm.allocate(1, 9)
+    assert bm.block_table(1) == [0, 1, 2]
+    check_invariants(bm)
+
+
+def test_token_counts_are_integers_0d_tensors_included():
+    bm = BlockManager(16, 4, 4, enable_prefix_caching=True)
+    assert bm.can_allocate(torch.tensor(9)) is AllocStatus.OK
+    bm.allocate(1, torch.tensor(9))
+    bm.allocate(2, np.int64(5))
+    bm.allocate(3, np.array(1))
+    assert [bm.num_tokens(s) for s in (1, 2, 3)] == [9, 5, 1]
+    assert bm.append_slots(1, torch.tensor(2)) == [] and bm.num_tokens(1) == 11
+    for bad in (2.5, 2.0, True, torch.tensor(2.0), torch.tensor(True), np.float64(3)):
+        assert_fails_cleanly(bm, TypeError, lambda bad=bad: bm.allocate(9, bad), "token count")
+        with pytest.raises(TypeError, match="token count"):
+            bm.can_allocate(bad)
+        assert_fails_cleanly(bm, TypeError, lambda bad=bad: bm.append_slots(1, bad), "n must")
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]]), np.array([True]), "ab"):
+        assert_fails_cleanly(bm, TypeError, lambda bad=bad: bm.allocate(9, bad), "tokens")
+    assert_fails_cleanly(
+        bm, TypeError, lambda: bm.append_slots(1, 1, tokens=torch.tensor([1.5])), "tokens"
+    )
+    assert_fails_cleanly(
+        bm, TypeError, lambda: bm.decode_step([1], tokens=np.array([0.5])), "tokens"
+    )
+    assert bm.slot_mapping_tensor([1, 2], torch.tensor(1)).tolist() == [10, 16]
+    assert bm.slot_mapping_tensor([1, 2], torch.tensor([1, 0])).tolist() == [10]
+    for bad in (1.5, [1.0, 1.0], np.array([True, True])):
+        with pytest.raises(TypeError, match="num_new_tokens"):
+            bm.slot_mapping_tensor([1, 2], bad)
+    with pytest.raises(ValueError, match="one count per sequence"):
+        bm.slot_mapping_tensor([1, 2], [1, 1, 1])
+    check_invariants(bm)
+
+
+def test_free_many_of_a_never_allocated_id_is_unknown_not_a_double_free():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 4)
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.free_many([7, 7]), "7")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.free_many([0, 7, 7]), "7")
+    assert_fails_cleanly(bm, DoubleFreeError, lambda: bm.free_many([0, 0]), "twice")
+
+
 # ---------------------------------------------------------------------------- sliding window
 
 
