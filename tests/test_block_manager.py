@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_attention import block_manager as bm_module
+from paged_attention import block_pool
 from paged_attention.block_manager import (
     RELEASED,
     AllocStatus,
@@ -39,27 +39,27 @@ def check_invariants(bm: BlockManager) -> None:
         assert table[: len(table) - len(live)] == [RELEASED] * (len(table) - len(live))
         np.add.at(expected["host" if host else "device"], live, 1)
         for index, block in enumerate(table):  # cached blocks are full, so never written
-            if not host and block in bm._cache_entries:
+            if not host and block in bm._device._entries:
                 assert (index + 1) * size <= bm.num_tokens(seq_id)
-    assert expected["device"].tolist() == bm._device_refs.tolist()
-    assert expected["host"].tolist() == bm._host_refs.tolist()
+    assert expected["device"].tolist() == bm._device.refs.tolist()
+    assert expected["host"].tolist() == bm._host.refs.tolist()
 
-    used = set(np.flatnonzero(bm._device_refs).tolist())
-    free = list(bm._device_free)
-    cached_free = list(bm._evictable)
+    used = set(np.flatnonzero(bm._device.refs).tolist())
+    free = list(bm._device._free)
+    cached_free = list(bm._device._evictable)
     assert len(set(free)) == len(free)
     assert not (set(free) & set(cached_free)) and not (set(free) & used)
     assert not (set(cached_free) & used)
     assert len(free) + len(cached_free) + len(used) == bm.num_device_blocks
-    host_used = set(np.flatnonzero(bm._host_refs).tolist())
-    host_free = list(bm._host_free)
+    host_used = set(np.flatnonzero(bm._host.refs).tolist())
+    host_free = list(bm._host._free)
     assert len(set(host_free)) == len(host_free) and not (set(host_free) & host_used)
     assert len(host_free) + len(host_used) == bm.num_host_blocks
 
     # The prefix cache indexes exactly its entries, and only device blocks nobody writes to.
-    assert {entry[0]: b for b, entry in bm._cache_entries.items()} == bm._cache_map
-    assert set(cached_free) <= set(bm._cache_entries)
-    assert not (set(bm._cache_entries) & set(free))
+    assert {entry[0]: b for b, entry in bm._device._entries.items()} == bm._device._map
+    assert set(cached_free) <= set(bm._device._entries)
+    assert not (set(bm._device._entries) & set(free))
 
     # The batch tensor is the tables padded with 0, released entries 0 as well.
     device_seqs = [s for s in bm.seq_ids() if not bm.is_swapped(s)]
@@ -84,18 +84,18 @@ def snapshot(bm: BlockManager) -> dict:
             bm.num_tokens(seq_id),
             bm.num_cached_tokens(seq_id),
         )
-    chains = {s: (c.hash, c.uid, list(c.pending)) for s, c in bm._chains.items()}
+    chains = {s: (list(c.links), list(c.pending)) for s, c in bm._prefixes.chains.items()}
     return {
         "seqs": seqs,
-        "device_refs": bm._device_refs.tolist(),
-        "host_refs": bm._host_refs.tolist(),
-        "device_free": list(bm._device_free),
-        "host_free": list(bm._host_free),
-        "evictable": list(bm._evictable),
-        "cache_map": dict(bm._cache_map),
-        "cache_entries": dict(bm._cache_entries),
+        "device_refs": bm._device.refs.tolist(),
+        "host_refs": bm._host.refs.tolist(),
+        "device_free": list(bm._device._free),
+        "host_free": list(bm._host._free),
+        "evictable": list(bm._device._evictable),
+        "cache_map": dict(bm._device._map),
+        "cache_entries": dict(bm._device._entries),
         "chains": chains,
-        "freed": list(bm._freed_ids),
+        "freed": list(bm._tables.freed_ids),
         "stats": bm.stats(),
     }
 
@@ -199,7 +199,7 @@ def test_fan_out_of_one_block_to_several_children():
     bm.allocate(0, 2)
     for child in (1, 2, 3):
         bm.fork(0, child)
-    assert bm._device_refs[0] == 4
+    assert bm._device.refs[0] == 4
     pairs = [p for child in (1, 2, 3) for p in bm.append_slots(child)]
     assert pairs == [(0, 1), (0, 2), (0, 3)]
     assert bm.append_slots(0) == []  # the last holder writes in place
@@ -270,7 +270,7 @@ def test_fork_many_and_free_many_reorder_beams():
     bm = BlockManager(16, 4, 8)
     bm.allocate(0, 6)
     bm.fork_many([0, 0, 0], [1, 2, 3])
-    assert bm._device_refs[[0, 1]].tolist() == [4, 4]
+    assert bm._device.refs[[0, 1]].tolist() == [4, 4]
     bm.decode_step([0, 1, 2, 3])  # beams diverge: three copies
     # New beams 10..13 from parents 2, 2, 3, 0; the old beams go.
     parents = [2, 2, 3, 0]
@@ -316,7 +316,7 @@ def test_swap_keeps_sharing_and_round_trips():
     assert sorted(d for d, _ in out) == [0, 1, 2, 3]  # the shared block moves once
     assert bm.is_swapped(1) and bm.is_swapped(2)
     host1, host2 = bm.host_block_table(1), bm.host_block_table(2)
-    assert host1[0] == host2[0] and bm._host_refs[host1[0]] == 2
+    assert host1[0] == host2[0] and bm._host.refs[host1[0]] == 2
     assert bm.num_free_device_blocks() == 8
     assert bm.can_swap_in([1, 2]) is AllocStatus.OK
     back = bm.swap_in([1, 2])
@@ -332,7 +332,7 @@ def test_swap_of_sequence_sharing_with_one_left_behind_copies():
     bm.fork(1, 2)
     out = bm.swap_out([2])
     assert [d for d, _ in out] == [0, 1]
-    assert bm.block_table(1) == [0, 1] and bm._device_refs[[0, 1]].tolist() == [1, 1]
+    assert bm.block_table(1) == [0, 1] and bm._device.refs[[0, 1]].tolist() == [1, 1]
     assert bm.num_free_host_blocks() == 6
     bm.swap_in([2])
     assert not set(bm.block_table(2)) & {0, 1}  # back in its own blocks, no longer shared
@@ -393,16 +393,16 @@ def test_prefix_cache_survives_free_and_evicts_lru():
     bm = BlockManager(4, 2, enable_prefix_caching=True, watermark=0.0)
     bm.allocate(1, [1, 2, 3, 4, 5])  # blocks 0,1 cached; block 2 holds [5]
     bm.free(1)
-    assert bm.num_free_device_blocks() == 4 and len(bm._evictable) == 2
+    assert bm.num_free_device_blocks() == 4 and len(bm._device._evictable) == 2
     assert bm.can_allocate([1, 2, 3, 4, 6]) is AllocStatus.OK
     bm.allocate(2, [1, 2, 3, 4, 6])
     assert bm.num_cached_tokens(2) == 4 and bm.block_table(2)[:2] == [0, 1]
     bm.free(2)
     # Freed in reverse: block 1 (the chain's tail) is least recently used, then block 0.
-    assert list(bm._evictable) == [1, 0]
+    assert list(bm._device._evictable) == [1, 0]
     bm.allocate(3, 6)  # takes the two free blocks, then evicts block 1
     assert bm.block_table(3) == [2, 3, 1]
-    assert 1 not in bm._cache_entries and 0 in bm._cache_entries
+    assert 1 not in bm._device._entries and 0 in bm._device._entries
     bm.free(3)
     bm.allocate(4, [1, 2, 3, 4, 7])
     assert bm.num_cached_tokens(4) == 2
@@ -410,7 +410,7 @@ def test_prefix_cache_survives_free_and_evicts_lru():
 
 
 def test_prefix_cache_hash_collision_is_verified(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash", lambda value: 7, raising=False)
+    monkeypatch.setattr(block_pool, "hash", lambda value: 7, raising=False)
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     bm.allocate(1, [1, 2, 3])
     bm.allocate(2, [5, 6, 3])  # same hash, other tokens: no hit
@@ -429,7 +429,7 @@ def test_prefix_cache_hit_needs_same_predecessor():
 
 def test_prefix_cache_hit_needs_same_predecessor_under_collisions(monkeypatch):
     # A hash of the tokens alone: [3,4] after [1,2] and after [9,9] collide.
-    monkeypatch.setattr(bm_module, "hash", lambda value: hash(value[1]), raising=False)
+    monkeypatch.setattr(block_pool, "hash", lambda value: hash(value[1]), raising=False)
     bm = BlockManager(16, 2, enable_prefix_caching=True)
     bm.allocate(1, [1, 2, 3, 4, 0])
     bm.allocate(2, [9, 9, 3, 4, 0])
@@ -471,7 +471,7 @@ def test_free_without_cache_forgets_unwritten_blocks():
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     bm.allocate(1, [1, 2, 3])
     bm.free(1, cache=False)
-    assert not bm._cache_entries and not bm._evictable
+    assert not bm._device._entries and not bm._device._evictable
     bm.allocate(2, [1, 2, 3])
     assert bm.num_cached_tokens(2) == 0
 
@@ -610,7 +610,7 @@ def test_sliding_window_shared_release_and_swap():
     bm.allocate(1, 4)
     bm.fork(1, 2)
     bm.decode_step([1, 2])  # both release block 0; each copies nothing (the last block opens)
-    assert bm.block_table(1)[0] == RELEASED and bm._device_refs[0] == 0
+    assert bm.block_table(1)[0] == RELEASED and bm._device.refs[0] == 0
     bm.swap_out([1, 2])
     assert bm.host_block_table(1)[0] == RELEASED
     bm.swap_in([1, 2])
@@ -973,3 +973,14 @@ def test_errors_are_block_manager_errors():
         SwapError,
     ):
         assert issubclass(error, BlockManagerError)
+
+
+def test_public_names_come_from_the_facade_and_the_package():
+    import paged_attention
+    from paged_attention import block_manager
+
+    for name in block_manager.__all__:
+        assert getattr(paged_attention, name, getattr(block_manager, name)) is getattr(
+            block_manager, name
+        )
+    assert paged_attention.BlockManager is BlockManager and block_manager.RELEASED == RELEASED
