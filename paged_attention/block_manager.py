@@ -565,11 +565,20 @@ def _stats(
 def _pool_stats(
     tables: BlockTables, rows: np.ndarray, pool: BlockPool, num_cached: int
 ) -> PoolStats:
-    """A pool's stats: its reference counts and the tokens ``rows`` hold in its blocks."""
-    refs = pool.refs
+    """A pool's stats from its reference counts and the partly filled last blocks of the
+    ``rows`` in it. Every used block is full in some table and so holds ``block_size`` tokens,
+    unless all its references are partly filled last entries: then it holds the most of
+    those."""
+    refs, size = pool.refs, tables.block_size
     used = int(np.count_nonzero(refs))
-    tokens = int(tables.tokens_per_block(rows, refs.size).sum())
-    reserved = used * tables.block_size
+    tokens = used * size
+    blocks, held = tables.partial_last_blocks(rows)
+    if blocks.size:
+        partial, group, entries = np.unique(blocks, return_inverse=True, return_counts=True)
+        most = np.zeros(partial.size, dtype=np.int64)
+        np.maximum.at(most, group, held)
+        tokens -= int((size - most[refs[partial] == entries]).sum())
+    reserved = used * size
     return PoolStats(
         num_blocks=refs.size,
         free_blocks=pool.num_free(),

@@ -278,19 +278,13 @@ class BlockTables:
         slots[block_index < self.num_released[token_rows]] = -1
         return slots
 
-    def tokens_per_block(self, rows: np.ndarray, num_pool_blocks: int) -> np.ndarray:
-        """Tokens held in each block of a pool by ``rows``' live entries (a shared block's
-        tokens count once: the most any sharer put in it)."""
-        size = self.block_size
-        filled = np.zeros(num_pool_blocks, dtype=np.int64)
-        for row in rows.tolist():
-            index = np.arange(self.num_released[row], self.num_blocks[row])
-            np.maximum.at(
-                filled,
-                self.table[row, index],
-                np.minimum(size, self.seq_lens[row] - index * size),
-            )
-        return filled
+    def partial_last_blocks(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The partly filled last blocks of ``rows`` and how many tokens each row holds there
+        (every other live entry holds ``block_size`` tokens)."""
+        lens, num_blocks = self.seq_lens[rows], self.num_blocks[rows]
+        partial = (lens % self.block_size != 0) & (num_blocks > self.num_released[rows])
+        blocks = self.table[rows[partial], num_blocks[partial] - 1]
+        return blocks, lens[partial] % self.block_size
 
 
 class PrefixChains:

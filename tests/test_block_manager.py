@@ -13,9 +13,11 @@ from paged_attention.block_manager import (
     AllocStatus,
     BlockManager,
     BlockManagerError,
+    BlockManagerStats,
     DoubleFreeError,
     DuplicateSequenceError,
     OutOfBlocksError,
+    PoolStats,
     SwapError,
     UnknownSequenceError,
 )
@@ -71,6 +73,48 @@ def check_invariants(bm: BlockManager) -> None:
     stats = bm.stats()
     assert stats.device.free_blocks + stats.device.used_blocks == bm.num_device_blocks
     assert stats.host.free_blocks + stats.host.used_blocks == bm.num_host_blocks
+    assert stats == stats_by_walking_the_tables(bm)
+
+
+def stats_by_walking_the_tables(bm: BlockManager) -> BlockManagerStats:
+    """stats() computed the straightforward way, from the public tables."""
+    size = bm.block_size
+    pools = {}
+    for host in (False, True):
+        filled, entries = {}, 0  # tokens held in each used block; table entries
+        for seq_id in bm.seq_ids():
+            if bm.is_swapped(seq_id) != host:
+                continue
+            table = bm.host_block_table(seq_id) if host else bm.block_table(seq_id)
+            for index, block in enumerate(table):
+                if block != RELEASED:
+                    held = min(size, bm.num_tokens(seq_id) - index * size)
+                    filled[block] = max(filled.get(block, 0), held)
+                    entries += 1
+        refs = bm._host.refs if host else bm._device.refs
+        num_blocks = bm.num_host_blocks if host else bm.num_device_blocks
+        cached = 0 if host else len(bm._device._evictable)
+        used, tokens = len(filled), sum(filled.values())
+        pools[host] = PoolStats(
+            num_blocks=num_blocks,
+            free_blocks=num_blocks - used,
+            cached_free_blocks=cached,
+            used_blocks=used,
+            shared_blocks=sum(1 for b in filled if refs[b] > 1),
+            tokens_stored=tokens,
+            reserved_slots=used * size,
+            empty_slots=used * size - tokens,
+            fragmentation=(used * size - tokens) / (used * size) if used else 0.0,
+            blocks_saved_by_sharing=entries - used,
+        )
+    return BlockManagerStats(
+        device=pools[False],
+        host=pools[True],
+        num_seqs=len(bm.seq_ids()),
+        num_swapped_seqs=sum(map(bm.is_swapped, bm.seq_ids())),
+        bytes_per_block=0,
+        bytes_saved_by_sharing=0,
+    )
 
 
 def snapshot(bm: BlockManager) -> dict:

@@ -139,26 +139,14 @@ def test_move_rows_and_distinct_blocks():
 # ---------------------------------------------------------------------------- stats
 
 
-def tokens_per_block_by_walking(tables: BlockTables, rows, num_blocks: int) -> list[int]:
-    filled = [0] * num_blocks
-    for row in rows:
-        for index in range(tables.num_released[row], tables.num_blocks[row]):
-            held = min(tables.block_size, tables.seq_lens[row] - index * tables.block_size)
-            block = tables.table[row, index]
-            filled[block] = max(filled[block], held)
-    return filled
-
-
-def test_tokens_per_block_counts_a_shared_block_once():
-    tables = make_tables()
+def test_partial_last_blocks():
+    tables = make_tables()  # sequence 1 holds 1 token in block 7; sequence 2 fills block 1
     tables.fork([1], [3])
-    tables.extend(tables.row(3), [8], 9)  # sequence 3 fills block 7 and opens block 8
-    tables.release(tables.row(2), tables.window_releases(tables.row(2), 9, 4))
-    rows = tables.live_rows()
-    filled = tables.tokens_per_block(rows, 10)
-    assert filled.tolist() == [0, 4, 0, 4, 0, 0, 0, 4, 1, 0]
-    assert filled.tolist() == tokens_per_block_by_walking(tables, rows.tolist(), 10)
-    assert tables.tokens_per_block(rows[:0], 10).tolist() == [0] * 10
+    tables.extend(tables.row(3), [8], 10)  # sequence 3 fills block 7, 2 tokens in block 8
+    blocks, held = tables.partial_last_blocks(tables.rows([1, 2, 3]))
+    assert blocks.tolist() == [7, 8] and held.tolist() == [1, 2]
+    blocks, held = tables.partial_last_blocks(tables.rows([]))
+    assert blocks.size == held.size == 0
 
 
 # ---------------------------------------------------------------------------- prefix chains
