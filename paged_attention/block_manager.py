@@ -173,6 +173,16 @@ class BlockManager:
         """Host block ids of a swapped-out sequence; RELEASED for released entries."""
         return self._tables.table_of(seq_id, on_host=True)
 
+    def cached_prefix_length(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of ``tokens`` (ids) the prefix cache serves now: the hits
+        ``allocate(seq_id, tokens)`` would take, in tokens (whole blocks, never the last token,
+        which the model must compute; 0 without prefix caching). Nothing is allocated and the
+        LRU order does not change. A block is registered as soon as its token ids are known,
+        and its KV is written by the sequence's next forward pass: an engine that prefills a
+        prompt over several steps must allocate, then append_slots, only the tokens it computes
+        in each step (with their ids), or another sequence could hit unwritten blocks."""
+        return len(self._prefixes.lookup(_as_list(tokens))[0]) * self.block_size
+
     # ------------------------------------------------------------------ allocation
 
     def can_allocate(self, num_tokens_or_tokens: int | Sequence[int]) -> AllocStatus:

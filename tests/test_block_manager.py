@@ -433,6 +433,45 @@ def test_prefix_cache_hit_shares_full_blocks_but_not_the_last_token():
     check_invariants(bm)
 
 
+def test_cached_prefix_length_is_what_allocate_would_hit():
+    bm = BlockManager(6, 4, enable_prefix_caching=True, watermark=0.0)
+    prompt = list(range(10))
+    assert bm.cached_prefix_length(prompt) == 0
+    bm.allocate(1, prompt)  # registers blocks 0 [0..3] and 1 [4..7]
+    assert BlockManager(6, 4).cached_prefix_length(prompt) == 0  # no prefix caching
+    before = snapshot(bm)
+    queries = [prompt, prompt[:8], prompt[:9], prompt[:4] + [50, 51], torch.tensor(prompt)]
+    assert [bm.cached_prefix_length(q) for q in queries] == [8, 4, 8, 4, 8]
+    assert bm.cached_prefix_length(np.array([], dtype=np.int64)) == 0
+    assert snapshot(bm) == before  # read-only
+    bm.free(1)
+    assert bm.cached_prefix_length(prompt) == 8  # unreferenced, still cached
+    assert list(bm._device._evictable) == [1, 0]  # the query touched no LRU position
+    for query in queries:
+        bm.allocate(2, query)
+        assert bm.num_cached_tokens(2) == bm.cached_prefix_length(query)
+        bm.free(2)
+    bm.allocate(3, 24)  # evicts both cached blocks
+    assert bm.cached_prefix_length(prompt) == 0
+    for bad in (5, torch.tensor(5), torch.tensor([[1, 2]]), torch.ones(2)):
+        with pytest.raises(TypeError, match="tokens"):
+            bm.cached_prefix_length(bad)
+
+
+def test_chunked_prefill_registers_only_what_each_step_computes():
+    # The documented rule for an engine prefilling a prompt in chunks with prefix caching.
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(20))
+    bm.allocate(1, prompt[:8])  # the first chunk's blocks are registered as it is computed
+    assert bm.cached_prefix_length(prompt) == 8
+    bm.append_slots(1, 8, tokens=prompt[8:16])
+    assert bm.cached_prefix_length(prompt) == 16
+    served = bm.cached_prefix_length(prompt)
+    bm.allocate(2, prompt[: served + 4])  # a second request computes only its last chunk
+    assert bm.num_cached_tokens(2) == served
+    check_invariants(bm)
+
+
 def test_prefix_cache_survives_free_and_evicts_lru():
     bm = BlockManager(4, 2, enable_prefix_caching=True, watermark=0.0)
     bm.allocate(1, [1, 2, 3, 4, 5])  # blocks 0,1 cached; block 2 holds [5]
@@ -768,7 +807,9 @@ class ShadowCache:
         self.device[slots[keep]] = np.asarray(values, dtype=np.int64)[keep]
 
     def allocate(self, seq_id: int, tokens: list[int], as_count: bool) -> None:
+        served = 0 if as_count else self.bm.cached_prefix_length(tokens)
         self.bm.allocate(seq_id, len(tokens) if as_count else tokens)
+        assert self.bm.num_cached_tokens(seq_id) == served
         self._extend(seq_id, tokens)
         computed = len(tokens) - self.bm.num_cached_tokens(seq_id)
         assert computed >= 1 or not tokens, "the last prompt token must always be computed"
