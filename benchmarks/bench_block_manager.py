@@ -3,9 +3,9 @@
 Workload (issue 5): block size 16; 256 sequences, each a 1024-token prompt whose first 512
 tokens are shared (prefix caching on); allocate all; 256 decode steps, each appending one
 token to every sequence and producing the int32 block-table tensor and the slot mapping;
-free all. Also beam search: 64 requests of width 4 (512-token prompts), each step reordering
-the beams (fork the chosen parents, free the old beams, each as one batched call) and then
-decoding one token.
+``stats()`` over the 256 sequences (the serving engine calls it every step); free all. Also
+beam search: 64 requests of width 4 (512-token prompts), each step reordering the beams (fork
+the chosen parents, free the old beams, each as one batched call) and then decoding one token.
 
     python benchmarks/bench_block_manager.py [--json results/bench_block_manager.json]
 
@@ -37,6 +37,7 @@ BEAM_REQUESTS = 64
 BEAM_WIDTH = 4
 BEAM_PROMPT_LEN = 512
 BEAM_STEPS = 128
+STATS_CALLS = 32
 NUM_BLOCKS = NUM_SEQS * (PROMPT_LEN + DECODE_STEPS) // BLOCK_SIZE
 
 
@@ -109,6 +110,24 @@ class ListBlockManager:
         for seq_id in seq_ids:
             self.free(seq_id)
 
+    def stats(self) -> dict:
+        """Used, shared and saved blocks, tokens stored and fragmentation, by walking the lists."""
+        size = self.block_size
+        filled: dict[int, int] = {}  # tokens held in each used block
+        for seq_id, table in self.tables.items():
+            length = self.lens[seq_id]
+            for index, block in enumerate(table):
+                filled[block] = max(filled.get(block, 0), min(size, length - index * size))
+        used = len(filled)
+        tokens = sum(filled.values())
+        return {
+            "used_blocks": used,
+            "shared_blocks": sum(1 for block in filled if self.ref_count[block] > 1),
+            "tokens_stored": tokens,
+            "fragmentation": 1 - tokens / (used * size) if used else 0.0,
+            "blocks_saved_by_sharing": sum(map(len, self.tables.values())) - used,
+        }
+
     def decode_step(self, seq_ids: list[int]):
         size = self.block_size
         pairs = []
@@ -164,11 +183,13 @@ def run_decode_workload(kind: str, rng: random.Random) -> dict:
     allocate_s = timed(allocate_all)
     allocate_cpu_s = time.process_time() - cpu_start
     steps = [timed(lambda: manager.decode_step(seq_ids)) for _ in range(DECODE_STEPS)]
+    stats = [timed(manager.stats) for _ in range(STATS_CALLS)]
     free_s = timed(free_all)
     return {
         "allocate_s": allocate_s,
         "allocate_cpu_s": allocate_cpu_s,
         "steps_s": steps,
+        "stats_s": stats,
         "free_s": free_s,
     }
 
@@ -232,6 +253,7 @@ def benchmark(kind: str, repeats: int) -> dict:
         "decode_step_median_us": statistics.median(steps) * 1e6,
         "decode_step_p90_us": percentile(steps, 0.9) * 1e6,
         "free_all_ms": statistics.median(r["free_s"] for r in decode_runs) * 1e3,
+        "stats_median_us": statistics.median(s for r in decode_runs for s in r["stats_s"]) * 1e6,
         "beam_step_median_us": statistics.median(beam_steps) * 1e6,
         "beam_step_p90_us": percentile(beam_steps, 0.9) * 1e6,
     }
@@ -257,6 +279,7 @@ def main() -> None:
             "prompt_len": PROMPT_LEN,
             "shared_prefix": SHARED_PREFIX,
             "decode_steps": DECODE_STEPS,
+            "stats_calls": STATS_CALLS,
             "beam_requests": BEAM_REQUESTS,
             "beam_width": BEAM_WIDTH,
             "beam_prompt_len": BEAM_PROMPT_LEN,

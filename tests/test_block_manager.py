@@ -7,15 +7,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_attention import block_manager as bm_module
+from paged_attention import block_pool
 from paged_attention.block_manager import (
     RELEASED,
     AllocStatus,
     BlockManager,
     BlockManagerError,
+    BlockManagerStats,
     DoubleFreeError,
     DuplicateSequenceError,
     OutOfBlocksError,
+    PoolStats,
     SwapError,
     UnknownSequenceError,
 )
@@ -39,27 +41,27 @@ def check_invariants(bm: BlockManager) -> None:
         assert table[: len(table) - len(live)] == [RELEASED] * (len(table) - len(live))
         np.add.at(expected["host" if host else "device"], live, 1)
         for index, block in enumerate(table):  # cached blocks are full, so never written
-            if not host and block in bm._cache_entries:
+            if not host and block in bm._device._entries:
                 assert (index + 1) * size <= bm.num_tokens(seq_id)
-    assert expected["device"].tolist() == bm._device_refs.tolist()
-    assert expected["host"].tolist() == bm._host_refs.tolist()
+    assert expected["device"].tolist() == bm._device.refs.tolist()
+    assert expected["host"].tolist() == bm._host.refs.tolist()
 
-    used = set(np.flatnonzero(bm._device_refs).tolist())
-    free = list(bm._device_free)
-    cached_free = list(bm._evictable)
+    used = set(np.flatnonzero(bm._device.refs).tolist())
+    free = list(bm._device._free)
+    cached_free = list(bm._device._evictable)
     assert len(set(free)) == len(free)
     assert not (set(free) & set(cached_free)) and not (set(free) & used)
     assert not (set(cached_free) & used)
     assert len(free) + len(cached_free) + len(used) == bm.num_device_blocks
-    host_used = set(np.flatnonzero(bm._host_refs).tolist())
-    host_free = list(bm._host_free)
+    host_used = set(np.flatnonzero(bm._host.refs).tolist())
+    host_free = list(bm._host._free)
     assert len(set(host_free)) == len(host_free) and not (set(host_free) & host_used)
     assert len(host_free) + len(host_used) == bm.num_host_blocks
 
     # The prefix cache indexes exactly its entries, and only device blocks nobody writes to.
-    assert {entry[0]: b for b, entry in bm._cache_entries.items()} == bm._cache_map
-    assert set(cached_free) <= set(bm._cache_entries)
-    assert not (set(bm._cache_entries) & set(free))
+    assert {entry[0]: b for b, entry in bm._device._entries.items()} == bm._device._map
+    assert set(cached_free) <= set(bm._device._entries)
+    assert not (set(bm._device._entries) & set(free))
 
     # The batch tensor is the tables padded with 0, released entries 0 as well.
     device_seqs = [s for s in bm.seq_ids() if not bm.is_swapped(s)]
@@ -71,6 +73,48 @@ def check_invariants(bm: BlockManager) -> None:
     stats = bm.stats()
     assert stats.device.free_blocks + stats.device.used_blocks == bm.num_device_blocks
     assert stats.host.free_blocks + stats.host.used_blocks == bm.num_host_blocks
+    assert stats == stats_by_walking_the_tables(bm)
+
+
+def stats_by_walking_the_tables(bm: BlockManager) -> BlockManagerStats:
+    """stats() computed the straightforward way, from the public tables."""
+    size = bm.block_size
+    pools = {}
+    for host in (False, True):
+        filled, entries = {}, 0  # tokens held in each used block; table entries
+        for seq_id in bm.seq_ids():
+            if bm.is_swapped(seq_id) != host:
+                continue
+            table = bm.host_block_table(seq_id) if host else bm.block_table(seq_id)
+            for index, block in enumerate(table):
+                if block != RELEASED:
+                    held = min(size, bm.num_tokens(seq_id) - index * size)
+                    filled[block] = max(filled.get(block, 0), held)
+                    entries += 1
+        refs = bm._host.refs if host else bm._device.refs
+        num_blocks = bm.num_host_blocks if host else bm.num_device_blocks
+        cached = 0 if host else len(bm._device._evictable)
+        used, tokens = len(filled), sum(filled.values())
+        pools[host] = PoolStats(
+            num_blocks=num_blocks,
+            free_blocks=num_blocks - used,
+            cached_free_blocks=cached,
+            used_blocks=used,
+            shared_blocks=sum(1 for b in filled if refs[b] > 1),
+            tokens_stored=tokens,
+            reserved_slots=used * size,
+            empty_slots=used * size - tokens,
+            fragmentation=(used * size - tokens) / (used * size) if used else 0.0,
+            blocks_saved_by_sharing=entries - used,
+        )
+    return BlockManagerStats(
+        device=pools[False],
+        host=pools[True],
+        num_seqs=len(bm.seq_ids()),
+        num_swapped_seqs=sum(map(bm.is_swapped, bm.seq_ids())),
+        bytes_per_block=0,
+        bytes_saved_by_sharing=0,
+    )
 
 
 def snapshot(bm: BlockManager) -> dict:
@@ -84,18 +128,18 @@ def snapshot(bm: BlockManager) -> dict:
             bm.num_tokens(seq_id),
             bm.num_cached_tokens(seq_id),
         )
-    chains = {s: (c.hash, c.uid, list(c.pending)) for s, c in bm._chains.items()}
+    chains = {s: (list(c.links), list(c.pending)) for s, c in bm._prefixes.chains.items()}
     return {
         "seqs": seqs,
-        "device_refs": bm._device_refs.tolist(),
-        "host_refs": bm._host_refs.tolist(),
-        "device_free": list(bm._device_free),
-        "host_free": list(bm._host_free),
-        "evictable": list(bm._evictable),
-        "cache_map": dict(bm._cache_map),
-        "cache_entries": dict(bm._cache_entries),
+        "device_refs": bm._device.refs.tolist(),
+        "host_refs": bm._host.refs.tolist(),
+        "device_free": list(bm._device._free),
+        "host_free": list(bm._host._free),
+        "evictable": list(bm._device._evictable),
+        "cache_map": dict(bm._device._map),
+        "cache_entries": dict(bm._device._entries),
         "chains": chains,
-        "freed": list(bm._freed_ids),
+        "freed": list(bm._tables.freed_ids),
         "stats": bm.stats(),
     }
 
@@ -199,7 +243,7 @@ def test_fan_out_of_one_block_to_several_children():
     bm.allocate(0, 2)
     for child in (1, 2, 3):
         bm.fork(0, child)
-    assert bm._device_refs[0] == 4
+    assert bm._device.refs[0] == 4
     pairs = [p for child in (1, 2, 3) for p in bm.append_slots(child)]
     assert pairs == [(0, 1), (0, 2), (0, 3)]
     assert bm.append_slots(0) == []  # the last holder writes in place
@@ -270,7 +314,7 @@ def test_fork_many_and_free_many_reorder_beams():
     bm = BlockManager(16, 4, 8)
     bm.allocate(0, 6)
     bm.fork_many([0, 0, 0], [1, 2, 3])
-    assert bm._device_refs[[0, 1]].tolist() == [4, 4]
+    assert bm._device.refs[[0, 1]].tolist() == [4, 4]
     bm.decode_step([0, 1, 2, 3])  # beams diverge: three copies
     # New beams 10..13 from parents 2, 2, 3, 0; the old beams go.
     parents = [2, 2, 3, 0]
@@ -316,7 +360,7 @@ def test_swap_keeps_sharing_and_round_trips():
     assert sorted(d for d, _ in out) == [0, 1, 2, 3]  # the shared block moves once
     assert bm.is_swapped(1) and bm.is_swapped(2)
     host1, host2 = bm.host_block_table(1), bm.host_block_table(2)
-    assert host1[0] == host2[0] and bm._host_refs[host1[0]] == 2
+    assert host1[0] == host2[0] and bm._host.refs[host1[0]] == 2
     assert bm.num_free_device_blocks() == 8
     assert bm.can_swap_in([1, 2]) is AllocStatus.OK
     back = bm.swap_in([1, 2])
@@ -332,7 +376,7 @@ def test_swap_of_sequence_sharing_with_one_left_behind_copies():
     bm.fork(1, 2)
     out = bm.swap_out([2])
     assert [d for d, _ in out] == [0, 1]
-    assert bm.block_table(1) == [0, 1] and bm._device_refs[[0, 1]].tolist() == [1, 1]
+    assert bm.block_table(1) == [0, 1] and bm._device.refs[[0, 1]].tolist() == [1, 1]
     assert bm.num_free_host_blocks() == 6
     bm.swap_in([2])
     assert not set(bm.block_table(2)) & {0, 1}  # back in its own blocks, no longer shared
@@ -389,20 +433,59 @@ def test_prefix_cache_hit_shares_full_blocks_but_not_the_last_token():
     check_invariants(bm)
 
 
+def test_cached_prefix_length_is_what_allocate_would_hit():
+    bm = BlockManager(6, 4, enable_prefix_caching=True, watermark=0.0)
+    prompt = list(range(10))
+    assert bm.cached_prefix_length(prompt) == 0
+    bm.allocate(1, prompt)  # registers blocks 0 [0..3] and 1 [4..7]
+    assert BlockManager(6, 4).cached_prefix_length(prompt) == 0  # no prefix caching
+    before = snapshot(bm)
+    queries = [prompt, prompt[:8], prompt[:9], prompt[:4] + [50, 51], torch.tensor(prompt)]
+    assert [bm.cached_prefix_length(q) for q in queries] == [8, 4, 8, 4, 8]
+    assert bm.cached_prefix_length(np.array([], dtype=np.int64)) == 0
+    assert snapshot(bm) == before  # read-only
+    bm.free(1)
+    assert bm.cached_prefix_length(prompt) == 8  # unreferenced, still cached
+    assert list(bm._device._evictable) == [1, 0]  # the query touched no LRU position
+    for query in queries:
+        bm.allocate(2, query)
+        assert bm.num_cached_tokens(2) == bm.cached_prefix_length(query)
+        bm.free(2)
+    bm.allocate(3, 24)  # evicts both cached blocks
+    assert bm.cached_prefix_length(prompt) == 0
+    for bad in (5, torch.tensor(5), torch.tensor([[1, 2]]), torch.ones(2)):
+        with pytest.raises(TypeError, match="tokens"):
+            bm.cached_prefix_length(bad)
+
+
+def test_chunked_prefill_registers_only_what_each_step_computes():
+    # The documented rule for an engine prefilling a prompt in chunks with prefix caching.
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(20))
+    bm.allocate(1, prompt[:8])  # the first chunk's blocks are registered as it is computed
+    assert bm.cached_prefix_length(prompt) == 8
+    bm.append_slots(1, 8, tokens=prompt[8:16])
+    assert bm.cached_prefix_length(prompt) == 16
+    served = bm.cached_prefix_length(prompt)
+    bm.allocate(2, prompt[: served + 4])  # a second request computes only its last chunk
+    assert bm.num_cached_tokens(2) == served
+    check_invariants(bm)
+
+
 def test_prefix_cache_survives_free_and_evicts_lru():
     bm = BlockManager(4, 2, enable_prefix_caching=True, watermark=0.0)
     bm.allocate(1, [1, 2, 3, 4, 5])  # blocks 0,1 cached; block 2 holds [5]
     bm.free(1)
-    assert bm.num_free_device_blocks() == 4 and len(bm._evictable) == 2
+    assert bm.num_free_device_blocks() == 4 and len(bm._device._evictable) == 2
     assert bm.can_allocate([1, 2, 3, 4, 6]) is AllocStatus.OK
     bm.allocate(2, [1, 2, 3, 4, 6])
     assert bm.num_cached_tokens(2) == 4 and bm.block_table(2)[:2] == [0, 1]
     bm.free(2)
     # Freed in reverse: block 1 (the chain's tail) is least recently used, then block 0.
-    assert list(bm._evictable) == [1, 0]
+    assert list(bm._device._evictable) == [1, 0]
     bm.allocate(3, 6)  # takes the two free blocks, then evicts block 1
     assert bm.block_table(3) == [2, 3, 1]
-    assert 1 not in bm._cache_entries and 0 in bm._cache_entries
+    assert 1 not in bm._device._entries and 0 in bm._device._entries
     bm.free(3)
     bm.allocate(4, [1, 2, 3, 4, 7])
     assert bm.num_cached_tokens(4) == 2
@@ -410,7 +493,7 @@ def test_prefix_cache_survives_free_and_evicts_lru():
 
 
 def test_prefix_cache_hash_collision_is_verified(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash", lambda value: 7, raising=False)
+    monkeypatch.setattr(block_pool, "hash", lambda value: 7, raising=False)
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     bm.allocate(1, [1, 2, 3])
     bm.allocate(2, [5, 6, 3])  # same hash, other tokens: no hit
@@ -429,7 +512,7 @@ def test_prefix_cache_hit_needs_same_predecessor():
 
 def test_prefix_cache_hit_needs_same_predecessor_under_collisions(monkeypatch):
     # A hash of the tokens alone: [3,4] after [1,2] and after [9,9] collide.
-    monkeypatch.setattr(bm_module, "hash", lambda value: hash(value[1]), raising=False)
+    monkeypatch.setattr(block_pool, "hash", lambda value: hash(value[1]), raising=False)
     bm = BlockManager(16, 2, enable_prefix_caching=True)
     bm.allocate(1, [1, 2, 3, 4, 0])
     bm.allocate(2, [9, 9, 3, 4, 0])
@@ -471,7 +554,7 @@ def test_free_without_cache_forgets_unwritten_blocks():
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     bm.allocate(1, [1, 2, 3])
     bm.free(1, cache=False)
-    assert not bm._cache_entries and not bm._evictable
+    assert not bm._device._entries and not bm._device._evictable
     bm.allocate(2, [1, 2, 3])
     assert bm.num_cached_tokens(2) == 0
 
@@ -495,6 +578,89 @@ def test_options_validation():
         BlockManager(4, 16, sliding_window=8, enable_prefix_caching=True)
     with pytest.raises(ValueError):
         BlockManager(4, 16, max_blocks_per_seq=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"watermark": -1.0}, ValueError, "watermark"),
+        ({"watermark": 1.0}, ValueError, "watermark"),
+        ({"watermark": float("nan")}, ValueError, "watermark"),
+        ({"watermark": True}, TypeError, "watermark"),
+        ({"watermark": "0.1"}, TypeError, "watermark"),
+        ({"block_size": 2.5}, TypeError, "block_size"),
+        ({"block_size": 4.0}, TypeError, "block_size"),
+        ({"block_size": True}, TypeError, "block_size"),
+        ({"block_size": torch.tensor(4.0)}, TypeError, "block_size"),
+        ({"block_size": torch.tensor([4])}, TypeError, "block_size"),
+        ({"num_device_blocks": 8.0}, TypeError, "num_device_blocks"),
+        ({"num_host_blocks": 1.5}, TypeError, "num_host_blocks"),
+        ({"num_host_blocks": -1}, ValueError, "num_host_blocks"),
+        ({"sliding_window": 2.5}, TypeError, "sliding_window"),
+        ({"sliding_window": True}, TypeError, "sliding_window"),
+        ({"max_blocks_per_seq": 2.5}, TypeError, "max_blocks_per_seq"),
+    ],
+)
+def test_constructor_refuses_non_integers_and_bad_watermarks(kwargs, error, name):
+    arguments = {"num_device_blocks": 8, "block_size": 4, "num_host_blocks": 2, **kwargs}
+    with pytest.raises(error, match=name):
+        BlockManager(**arguments)
+
+
+def test_constructor_takes_numpy_and_0d_tensor_integers():
+    bm = BlockManager(
+        np.int64(8),
+        torch.tensor(4),
+        np.array(2, dtype=np.int32),
+        watermark=np.float32(0.25),
+        sliding_window=np.uint8(6),
+        max_blocks_per_seq=torch.tensor(5, dtype=torch.int16),
+    )
+    sizes = (bm.num_device_blocks, bm.block_size, bm.num_host_blocks, bm.sliding_window)
+    assert sizes == (8, 4, 2, 6) and bm.max_blocks_per_seq == 5 and bm.watermark_blocks == 2
+    assert all(type(v) is int for v in (*sizes, bm.max_blocks_per_seq))
+    bm.allocate(1, 9)
+    assert bm.block_table(1) == [0, 1, 2]
+    check_invariants(bm)
+
+
+def test_token_counts_are_integers_0d_tensors_included():
+    bm = BlockManager(16, 4, 4, enable_prefix_caching=True)
+    assert bm.can_allocate(torch.tensor(9)) is AllocStatus.OK
+    bm.allocate(1, torch.tensor(9))
+    bm.allocate(2, np.int64(5))
+    bm.allocate(3, np.array(1))
+    assert [bm.num_tokens(s) for s in (1, 2, 3)] == [9, 5, 1]
+    assert bm.append_slots(1, torch.tensor(2)) == [] and bm.num_tokens(1) == 11
+    for bad in (2.5, 2.0, True, torch.tensor(2.0), torch.tensor(True), np.float64(3)):
+        assert_fails_cleanly(bm, TypeError, lambda bad=bad: bm.allocate(9, bad), "token count")
+        with pytest.raises(TypeError, match="token count"):
+            bm.can_allocate(bad)
+        assert_fails_cleanly(bm, TypeError, lambda bad=bad: bm.append_slots(1, bad), "n must")
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]]), np.array([True]), "ab"):
+        assert_fails_cleanly(bm, TypeError, lambda bad=bad: bm.allocate(9, bad), "tokens")
+    assert_fails_cleanly(
+        bm, TypeError, lambda: bm.append_slots(1, 1, tokens=torch.tensor([1.5])), "tokens"
+    )
+    assert_fails_cleanly(
+        bm, TypeError, lambda: bm.decode_step([1], tokens=np.array([0.5])), "tokens"
+    )
+    assert bm.slot_mapping_tensor([1, 2], torch.tensor(1)).tolist() == [10, 16]
+    assert bm.slot_mapping_tensor([1, 2], torch.tensor([1, 0])).tolist() == [10]
+    for bad in (1.5, [1.0, 1.0], np.array([True, True])):
+        with pytest.raises(TypeError, match="num_new_tokens"):
+            bm.slot_mapping_tensor([1, 2], bad)
+    with pytest.raises(ValueError, match="one count per sequence"):
+        bm.slot_mapping_tensor([1, 2], [1, 1, 1])
+    check_invariants(bm)
+
+
+def test_free_many_of_a_never_allocated_id_is_unknown_not_a_double_free():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 4)
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.free_many([7, 7]), "7")
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.free_many([0, 7, 7]), "7")
+    assert_fails_cleanly(bm, DoubleFreeError, lambda: bm.free_many([0, 0]), "twice")
 
 
 # ---------------------------------------------------------------------------- sliding window
@@ -527,7 +693,7 @@ def test_sliding_window_shared_release_and_swap():
     bm.allocate(1, 4)
     bm.fork(1, 2)
     bm.decode_step([1, 2])  # both release block 0; each copies nothing (the last block opens)
-    assert bm.block_table(1)[0] == RELEASED and bm._device_refs[0] == 0
+    assert bm.block_table(1)[0] == RELEASED and bm._device.refs[0] == 0
     bm.swap_out([1, 2])
     assert bm.host_block_table(1)[0] == RELEASED
     bm.swap_in([1, 2])
@@ -641,7 +807,9 @@ class ShadowCache:
         self.device[slots[keep]] = np.asarray(values, dtype=np.int64)[keep]
 
     def allocate(self, seq_id: int, tokens: list[int], as_count: bool) -> None:
+        served = 0 if as_count else self.bm.cached_prefix_length(tokens)
         self.bm.allocate(seq_id, len(tokens) if as_count else tokens)
+        assert self.bm.num_cached_tokens(seq_id) == served
         self._extend(seq_id, tokens)
         computed = len(tokens) - self.bm.num_cached_tokens(seq_id)
         assert computed >= 1 or not tokens, "the last prompt token must always be computed"
@@ -890,3 +1058,14 @@ def test_errors_are_block_manager_errors():
         SwapError,
     ):
         assert issubclass(error, BlockManagerError)
+
+
+def test_public_names_come_from_the_facade_and_the_package():
+    import paged_attention
+    from paged_attention import block_manager
+
+    for name in block_manager.__all__:
+        assert getattr(paged_attention, name, getattr(block_manager, name)) is getattr(
+            block_manager, name
+        )
+    assert paged_attention.BlockManager is BlockManager and block_manager.RELEASED == RELEASED
