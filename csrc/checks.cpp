@@ -222,31 +222,28 @@ const std::vector<int64_t>& supported_block_sizes() {
   return sizes;
 }
 
-AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
-                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                   int64_t num_kv_heads, double scale,
-                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                   int64_t block_size, int64_t max_seq_len,
-                                   const std::optional<at::Tensor>& alibi_slopes,
-                                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                                   const at::Tensor& v_scale, int64_t sliding_window,
-                                   double logits_soft_cap) {
+namespace {
+
+// What v1/v2 and the varlen op share: query and out (`rows` query rows), heads, the caches and
+// their scales, block_tables and seq_lens for num_seqs sequences, max_seq_len, ALiBi, the logit
+// parameters, and out sharing no memory with an input.
+AttentionDims check_common_attention_args(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_seqs,
+    int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+    const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+    int64_t sliding_window, double logits_soft_cap) {
   AttentionDims dims{};
   dims.cache_dtype = parse_cache_dtype(kv_cache_dtype);
-
-  check_dim(query, 3, "query");
-  TORCH_CHECK(is_float_type(query.scalar_type()),
-              "query must be float32, float16 or bfloat16, got ", query.scalar_type());
-  TORCH_CHECK(query.stride(2) == 1, "query must have unit stride in its last dim, got strides ",
-              query.strides());
-  dims.num_seqs = query.size(0);
+  dims.num_seqs = num_seqs;
   dims.num_heads = query.size(1);
   dims.head_size = query.size(2);
   const auto& head_sizes = supported_head_sizes();
   TORCH_CHECK_VALUE(
       std::find(head_sizes.begin(), head_sizes.end(), dims.head_size) != head_sizes.end(),
       "head_size ", dims.head_size,
-      " is not supported (supported: 32, 64, 80, 96, 112, 120, 128, 192, 256)");
+      " is not supported (query.size(2); supported: 32, 64, 80, 96, 112, 120, 128, 192, 256)");
 
   check_same_device(out, query, "out", "query");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have the dtype of query (",
@@ -316,6 +313,116 @@ AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& quer
   check_no_overlap(out, "out", k_scale, "k_scale");
   check_no_overlap(out, "out", v_scale, "v_scale");
   return dims;
+}
+
+void check_query(const at::Tensor& query, const char* layout) {
+  TORCH_CHECK(query.dim() == 3, "query must be 3-D ", layout, ", got shape ", query.sizes());
+  TORCH_CHECK(is_float_type(query.scalar_type()),
+              "query must be float32, float16 or bfloat16, got ", query.scalar_type());
+  TORCH_CHECK(query.stride(2) == 1, "query must have unit stride in its last dim, got strides ",
+              query.strides());
+}
+
+}  // namespace
+
+AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
+                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   int64_t num_kv_heads, double scale,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   int64_t block_size, int64_t max_seq_len,
+                                   const std::optional<at::Tensor>& alibi_slopes,
+                                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale, int64_t sliding_window,
+                                   double logits_soft_cap) {
+  parse_cache_dtype(kv_cache_dtype);
+  check_query(query, "[num_seqs, num_heads, head_size]");
+  return check_common_attention_args(out, query, key_cache, value_cache, num_kv_heads, scale,
+                                     block_tables, seq_lens, query.size(0), block_size,
+                                     max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                                     sliding_window, logits_soft_cap);
+}
+
+VarlenDims check_varlen_args(const at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                             int64_t max_query_len, int64_t max_seq_len,
+                             const std::optional<at::Tensor>& alibi_slopes,
+                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                             const at::Tensor& v_scale, int64_t sliding_window,
+                             double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
+  parse_cache_dtype(kv_cache_dtype);
+  check_query(query, "[num_tokens, num_heads, head_size]");
+  check_dim(query_start_loc, 1, "query_start_loc");
+  check_dtype(query_start_loc, at::kInt, "query_start_loc");
+  check_same_device(query_start_loc, query, "query_start_loc", "query");
+  TORCH_CHECK_VALUE(query_start_loc.size(0) >= 1,
+                    "query_start_loc must have num_seqs + 1 entries (at least 1), got shape ",
+                    query_start_loc.sizes());
+  TORCH_CHECK(query_start_loc.is_contiguous(), "query_start_loc must be contiguous");
+  check_dim(value_cache, 4, "value_cache");
+  VarlenDims dims{};
+  static_cast<AttentionDims&>(dims) = check_common_attention_args(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      query_start_loc.size(0) - 1, value_cache.size(3), max_seq_len, alibi_slopes,
+      kv_cache_dtype, k_scale, v_scale, sliding_window, logits_soft_cap);
+  dims.num_tokens = query.size(0);
+  TORCH_CHECK_VALUE(max_query_len >= 0, "max_query_len must be >= 0, got ", max_query_len);
+  dims.max_query_len = max_query_len;
+  if (sinks.has_value()) {
+    const at::Tensor& s = *sinks;
+    check_dtype(s, at::kFloat, "sinks");
+    check_same_device(s, query, "sinks", "query");
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == dims.num_heads,
+                      "sinks must have shape [num_heads] = [", dims.num_heads, "], got ",
+                      s.sizes());
+    TORCH_CHECK(s.is_contiguous(), "sinks must be contiguous");
+    check_no_overlap(out, "out", s, "sinks");
+  }
+  check_no_overlap(out, "out", query_start_loc, "query_start_loc");
+  return dims;
+}
+
+void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, const VarlenDims& dims,
+                          int64_t sliding_window) {
+  const at::Tensor starts = query_start_loc.cpu();
+  const int32_t* start = starts.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(start[0] == 0, "query_start_loc[0] must be 0, got ", start[0]);
+  for (const auto s : c10::irange(dims.num_seqs)) {
+    TORCH_CHECK_VALUE(start[s + 1] >= start[s], "query_start_loc must be non-decreasing, got ",
+                      "query_start_loc[", s, "] = ", start[s], " > query_start_loc[", s + 1,
+                      "] = ", start[s + 1]);
+  }
+  TORCH_CHECK_VALUE(start[dims.num_seqs] <= dims.num_tokens, "query_start_loc[", dims.num_seqs,
+                    "] = ", start[dims.num_seqs], " exceeds the ", dims.num_tokens,
+                    " rows of query");
+  const at::Tensor lens = seq_lens.cpu();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  const at::Tensor tables = block_tables.cpu();
+  for (const auto s : c10::irange(dims.num_seqs)) {
+    const int64_t q_len = start[s + 1] - start[s];
+    const int64_t len = len_ptr[s];
+    TORCH_CHECK_VALUE(q_len <= dims.max_query_len, "sequence ", s, " has ", q_len,
+                      " query rows (query_start_loc[", s + 1, "] - query_start_loc[", s,
+                      "]), more than max_query_len = ", dims.max_query_len);
+    TORCH_CHECK_VALUE(len >= 0 && len <= dims.max_seq_len, "seq_lens[", s, "] = ", len,
+                      " must be in [0, max_seq_len = ", dims.max_seq_len, "]");
+    TORCH_CHECK_VALUE(q_len <= len, "seq_lens[", s, "] = ", len, " is less than the ", q_len,
+                      " query rows of sequence ", s,
+                      " (query_start_loc): seq_len counts the new tokens too");
+    if (q_len == 0) continue;  // reads nothing
+    // Row 0 sits at position len - q_len and attends back to the window's start.
+    const int64_t first_pos =
+        sliding_window > 0 ? std::max<int64_t>(0, len - q_len - sliding_window + 1) : 0;
+    const int32_t* row = tables.data_ptr<int32_t>() + s * tables.stride(0);
+    for (int64_t b = first_pos / dims.block_size; b < (len + dims.block_size - 1) / dims.block_size;
+         ++b) {
+      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < dims.num_blocks, "block_tables[", s, ", ", b,
+                        "] = ", row[b], " is out of range [0, num_blocks = ", dims.num_blocks,
+                        ")");
+    }
+  }
 }
 
 void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,

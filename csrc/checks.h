@@ -57,6 +57,31 @@ AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& quer
                                    const at::Tensor& v_scale, int64_t sliding_window,
                                    double logits_soft_cap);
 
+struct VarlenDims : AttentionDims {
+  int64_t num_tokens;  // query rows (num_seqs = query_start_loc.size(0) - 1)
+  int64_t max_query_len;
+};
+
+// Checks everything but tensor contents for paged_attention_varlen: query/out [num_tokens,
+// num_heads, head_size] as for v1; block_size from value_cache; query_start_loc int32
+// [num_seqs + 1] contiguous; sinks float32 [num_heads] contiguous; the rest as for v1.
+VarlenDims check_varlen_args(const at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                             int64_t max_query_len, int64_t max_seq_len,
+                             const std::optional<at::Tensor>& alibi_slopes,
+                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                             const at::Tensor& v_scale, int64_t sliding_window,
+                             double logits_soft_cap, const std::optional<at::Tensor>& sinks);
+
+// Contents: query_start_loc starts at 0, never decreases and ends within query's rows; each
+// sequence's q_len <= max_query_len and <= seq_len <= max_seq_len; every block id a row reads
+// in range.
+void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, const VarlenDims& dims,
+                          int64_t sliding_window);
+
 // exp_sums, max_logits: float32 [num_seqs, num_heads, >= max_partitions];
 // tmp_out: query dtype [num_seqs, num_heads, same partitions, head_size]; all contiguous.
 void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,

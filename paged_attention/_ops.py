@@ -65,6 +65,7 @@ def _register_fake(op_name: str) -> None:
 for _op_name in (
     "paged_attention_v1",
     "paged_attention_v2",
+    "paged_attention_varlen",
     "reshape_and_cache",
     "copy_blocks",
     "swap_blocks",
@@ -292,4 +293,87 @@ def paged_attention(
         (num_seqs, num_heads, partitions, head_size), dtype=query.dtype, device=query.device
     )
     ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *common)
+    return out
+
+
+def paged_attention_varlen(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of any number of new query rows per sequence over a paged KV cache (one
+    call for prefill, chunked prefill, multi-token and single-token decode, mixed in one batch);
+    returns ``[num_tokens, num_heads, head_size]``.
+
+    ``query`` is ``[num_tokens, num_heads, head_size]``; sequence ``s`` owns rows
+    ``query_start_loc[s] .. query_start_loc[s + 1] - 1`` (int32 ``[num_seqs + 1]``, starting at
+    0, non-decreasing; a sequence may have none). ``seq_lens[s]`` counts every token of ``s`` in
+    the cache, its new ones included (store them first, e.g. with :func:`reshape_and_cache`):
+    row ``i`` sits at position ``seq_len - q_len + i`` and attends the positions up to its own
+    (the last ``sliding_window`` of them, if set). Logits as in :func:`paged_attention`, with
+    ALiBi ``slope * (key position - query position)``. ``sinks`` (float32 ``[num_heads]``) adds
+    one logit per head to the softmax's denominator only. Rows past ``query_start_loc[-1]``
+    belong to no sequence: the op leaves them untouched (zeros in the ``out`` allocated here).
+
+    ``max_query_len``/``max_seq_len`` bound the per-sequence values; pass them to avoid reading
+    ``query_start_loc``/``seq_lens`` back from the device. An fp8 ``kv_cache_dtype`` requires
+    ``k_scale`` and ``v_scale``. CPU only for now: a CUDA tensor raises ``NotImplementedError``.
+    """
+    _check_rank(query, 3, "query", "[num_tokens, num_heads, head_size]")
+    _check_rank(
+        key_cache, 5, "key_cache", "[num_blocks, num_kv_heads, head_size / x, block_size, x]"
+    )
+    _check_rank(value_cache, 4, "value_cache", "[num_blocks, num_kv_heads, head_size, block_size]")
+    if query.device.type not in ("cpu", "meta"):
+        raise NotImplementedError(
+            f"paged_attention_varlen has no {query.device.type.upper()} kernel in this build "
+            f"(query is on {query.device}); it runs on the CPU only for now"
+        )
+    if scale is None:
+        scale = query.shape[2] ** -0.5
+    _check_real(scale, "scale")
+    _check_real(logits_soft_cap, "logits_soft_cap")
+    if max_query_len is None:
+        lens = query_start_loc[1:] - query_start_loc[:-1]
+        max_query_len = int(lens.max().item()) if lens.numel() else 0
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    if out is None:
+        out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    k_scale, v_scale = _scales(kv_cache_dtype, k_scale, v_scale, key_cache.device)
+    ops.paged_attention_varlen(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        value_cache.shape[1],
+        float(scale),
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        max_seq_len,
+        alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        sliding_window,
+        float(logits_soft_cap),
+        sinks,
+    )
     return out

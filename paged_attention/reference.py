@@ -332,6 +332,74 @@ def paged_attention_v2(
         ).to(out.dtype)
 
 
+def paged_attention_varlen(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Causal attention of every sequence's query rows over its paged context.
+
+    Sequence ``s`` owns query rows ``query_start_loc[s] .. query_start_loc[s + 1] - 1``; row ``i``
+    of ``q_len`` sits at position ``p = seq_len - q_len + i`` and attends positions ``j <= p``
+    (and ``j > p - W`` with a window ``W``), logit as in v1 with ALiBi ``slope * (j - p)``. A sink
+    is one more logit per head in the softmax's denominator, with no value. Rows of no sequence
+    are left as they are."""
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[s], starts[s + 1])
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        first = max(0, seq_len - q_len - sliding_window + 1) if sliding_window > 0 else 0
+        keys, values = gather_kv(
+            key_cache,
+            value_cache,
+            block_tables[s],
+            seq_len,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+            first,
+        )
+        num_heads = query.shape[1]
+        group = num_heads // num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        logits = scale * torch.einsum("nhd,lhd->hnl", query[rows].float(), keys)
+        if logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        key_pos = torch.arange(seq_len, device=query.device)
+        query_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
+        distance = key_pos[None, :] - query_pos[:, None]  # [n, L], j - p
+        if alibi_slopes is not None:
+            logits = logits + alibi_slopes.float()[:, None, None] * distance[None]
+        hidden = distance > 0
+        if sliding_window > 0:
+            hidden |= distance <= -sliding_window
+        logits = logits.masked_fill(hidden[None], -math.inf)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        out[rows] = torch.einsum("hnl,lhd->nhd", probs, values).to(out.dtype)
+
+
 def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     num_heads = weights.shape[0]
     if values.shape[0] == 0:

@@ -147,3 +147,93 @@ def test_fp8_quantize_saturates_rounds_and_keeps_nan(fmt, fp8_dtype, fp8_max):
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         reference.quantize(torch.zeros(1), "int4", 1.0)
+
+
+def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks):
+    """One query row [H, D] at `position` over dense k/v [L, Hkv, D], written out per head."""
+    group = q.shape[0] // k.shape[1]
+    out = torch.empty_like(q)
+    for h in range(q.shape[0]):
+        kh, vh = k[: position + 1, h // group], v[: position + 1, h // group]
+        logits = scale * (kh @ q[h])
+        if soft_cap:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+        positions = torch.arange(position + 1)
+        if slopes is not None:
+            logits = logits + slopes[h] * (positions - position)
+        if window:
+            logits = logits.masked_fill(positions <= position - window, -math.inf)
+        weights = torch.exp(logits - logits.max())
+        denominator = weights.sum()
+        if sinks is not None:
+            top = torch.maximum(logits.max(), sinks[h])
+            weights = torch.exp(logits - top)
+            denominator = weights.sum() + torch.exp(sinks[h] - top)
+        out[h] = (weights[:, None] * vh).sum(0) / denominator
+    return out
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size,alibi,window,soft_cap,with_sinks",
+    [
+        (4, 4, 64, 16, False, 0, 0.0, False),
+        (8, 2, 128, 8, False, 0, 0.0, True),  # GQA + sinks
+        (8, 1, 32, 32, True, 0, 0.0, False),  # MQA + ALiBi
+        (4, 2, 80, 16, False, 37, 0.0, False),  # sliding window
+        (4, 4, 96, 16, True, 20, 30.0, True),  # all of them
+    ],
+)
+def test_varlen_reference_matches_dense_attention(
+    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, with_sinks
+):
+    torch.manual_seed(0)
+    seq_lens = [1, block_size, 3 * block_size + 5, 130, 200, 9]
+    query_lens = [1, 3, 3 * block_size + 5, 0, 40, 1]  # a whole prompt, none, a chunk
+    keys = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    key_cache, value_cache, block_tables = _paged_from_dense(
+        keys, values, block_size, num_blocks=64, x=4, seed=2
+    )
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query = torch.randn(starts[-1] + 2, num_heads, head_size)  # 2 rows of no sequence
+    slopes = torch.rand(num_heads) if alibi else None
+    sinks = torch.randn(num_heads) * 2 if with_sinks else None
+    scale = head_size**-0.5
+    out = torch.full_like(query, 5.0)
+    unit = torch.ones(1)
+    reference.paged_attention_varlen(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+        max(query_lens), max(seq_lens), slopes, "auto", unit, unit, window, soft_cap, sinks,
+    )  # fmt: skip
+    for s, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        for i in range(q_len):
+            expected = _dense_varlen_row(
+                query[starts[s] + i], keys[s], values[s], seq_len - q_len + i, scale, slopes,
+                window, soft_cap, sinks,
+            )  # fmt: skip
+            torch.testing.assert_close(out[starts[s] + i], expected, atol=1e-5, rtol=1e-5)
+    assert (out[starts[-1] :] == 5.0).all()  # rows of no sequence are left as they were
+
+
+def test_varlen_reference_with_one_row_per_sequence_is_v1():
+    torch.manual_seed(1)
+    seq_lens = [1, 17, 100]
+    keys = [torch.randn(n, 2, 64) for n in seq_lens]
+    key_cache, value_cache, block_tables = _paged_from_dense(
+        keys, [torch.randn_like(k) for k in keys], 16, num_blocks=32, x=4, seed=3
+    )
+    query = torch.randn(3, 8, 64)
+    unit = torch.ones(1)
+    slopes = torch.rand(8)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (key_cache, value_cache, 2, 0.2, block_tables, lens)
+    v1, varlen = torch.empty_like(query), torch.empty_like(query)
+    reference.paged_attention_v1(v1, query, *args, 16, 100, slopes, "auto", unit, unit, 7, 3.0)
+    reference.paged_attention_varlen(
+        varlen, query, *args, torch.arange(4, dtype=torch.int32), 1, 100, slopes, "auto", unit,
+        unit, 7, 3.0,
+    )  # fmt: skip
+    torch.testing.assert_close(varlen, v1, atol=1e-6, rtol=1e-6)

@@ -72,7 +72,8 @@ void run_all_units(const AttentionParams& p) {
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-// Fills the parameters shared by v1 and v2 and runs the kernel for the given output target.
+// Fills the parameters shared by v1, v2 and varlen and runs the kernel for the given output
+// target; p.max_query_len is the caller's (1 for v1/v2).
 void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tensor& query,
                    const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -80,7 +81,7 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
                    const at::Tensor& v_scale, double scale, int64_t sliding_window,
                    double logits_soft_cap) {
   p.query = query.data_ptr();
-  p.query_seq_stride = query.stride(0);
+  p.query_row_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
@@ -101,10 +102,20 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
   p.head_size = dims.head_size;
   p.block_size = dims.block_size;
   p.max_unit_tokens = std::min(dims.max_seq_len, p.partition_size);
-  if (sliding_window > 0) p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window);
+  if (sliding_window > 0) {
+    // The first query row's window, plus the positions of the rows after it.
+    p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window + p.max_query_len - 1);
+  }
   // Up to kMaxUnitKvHeads KV heads per unit (see decode_attention.h), fewer while that would
-  // leave fewer than 4 units per thread to share out.
+  // leave fewer than 4 units per thread to share out; with several query rows per sequence, as
+  // many as keep the unit's rows within kMaxUnitRows.
   p.unit_kv_heads = std::max<int64_t>(1, std::min(kMaxUnitKvHeads, dims.num_kv_heads));
+  if (p.max_query_len > 1) {
+    const int64_t head_rows = p.max_query_len * (dims.num_heads / dims.num_kv_heads);
+    while (p.unit_kv_heads > 1 && p.unit_kv_heads * head_rows > kMaxUnitRows) {
+      p.unit_kv_heads /= 2;
+    }
+  }
   while (p.unit_kv_heads > 1 && unit_count(p) < 4 * at::get_num_threads()) p.unit_kv_heads /= 2;
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
 
@@ -186,6 +197,7 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
   p.out = out.data_ptr();
   p.num_partitions = 1;
   p.partition_size = std::numeric_limits<int64_t>::max() / 2;
+  p.max_query_len = 1;
   run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                 k_scale, v_scale, scale, sliding_window, logits_soft_cap);
 }
@@ -222,6 +234,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   p.exp_sums = exp_sums.data_ptr<float>();
   p.num_partitions = exp_sums.size(2);
   p.partition_size = kPartitionSize;
+  p.max_query_len = 1;
   run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                 k_scale, v_scale, scale, sliding_window, logits_soft_cap);
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
@@ -229,6 +242,30 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                                   "paged_attention_v2_combine",
                                   [&] { combine_partitions<scalar_t>(out, exp_sums, max_logits,
                                                                      tmp_out); });
+}
+
+void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, int64_t max_query_len,
+                            int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                            const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale, int64_t sliding_window,
+                            double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
+  const VarlenDims dims = check_varlen_args(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+      sliding_window, logits_soft_cap, sinks);
+  check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window);
+  AttentionParams p{};
+  p.out = out.data_ptr();
+  p.num_partitions = 1;
+  p.partition_size = std::numeric_limits<int64_t>::max() / 2;
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  p.max_query_len = std::max<int64_t>(1, max_query_len);
+  run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                k_scale, v_scale, scale, sliding_window, logits_soft_cap);
 }
 
 }  // namespace paged_attention::cpu

@@ -39,7 +39,7 @@ namespace paged_attention::cpu {
 // Everything a kernel needs, as raw pointers and element strides (no tensors past this point).
 struct AttentionParams {
   const void* query;
-  int64_t query_seq_stride;
+  int64_t query_row_stride;  // between query rows: sequences (v1/v2), tokens (varlen)
   int64_t query_head_stride;
   const void* key_cache;
   const void* value_cache;
@@ -50,7 +50,11 @@ struct AttentionParams {
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
+  // varlen: the query rows of sequence s are query_start_loc[s] .. query_start_loc[s + 1] - 1;
+  // null for v1/v2, where sequence s has one query row, row s.
+  const int32_t* query_start_loc;
   const float* alibi_slopes;  // null without ALiBi
+  const float* sinks;         // varlen: one extra logit per query head; null without
   float scale;
   float logits_soft_cap;   // 0: none
   int64_t sliding_window;  // 0: none
@@ -70,7 +74,16 @@ struct AttentionParams {
   int64_t partition_size;  // tokens per unit; v1: unlimited
   int64_t max_unit_tokens;  // the most tokens any unit attends to
   int64_t unit_kv_heads;    // KV heads per unit (the last unit of a sequence may have fewer)
+  int64_t max_query_len;    // sequences with more query rows are left to another kernel
 };
+
+// Query rows of sequence `seq`, and the first of them (a row index of query and out).
+inline int64_t query_len(const AttentionParams& p, int64_t seq) {
+  return p.query_start_loc == nullptr ? 1 : p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+}
+inline int64_t first_query_row(const AttentionParams& p, int64_t seq) {
+  return p.query_start_loc == nullptr ? seq : p.query_start_loc[seq];
+}
 
 // Query heads whose multiply-adds share a loaded cache vector (the AVX2 variant uses half as
 // many: see kHeads in attend_tokens); buffers are sized for this many.
@@ -98,33 +111,39 @@ constexpr int64_t kPrefetchGroup = 8;
 // The most KV heads per unit (see the top of the file). With head size 128 and block size 16, 4
 // heads' key tiles of a block are one 16 KiB (bf16) or 32 KiB (fp32) run of memory.
 constexpr int64_t kMaxUnitKvHeads = 4;
+// With several query rows per sequence, a unit holds at most this many rows (KV heads x rows
+// per KV head), unless one KV head alone has more: their logits stay in the per-thread buffer.
+constexpr int64_t kMaxUnitRows = 32;
 
 // Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats; "heads"
-// is the number of KV heads of a unit.
+// is the number of KV heads of a unit, "rows" the query rows per KV head (q_len x group), padded
+// to a multiple of kHeadTile in rows_pad.
 struct Scratch {
-  AlignedFloats query_patterns;  // [heads][group_pad][head_size / 4][4]
-  AlignedFloats logits;          // [heads * group][logit_stride]: logits, then exp(logit - max)
-  AlignedFloats block_logits;    // [group_pad][block_size]
-  AlignedFloats prob_patterns;   // [kValueBlocks][group_pad][kMaxPatterns] vectors
-  AlignedFloats accumulators;    // [heads][group_pad][value chunks per tile] vectors
+  AlignedFloats query_patterns;  // [heads][rows_pad][head_size / 4][4]
+  AlignedFloats logits;          // [heads * rows][logit_stride]: logits, then exp(logit - max)
+  AlignedFloats block_logits;    // [rows_pad][block_size]
+  AlignedFloats prob_patterns;   // [kValueBlocks][rows_pad][kMaxPatterns] vectors
+  AlignedFloats accumulators;    // [heads][rows_pad][value chunks per tile] vectors
   int64_t logit_stride;
 
-  void resize(int64_t heads, int64_t group, int64_t head_size, int64_t block_size,
+  void resize(int64_t heads, int64_t rows, int64_t head_size, int64_t block_size,
               int64_t max_tokens) {
-    const int64_t group_pad = round_up(group, kHeadTile);
+    const int64_t rows_pad = round_up(rows, kHeadTile);
     logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
-    query_patterns.resize(heads * group_pad * head_size);
-    logits.resize(heads * group * logit_stride);
-    block_logits.resize(group_pad * block_size);
-    prob_patterns.resize(kValueBlocks * group_pad * kMaxPatterns * kLanes);
+    query_patterns.resize(heads * rows_pad * head_size);
+    logits.resize(heads * rows * logit_stride);
+    block_logits.resize(rows_pad * block_size);
+    prob_patterns.resize(kValueBlocks * rows_pad * kMaxPatterns * kLanes);
     // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
-    accumulators.resize(heads * group_pad * head_size * block_size);
+    accumulators.resize(heads * rows_pad * head_size * block_size);
   }
 };
 
-// Attends the query heads of KV heads [kv_head, kv_head + heads) to tokens [begin, end) of one
-// sequence (end > begin). Writes, per query head (row hh * group + g for query head g of KV head
-// kv_head + hh), the normalised output (float), the max logit and the exp sum.
+// Attends the query rows of KV heads [kv_head, kv_head + heads) to tokens [begin, end) of one
+// sequence (end > begin). A KV head serves q_len x group rows: row hh * head_rows + i * group + g
+// is query row i of the sequence (at position seq_len - q_len + i) and query head g of KV head
+// kv_head + hh. Row i attends [begin, end) clipped to its causal end and window. Writes, per
+// row, the normalised output (float), the max logit and the exp sum (a sink included).
 // kSplit (the AVX2 variant): 16-lane vectors have no register of their own there, and GCC keeps
 // them on the stack; the multiply-add loops then hold every vector as two 8-lane halves, in
 // registers, with 2 heads per loaded cache vector instead of 4 (16 registers, not 32).
@@ -148,8 +167,10 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t group_pad = round_up(group, kHeads);
-  const int64_t rows = heads * group;
+  const int64_t q_len = query_len(p, seq);
+  const int64_t head_rows = q_len * group;
+  const int64_t rows_pad = round_up(head_rows, kHeads);
+  const int64_t rows = heads * head_rows;
   const int64_t seq_len = p.seq_lens[seq];
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const cache_t* key_base = static_cast<const cache_t*>(p.key_cache) + kv_head * p.key_head_stride;
@@ -165,15 +186,16 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   // pattern of (c, v) is those 4 floats, repeated across the vector when loaded.
   const int64_t dim_rows = head_size / x;
   const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
-  const int64_t head_patterns = group_pad * patterns_per_head * 4;  // floats per KV head
+  const int64_t head_patterns = rows_pad * patterns_per_head * 4;  // floats per KV head
   float* query_patterns = s.query_patterns.data();
   for (int64_t hh = 0; hh < heads; ++hh) {
     float* head_qp = query_patterns + hh * head_patterns;
-    std::fill(head_qp + group * patterns_per_head * 4, head_qp + head_patterns,
-              0.0f);  // padding heads
-    for (int64_t g = 0; g < group; ++g) {
-      const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.query_seq_stride +
-                          ((kv_head + hh) * group + g) * p.query_head_stride;
+    std::fill(head_qp + head_rows * patterns_per_head * 4, head_qp + head_patterns,
+              0.0f);  // padding rows
+    for (int64_t g = 0; g < head_rows; ++g) {
+      const scalar_t* q = static_cast<const scalar_t*>(p.query) +
+                          (first_query_row(p, seq) + g / group) * p.query_row_stride +
+                          ((kv_head + hh) * group + g % group) * p.query_head_stride;
       for (int64_t c = 0; c < dim_rows; ++c) {
         for (int v = 0; v < k; ++v) {
           float* pattern = head_qp + (g * patterns_per_head + c * k + v) * 4;
@@ -227,7 +249,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         ahead[i] = tile_in_reading_order((tile_index / kPrefetchGroup + 1) * kPrefetchGroup + i);
       }
       const int64_t first_request = tile_index % kPrefetchGroup * tile_lines;
-      for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
+      for (int64_t g0 = 0; g0 < rows_pad; g0 += kHeads) {
         const float* qp = query_patterns + hh * head_patterns + g0 * patterns_per_head * 4;
         // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
         auto chunk_logits = [&]<int kTile>(int64_t m0) {
@@ -294,8 +316,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        std::memcpy(logits + (hh * group + g) * s.logit_stride + (lo - begin),
+      for (int64_t g = 0; g < head_rows; ++g) {
+        std::memcpy(logits + (hh * head_rows + g) * s.logit_stride + (lo - begin),
                     block_logits + g * block_size + (lo - b * block_size),
                     (hi - lo) * sizeof(float));
       }
@@ -303,23 +325,30 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   }
 
   // ---- Soft-cap, ALiBi, then the max-subtracted exponentials, a vector V of tokens at a time
-  // (the logits rows are padded to a multiple of 16).
+  // (the logits rows are padded to a multiple of 16). Row r attends the offsets [lo, hi) of the
+  // unit's tokens: all of them for a single query row, up to its own position for the others.
   using I = IntsOf<V>;
   constexpr int kRowLanes = kPartLanes;
-  const int64_t h0 = kv_head * group;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = logits + r * s.logit_stride;
-    const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[h0 + r] : 0.0f;
+    const int64_t i = r % head_rows / group;  // query row within the sequence
+    const int64_t head = (kv_head + r / head_rows) * group + r % group;
+    const int64_t position = seq_len - q_len + i;
+    const int32_t lo = static_cast<int32_t>(
+        p.sliding_window > 0 ? std::max<int64_t>(0, position - p.sliding_window + 1 - begin) : 0);
+    const int32_t hi = static_cast<int32_t>(std::min(end, position + 1) - begin);
+    const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.0f;
     V row_max = splat<V>(-kInf);
     for (int64_t t = 0; t < n; t += kRowLanes) {
-      const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
+      const I offset = lane_index<I>() + static_cast<int32_t>(t);
+      const I valid = (offset >= lo) & (offset < hi);
       V v = load_vector<V>(row + t);
       if (p.logits_soft_cap > 0) v = p.logits_soft_cap * vtanh(v / p.logits_soft_cap);
       if (p.alibi_slopes != nullptr) {
-        // position - seq_len + 1, for positions begin + t + lane
+        // key position - query position, for key positions begin + t + lane
         const V rel = __builtin_convertvector(lane_index<I>(), V) +
-                      static_cast<float>(begin + t - seq_len + 1);
+                      static_cast<float>(begin + t - position);
         v += slope * rel;
       }
       v = valid ? v : splat<V>(-kInf);
@@ -327,16 +356,20 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
       row_max = v > row_max ? v : row_max;
     }
     float m = row_max[0];
-    for (int i = 1; i < kRowLanes; ++i) m = std::max(m, row_max[i]);
+    for (int j = 1; j < kRowLanes; ++j) m = std::max(m, row_max[j]);
+    // A sink joins the softmax's denominator only: exp(sink - m), with m covering it.
+    const float sink = p.sinks != nullptr ? p.sinks[head] : -kInf;
+    m = std::max(m, sink);
     V row_sum{};
     for (int64_t t = 0; t < n; t += kRowLanes) {
-      const I valid = lane_index<I>() < static_cast<int32_t>(n - t);
+      const I offset = lane_index<I>() + static_cast<int32_t>(t);
+      const I valid = (offset >= lo) & (offset < hi);
       const V e = zero_where_not(vexp(load_vector<V>(row + t) - m), valid);
       std::memcpy(row + t, &e, sizeof(e));
       row_sum += e;
     }
-    float sum = 0.0f;
-    for (int i = 0; i < kRowLanes; ++i) sum += row_sum[i];
+    float sum = p.sinks != nullptr ? std::exp(sink - m) : 0.0f;
+    for (int j = 0; j < kRowLanes; ++j) sum += row_sum[j];
     max_logit[r] = m;
     exp_sum[r] = sum;
   }
@@ -349,10 +382,10 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t patterns = k * chunks_per_row;
   const int64_t value_chunks = head_size * block_size / chunk_elems;
   float* acc_mem = s.accumulators.data();
-  const int64_t head_acc_floats = group_pad * value_chunks * kLanes;  // per KV head
+  const int64_t head_acc_floats = rows_pad * value_chunks * kLanes;  // per KV head
   std::fill(acc_mem, acc_mem + heads * head_acc_floats, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
-  const int64_t pattern_block_stride = group_pad * kMaxPatterns * kLanes;
+  const int64_t pattern_block_stride = rows_pad * kMaxPatterns * kLanes;
   i32x16 pattern_tokens[kMaxPatterns];  // token of each lane of each pattern, within a block
   for (int64_t pat = 0; pat < patterns; ++pat) {
     for (int l = 0; l < kLanes; ++l) {
@@ -397,10 +430,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         float* patterns_out = prob_patterns + i * pattern_block_stride;
         for (int64_t pat = 0; pat < patterns; ++pat) {
           const i32x16 token = pattern_tokens[pat];
-          for (int64_t g = 0; g < group_pad; ++g) {
+          for (int64_t g = 0; g < rows_pad; ++g) {
             float* dst = patterns_out + (g * kMaxPatterns + pat) * kLanes;
-            const float* row = logits + (hh * group + std::min(g, group - 1)) * s.logit_stride;
-            if (g >= group) {
+            const float* row =
+                logits + (hh * head_rows + std::min(g, head_rows - 1)) * s.logit_stride;
+            if (g >= head_rows) {
               std::fill(dst, dst + kLanes, 0.0f);
             } else if (!partial[i]) {
               if constexpr (kSplit) {
@@ -418,7 +452,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         }
       }
       float* head_acc = acc_mem + hh * head_acc_floats;
-      for (int64_t g0 = 0; g0 < group_pad; g0 += kHeads) {
+      for (int64_t g0 = 0; g0 < rows_pad; g0 += kHeads) {
         // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
         // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
         auto chunk_values = [&]<int kTile>(int64_t m0) {
@@ -549,9 +583,9 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t lanes_per_row = kLanes / rows_per_chunk;
   std::fill(out, out + rows * head_size, 0.0f);
   for (int64_t hh = 0; hh < heads; ++hh) {
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < head_rows; ++g) {
       const float* lanes = acc_mem + hh * head_acc_floats + g * value_chunks * kLanes;
-      float* row_out = out + (hh * group + g) * head_size;
+      float* row_out = out + (hh * head_rows + g) * head_size;
       for (int64_t m = 0; m < value_chunks; ++m) {
         const f32x16 sums = group_sum(load_vector<f32x16>(lanes + m * kLanes), lanes_per_row);
         const int64_t first_row = m / chunks_per_row * rows_per_chunk;
@@ -559,7 +593,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           row_out[first_row + r] += sums[r * lanes_per_row];
         }
       }
-      const float inv_sum = 1.0f / exp_sum[hh * group + g];
+      const float inv_sum = 1.0f / exp_sum[hh * head_rows + g];
       for (int64_t d = 0; d < head_size; ++d) row_out[d] *= inv_sum;
     }
   }
@@ -576,26 +610,33 @@ inline int64_t unit_count(const AttentionParams& p) {
 // Runs units of (sequence, run of KV heads, partition), numbered in that nesting order, taking
 // the next unnumbered one from `next_unit` until none is left. Taking units one at a time
 // balances sequences of different lengths (and threads slowed by other work on the machine).
+// Sequences without query rows, or with more than p.max_query_len, are skipped.
 template <typename scalar_t, typename cache_t, bool kSplit>
 inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t runs = kv_head_runs(p);
   const int64_t units = unit_count(p);
+  const int64_t max_head_rows = p.max_query_len * group;
   Scratch s;
-  s.resize(p.unit_kv_heads, group, p.head_size, p.block_size, p.max_unit_tokens);
-  std::vector<float> result(p.unit_kv_heads * group * p.head_size);
-  std::vector<float> max_logit(p.unit_kv_heads * group);
-  std::vector<float> exp_sum(p.unit_kv_heads * group);
+  s.resize(p.unit_kv_heads, max_head_rows, p.head_size, p.block_size, p.max_unit_tokens);
+  std::vector<float> result(p.unit_kv_heads * max_head_rows * p.head_size);
+  std::vector<float> max_logit(p.unit_kv_heads * max_head_rows);
+  std::vector<float> exp_sum(p.unit_kv_heads * max_head_rows);
 
   for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < units;
        u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t partition = u % p.num_partitions;
     const int64_t kv_head = (u / p.num_partitions) % runs * p.unit_kv_heads;
     const int64_t heads = std::min(p.unit_kv_heads, p.num_kv_heads - kv_head);
-    const int64_t rows = heads * group;
     const int64_t seq = u / (p.num_partitions * runs);
+    const int64_t q_len = query_len(p, seq);
+    if (q_len == 0 || q_len > p.max_query_len) continue;
+    const int64_t head_rows = q_len * group;
+    const int64_t rows = heads * head_rows;
     const int64_t seq_len = p.seq_lens[seq];
-    int64_t begin = p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
+    // The first query row's window start: later rows attend a suffix of what it attends.
+    int64_t begin =
+        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - q_len + 1 - p.sliding_window) : 0;
     int64_t end = seq_len;
     begin = std::max(begin, partition * p.partition_size);
     end = std::min(end, (partition + 1) * p.partition_size);
@@ -608,7 +649,9 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
                                                result.data(), max_logit.data(), exp_sum.data());
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t row = (seq * p.num_heads + kv_head * group + r) * p.num_partitions + partition;
+      const int64_t token = first_query_row(p, seq) + r % head_rows / group;
+      const int64_t head = (kv_head + r / head_rows) * group + r % group;
+      const int64_t row = (token * p.num_heads + head) * p.num_partitions + partition;
       scalar_t* dst = static_cast<scalar_t*>(p.out) + row * p.head_size;
       for (int64_t d = 0; d < p.head_size; ++d) {
         dst[d] = static_cast<scalar_t>(result[r * p.head_size + d]);
