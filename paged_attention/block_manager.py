@@ -21,6 +21,17 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   are known; its KV is written by the sequence's next forward pass (sequences that hit it in
   the same batch read it after the cache write of each layer). Free a sequence whose forward
   pass never ran with ``free(seq_id, cache=False)``.
+* ``truncate(seq_id, n)`` cuts a sequence back to its first ``n`` tokens (the rejected draft
+  tokens of speculative decoding, transformers' ``crop``). Blocks wholly past the cut are
+  dropped as ``free`` drops them: one another sequence shares stays with it; an unreferenced
+  cached one stays cached, its tokens and KV still valid, unless ``cache=False``. A kept last
+  block left partly filled is written by the next append, and a prefix-cache entry must never be
+  written: if only this sequence holds it, it leaves the cache; if others share it, it is copied
+  now (the returned ``(src, dst)`` pair) and the cached original stays theirs. A shared block
+  that is not cached is copied by the next append, as after ``fork``. The sequence's prefix chain
+  is cut back with it, so its later full blocks are registered under the right hashes. A
+  swapped-out sequence raises ``SwapError``; with a sliding window, a cut whose next token would
+  attend a released block raises ``ValueError``.
 * Swapping moves whole sequences between pools. Blocks shared inside the swapped set move once
   and stay shared. A block also referenced by a sequence outside the set is *copied*: the
   swapped sequences get their own copy on the other side and the original keeps its other
@@ -193,7 +204,7 @@ class BlockManager:
         if too_big or not self._tables.fits(num_blocks):
             return AllocStatus.NEVER
         needed = self._device.count_to_take(num_blocks, self._prefixes.lookup(tokens)[0])
-        return self._status(needed)
+        return _status(self._device.num_free() - needed, self.watermark_blocks)
 
     def allocate(self, seq_id: int, tokens: int | Sequence[int]) -> None:
         """Give a new sequence blocks for its prompt: a token count, or the token ids (which
@@ -234,10 +245,33 @@ class BlockManager:
         self._check_room(new_blocks + copy, freed, f"appending {n} tokens to sequence {seq_id}")
 
         self._device.drop(tables.release(row, released))
-        pairs = [self._copy_on_write(row, num_blocks - 1)] if copy else []
+        pairs = self._copy_last(np.array([row]), np.array([last])) if copy else []
         tables.extend(row, device.take(new_blocks), old_len + n)
         self._prefixes.record(seq_id, tables, row, old_len, tokens)
         return pairs
+
+    def truncate(
+        self, seq_id: int, num_tokens: int, *, cache: bool = True
+    ) -> list[tuple[int, int]]:
+        """Cut a sequence back to its first ``num_tokens`` tokens (rejected draft tokens,
+        transformers' ``crop``); returns the copy-on-write ``(src, dst)`` pairs to copy before
+        the next forward pass. ``cache`` as in ``free``; see the module docstring."""
+        tables, device, size = self._tables, self._device, self.block_size
+        row = tables.device_row(seq_id)
+        num_tokens = _as_int(num_tokens, "num_tokens")
+        tables.check_cut(seq_id, row, num_tokens, self.sliding_window)
+        keep = _cdiv(num_tokens, size)
+        last = int(tables.table[row, keep - 1]) if num_tokens % size else -1
+        cached = last >= 0 and device.is_cached(last)
+        copy = cached and device.refs[last] > 1
+        freed = _num_freed([tables.table[row, keep : tables.num_blocks[row]]], device.refs)
+        self._check_room(int(copy), freed, f"truncating sequence {seq_id} to {num_tokens} tokens")
+
+        device.drop(tables.cut(row, keep, num_tokens), cache=cache)
+        if cached and not copy:
+            device.uncache(last)  # written in place by the next append
+        self._prefixes.cut(seq_id, num_tokens)
+        return self._copy_last(np.array([row]), np.array([last])) if copy else []
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; nothing is allocated."""
@@ -292,7 +326,7 @@ class BlockManager:
         needed = self._tables.num_distinct_blocks(rows)
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
-        return self._status(needed)
+        return _status(self._device.num_free() - needed, self.watermark_blocks)
 
     def swap_in(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
         """Move swapped sequences back to the device; returns the ``(host, device)`` copies."""
@@ -337,17 +371,15 @@ class BlockManager:
         if open_rows.size:  # the widest table after the step is the one that may not fit
             widest = int(np.argmax(np.where(opens, num_blocks, -1)))
             tables.check_fits(seq_ids[widest], int(num_blocks[widest]) + 1)
-        copy_rows, copied = _decode_copies(tables, device.refs, rows, num_blocks, opens)
         releasing, released = tables.rows_releasing(rows, lens + 1, self.sliding_window)
+        refs = _refs_after(device.refs, released)  # a release may unshare a row's last block
+        copy_rows, copied = _decode_copies(tables, refs, rows, num_blocks, opens)
         needed, freed = open_rows.size + copy_rows.size, _num_freed(released, device.refs)
         self._check_room(needed, freed, f"decode step over {rows.size} sequences")
 
         for row, blocks in zip(releasing, released):
             device.drop(tables.release(row, blocks))
-        copies = device.take(copy_rows.size)
-        if copies:
-            device.add_refs(copied, -1)
-            tables.replace_last(copy_rows, copies)
+        pairs = self._copy_last(copy_rows, copied) if copy_rows.size else []
         if open_rows.size:
             tables.extend_rows(open_rows, device.take(open_rows.size), int(num_blocks[widest]) + 1)
         tables.seq_lens[rows] = lens + 1
@@ -355,7 +387,7 @@ class BlockManager:
             self._prefixes.record_each(seq_ids, tables, rows, lens, tokens)
         slots = tables.table[rows, lens // size] * np.int64(size) + lens % size
         return (
-            list(zip(copied.tolist(), copies)),
+            pairs,
             torch.from_numpy(tables.batch_table(rows, 0)),
             torch.from_numpy((lens + 1).astype(np.int32)),
             torch.from_numpy(slots),
@@ -371,10 +403,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _status(self, needed: int) -> AllocStatus:
-        ok = self._device.num_free() - needed >= self.watermark_blocks
-        return AllocStatus.OK if ok else AllocStatus.LATER
-
     def _check_room(self, needed: int, freed: int, what: str) -> None:
         """OutOfBlocksError unless ``needed`` device blocks are free (``freed``: by releases)."""
         available = self._device.num_free() + freed
@@ -386,12 +414,13 @@ class BlockManager:
         self._tables.move_rows(rows, mapping, on_host=dest is self._host)
         return list(mapping.items())
 
-    def _copy_on_write(self, row: int, index: int) -> tuple[int, int]:
-        old = int(self._tables.table[row, index])
-        (new,) = self._device.take(1)
-        self._device.refs[old] -= 1  # shared, so still referenced
-        self._tables.table[row, index] = new
-        return old, new
+    def _copy_last(self, rows: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
+        """Copy-on-write: give ``rows`` fresh blocks for their last ones, ``blocks`` (shared, so
+        still referenced after); the ``(src, dst)`` pairs."""
+        copies = self._device.take(rows.size)
+        self._device.add_refs(blocks, -1)
+        self._tables.replace_last(rows, copies)
+        return list(zip(blocks.tolist(), copies))
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -519,6 +548,19 @@ def _token_counts(counts, seq_ids: Sequence[int], lens: np.ndarray) -> np.ndarra
 
 
 # ---------------------------------------------------------------------------- decisions
+
+
+def _status(free_after: int, watermark_blocks: int) -> AllocStatus:
+    return AllocStatus.OK if free_after >= watermark_blocks else AllocStatus.LATER
+
+
+def _refs_after(refs: np.ndarray, released: list[np.ndarray]) -> np.ndarray:
+    """Reference counts once every table entry in ``released`` drops its block."""
+    if not released:
+        return refs
+    refs = refs.copy()
+    np.subtract.at(refs, np.concatenate(released), 1)
+    return refs
 
 
 def _num_freed(released: list[np.ndarray], refs: np.ndarray) -> int:

@@ -49,6 +49,15 @@ class PrefixChain:
     def copy(self) -> PrefixChain:
         return PrefixChain(list(self.links), list(self.pending))
 
+    def cut(self, num_tokens: int, block_size: int) -> None:
+        """Keep the chain of the sequence's first ``num_tokens`` tokens (at most its length)."""
+        full, rest = divmod(num_tokens, block_size)
+        if full < len(self.links):
+            self.pending = list(self.links[full][2][:rest])
+            del self.links[full:]
+        else:
+            del self.pending[rest:]
+
 
 class BlockPool:
     """``num_blocks`` blocks, each with a reference count: the number of table entries that
@@ -122,6 +131,9 @@ class CachingBlockPool(BlockPool):
 
     def num_evictable(self) -> int:
         return len(self._evictable)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._entries
 
     def take(self, count: int) -> list[int]:
         if not count:

@@ -122,6 +122,19 @@ class BlockTables:
                 f"max_blocks_per_seq={self.max_blocks_per_seq}"
             )
 
+    def check_cut(self, seq_id: int, row: int, num_tokens: int, window: int | None) -> None:
+        """Whether a sequence can be cut to ``num_tokens``: no longer than it is, and the
+        window of the token computed next must not reach a released block."""
+        length, released = int(self.seq_lens[row]), int(self.num_released[row])
+        if num_tokens > length:
+            raise ValueError(f"sequence {seq_id} has {length} tokens, cannot keep {num_tokens}")
+        if released and max(num_tokens + 1 - window, 0) // self.block_size < released:
+            raise ValueError(
+                f"cannot cut sequence {seq_id} to {num_tokens} tokens: the sliding window "
+                f"released its first {released} blocks, which the next token would attend; "
+                f"keep at least {released * self.block_size + window - 1} tokens"
+            )
+
     # ------------------------------------------------------------------ rows
 
     def live_rows(self) -> np.ndarray:
@@ -228,6 +241,16 @@ class BlockTables:
         self.table[row, start : start + blocks.size] = 0
         self.num_released[row] += blocks.size
         return blocks
+
+    def cut(self, row: int, num_blocks: int, num_tokens: int) -> np.ndarray:
+        """Keep a row's first ``num_blocks`` entries and ``num_tokens`` tokens; the removed
+        entries' blocks, for the caller to drop."""
+        end = int(self.num_blocks[row])
+        removed = self.table[row, num_blocks:end].copy()
+        self.table[row, num_blocks:end] = 0
+        self.num_blocks[row] = num_blocks
+        self.seq_lens[row] = num_tokens
+        return removed
 
     # ------------------------------------------------------------------ vectorised queries
 
@@ -353,3 +376,10 @@ class PrefixChains:
         for seq_id in seq_ids:
             self.chains.pop(seq_id, None)
             self.cached_tokens.pop(seq_id, None)
+
+    def cut(self, seq_id: int, num_tokens: int) -> None:
+        """A sequence now holds only its first ``num_tokens`` tokens."""
+        if seq_id in self.chains:
+            self.chains[seq_id].cut(num_tokens, self.pool.block_size)
+        if self.cached_tokens.get(seq_id, 0) > num_tokens:
+            self.cached_tokens[seq_id] = num_tokens

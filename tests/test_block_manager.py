@@ -287,6 +287,141 @@ def test_append_errors_leave_state_unchanged():
     assert_fails_cleanly(bm, ValueError, lambda: bm.append_slots(1, -1))
 
 
+# ---------------------------------------------------------------------------- truncate
+
+
+def test_truncate_frees_the_blocks_past_the_cut():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, 10)
+    assert bm.truncate(1, 10) == [] and bm.block_table(1) == [0, 1, 2]
+    assert bm.truncate(1, np.int64(5)) == []
+    assert bm.block_table(1) == [0, 1] and bm.num_tokens(1) == 5
+    assert bm.num_free_device_blocks() == 6
+    assert bm.slot_mapping_tensor([1], 5).tolist() == [0, 1, 2, 3, 4]
+    assert bm.append_slots(1, 4) == [] and bm.block_table(1) == [0, 1, 3]
+    pairs, tables, lens, slots = bm.decode_step([1])
+    assert lens.tolist() == [10] and slots.tolist() == [13]
+    assert bm.truncate(1, 0) == [] and bm.block_table(1) == [] and bm.num_tokens(1) == 0
+    bm.append_slots(1, 1)
+    assert bm.block_table(1) == [4] and bm.num_free_device_blocks() == 7
+    check_invariants(bm)
+
+
+def test_truncate_into_a_shared_block_copies_on_the_next_append():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, 8)
+    bm.fork(1, 2)
+    assert bm.truncate(2, 6) == []  # nothing is written yet
+    assert bm.block_table(2) == [0, 1] and bm._device.refs[1] == 2
+    assert bm.stats().device.tokens_stored == 8  # block 1 is still full for sequence 1
+    check_invariants(bm)
+    assert bm.append_slots(2) == [(1, 2)]  # block 1 is full for sequence 1: copied first
+    assert bm.block_table(2) == [0, 2] and bm.block_table(1) == [0, 1]
+    bm.fork(1, 3)
+    bm.free(2)
+    bm.truncate(3, 2)
+    bm.truncate(1, 3)
+    pairs, *_ = bm.decode_step([3, 1])  # both hold block 0, partly filled: one copy
+    assert pairs == [(0, bm.block_table(3)[0])] and bm.block_table(1) == [0]
+    check_invariants(bm)
+
+
+def test_truncate_keeps_the_prefix_cache_consistent():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(1, 10))  # blocks 0 [1..4] and 1 [5..8] cached, block 2 holds [9]
+    bm.allocate(1, prompt)
+    assert bm.truncate(1, 6) == []  # block 1, now partial and only held by 1, leaves the cache
+    assert not bm._device.is_cached(1) and bm._device.is_cached(0)
+    assert bm.cached_prefix_length(prompt) == 4
+    bm.append_slots(1, 2, tokens=[60, 70])  # overwrites block 1, registered again when full
+    assert bm.block_table(1) == [0, 1] and bm._device.is_cached(1)
+    bm.allocate(2, [1, 2, 3, 4, 5, 6, 60, 70, 0])
+    assert bm.num_cached_tokens(2) == 8 and bm.block_table(2)[:2] == [0, 1]
+    # Block 1 is cached and shared with sequence 2: cutting into it copies it now.
+    (pair,) = bm.truncate(2, 5)
+    assert pair[0] == 1 and bm.block_table(2) == [0, pair[1]] and bm._device.is_cached(1)
+    assert bm.num_cached_tokens(2) == 5 and not bm._device.is_cached(pair[1])
+    bm.append_slots(2, 3, tokens=[6, 60, 70])  # the same tokens again: the cached entry serves
+    bm.append_slots(2, 4, tokens=[80, 81, 82, 83])
+    bm.allocate(3, [1, 2, 3, 4, 5, 6, 60, 70, 80, 81, 82, 83, 0])
+    assert bm.num_cached_tokens(3) == 12
+    assert bm.block_table(3)[:3] == [0, 1, bm.block_table(2)[2]]
+    check_invariants(bm)
+
+
+def test_truncate_leaves_valid_blocks_past_the_cut_cached_unless_told():
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5, 6, 7]  # blocks 0 [1, 2], 1 [3, 4], 2 [5, 6] cached, 3 holds [7]
+    bm.allocate(1, prompt)
+    entries = [bm._device._entries[b] for b in (0, 1, 2)]
+    bm.truncate(1, 2)
+    assert bm.cached_prefix_length(prompt) == 6  # their KV is still valid
+    assert bm.num_free_device_blocks() == 15 and bm._device.num_evictable() == 2
+    bm.append_slots(1, 4, tokens=[3, 4, 5, 6])  # new blocks, chained through the cached ones
+    assert bm._prefixes.chains[1].links == entries
+    bm.allocate(2, prompt)
+    assert bm.block_table(2)[:3] == [0, 1, 2]
+    bm.truncate(2, 2, cache=False)  # as for tokens whose forward pass never ran
+    assert bm.cached_prefix_length(prompt) == 2
+    check_invariants(bm)
+
+
+def test_truncate_cuts_the_prefix_chain_back():
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    bm.truncate(1, 3)  # the chain now ends after block 0, with [3] pending
+    assert bm._prefixes.chains[1].pending == [3] and len(bm._prefixes.chains[1].links) == 1
+    bm.append_slots(1, 3, tokens=[9, 9, 9])
+    bm.allocate(2, [1, 2, 3, 9, 9, 9, 0])
+    assert bm.num_cached_tokens(2) == 6
+    bm.allocate(3, [1, 2, 3, 4, 9, 9, 0])  # the old block [3, 4] was overwritten: no hit on it
+    assert bm.num_cached_tokens(3) == 2
+    check_invariants(bm)
+
+
+def test_truncate_errors_leave_state_unchanged():
+    bm = BlockManager(5, 4, 4, enable_prefix_caching=True, watermark=0.0)
+    bm.allocate(1, list(range(9)))
+    bm.allocate(2, list(range(8)) + [99])  # shares the cached blocks 0 and 1
+    assert_fails_cleanly(bm, UnknownSequenceError, lambda: bm.truncate(9, 1), "9")
+    assert_fails_cleanly(bm, ValueError, lambda: bm.truncate(1, 10), "has 9 tokens")
+    assert_fails_cleanly(bm, ValueError, lambda: bm.truncate(1, -1), "num_tokens")
+    assert_fails_cleanly(bm, TypeError, lambda: bm.truncate(1, 2.0), "num_tokens")
+    bm.allocate(3, 4)  # the last free block
+    bm.fork(1, 4)
+    # Cutting sequence 1 into the shared cached block 1 needs a copy; its block 2 is shared too.
+    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.truncate(1, 6), "truncating", "0 free")
+    assert bm.truncate(2, 6) != []  # dropping its own last block makes room for the copy
+    bm.swap_out([3])
+    assert_fails_cleanly(bm, SwapError, lambda: bm.truncate(3, 1), "swapped out")
+    check_invariants(bm)
+
+
+def test_truncate_with_a_sliding_window():
+    bm = BlockManager(8, 4, sliding_window=6)
+    bm.allocate(1, 12)
+    bm.append_slots(1, 2)  # position 12 attends 7..12: block 0 is released
+    assert bm.block_table(1) == [RELEASED, 1, 2, 3]
+    # Cut to 9 tokens: the next token (position 9) attends 4..9, still held.
+    assert_fails_cleanly(bm, ValueError, lambda: bm.truncate(1, 8), "keep at least 9")
+    assert bm.truncate(1, 9) == [] and bm.block_table(1) == [RELEASED, 1, 2]
+    assert bm.slot_mapping_tensor([1], 9).tolist() == [-1] * 4 + [4, 5, 6, 7, 8]
+    check_invariants(bm)
+    bm.append_slots(1)
+    assert bm.block_table(1) == [RELEASED, 1, 2]
+
+
+def test_decode_copy_decision_counts_the_step_window_releases():
+    bm = BlockManager(8, 2, sliding_window=3, watermark=0.0)
+    bm.allocate(1, 4)  # blocks 0, 1
+    bm.fork(1, 2)
+    bm.truncate(2, 1)  # sequence 2 keeps 1 token of block 0, which is full for sequence 1
+    pairs, *_ = bm.decode_step([2, 1])
+    # Sequence 1's window leaves block 0, which sequence 2 then holds alone: no copy, no leak.
+    assert pairs == [] and bm.block_table(1)[0] == RELEASED and bm.block_table(2) == [0]
+    check_invariants(bm)
+
+
 # ---------------------------------------------------------------------------- fork and free
 
 
@@ -862,6 +997,12 @@ class ShadowCache:
     def swap_in(self, seq_ids: list[int]) -> None:
         self._copy(self.bm.swap_in(seq_ids), self.host, self.device)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        self._copy(self.bm.truncate(seq_id, num_tokens), self.device, self.device)
+        del self.tokens[seq_id][num_tokens:], self.values[seq_id][num_tokens:]
+        window = self.bm.sliding_window  # the next token's window is what must still be there
+        self.attends_from[seq_id] = 0 if window is None else max(num_tokens + 1 - window, 0)
+
     def check(self) -> None:
         size = self.bm.block_size
         for seq_id, values in self.values.items():
@@ -925,6 +1066,38 @@ def test_replay_random_workload():
             shadow.free(seq_id)
         check_invariants(bm)
         assert bm.num_free_device_blocks() == 48 and bm.num_free_host_blocks() == 48
+
+
+def test_replay_speculative_decoding():
+    # Verification steps as in assisted generation: append draft tokens, keep the accepted ones.
+    for seed, options in enumerate([{"enable_prefix_caching": True}, {"sliding_window": 6}, {}]):
+        rng = random.Random(seed)
+        bm = BlockManager(64, 4, watermark=0.0, **options)
+        shadow = ShadowCache(bm)
+        next_id = 0
+        for _ in range(300):
+            action = rng.random()
+            try:
+                if action < 0.15 or not shadow.values:
+                    prompt = list(range(1, rng.randrange(2, 11)))
+                    shadow.allocate(next_id, prompt + [rng.randrange(3)], as_count=False)
+                    next_id += 1
+                elif action < 0.25:
+                    shadow.fork(rng.choice(list(shadow.values)), next_id)
+                    next_id += 1
+                elif action < 0.9:
+                    seq_id = rng.choice(list(shadow.values))
+                    length = bm.num_tokens(seq_id)
+                    draft = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+                    shadow.append(seq_id, draft, record=True)
+                    shadow.truncate(seq_id, length + rng.randrange(len(draft) + 1))
+                else:
+                    shadow.free(rng.choice(list(shadow.values)))
+            except OutOfBlocksError:
+                for seq_id in rng.sample(list(shadow.values), len(shadow.values) // 2):
+                    shadow.free(seq_id)
+            check_invariants(bm)
+            shadow.check()
 
 
 # ---------------------------------------------------------------------------- properties
@@ -1007,6 +1180,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free_many(self, data):
         seqs = sorted(self.shadow.values)
         self.shadow.free_many(data.draw(st.lists(st.sampled_from(seqs), min_size=1, unique=True)))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def truncate(self, data):
+        seq_id = data.draw(st.sampled_from(self._live()))
+        num_tokens = data.draw(st.integers(0, self.bm.num_tokens(seq_id)))
+        before = snapshot(self.bm)
+        try:
+            self.shadow.truncate(seq_id, num_tokens)
+        except (OutOfBlocksError, ValueError) as error:  # no block for a copy; a window cut
+            assert isinstance(error, OutOfBlocksError) or "sliding window" in str(error)
+            assert snapshot(self.bm) == before
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
