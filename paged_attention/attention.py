@@ -6,17 +6,17 @@ head_size]``; :class:`AttentionMetadata` says how many tokens each sequence cont
 each sequence is after the step, where its blocks are and which slot each new token goes to.
 
 ``forward`` first stores the new keys and values (``reshape_and_cache``), then computes
-attention of every new token against its sequence's whole context in the cache:
-
-* decode sequences (one new token) go through the paged kernel, all in one call;
-* prefill sequences (several new tokens, causal, possibly after an already cached context, as
-  after a prefix-cache hit or for a resumed sequence) gather their context from the cache and run
-  ``scaled_dot_product_attention`` with the causal offset of the context; a logit soft-cap,
-  which SDPA cannot express, takes an explicit float32 path.
+attention of every new token against its sequence's whole context in the cache, in one op call
+for the whole step: the decode kernel (``paged_attention``) when every sequence adds one token,
+else ``paged_attention_varlen``, which serves prefill, prompt chunks after a cached context (a
+prefix-cache hit, a resumed sequence), multi-token decode and decode rows mixed. The varlen op
+has a CPU kernel only so far: on CUDA, a step with several new tokens in a sequence runs its
+decode rows through the decode kernel and each longer sequence through SDPA over its gathered
+context.
 
 Logit semantics are those of reference.py: ``s = scale * q.k``, then the soft-cap, then ALiBi
 ``slope * (p - query_position)``, and a sliding window of ``W`` keeps the last ``W`` positions up
-to and including the query's own.
+to and including the query's own; ``sinks`` add one logit per head to the softmax's denominator.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor
     slot_mapping: torch.Tensor
     max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's rows start
+    max_query_len: int
     manager_window: int | None = None
 
     @classmethod
@@ -93,6 +95,8 @@ class AttentionMetadata:
         device = block_tables.device if device is None else torch.device(device)
         if seq_lens_tensor is None:
             seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         return cls(
             query_lens=query_lens,
             seq_lens=seq_lens,
@@ -100,6 +104,8 @@ class AttentionMetadata:
             seq_lens_tensor=seq_lens_tensor.to(device=device, dtype=torch.int32, non_blocking=True),
             slot_mapping=slot_mapping.to(device=device, dtype=torch.int64, non_blocking=True),
             max_seq_len=max(seq_lens, default=0),
+            query_start_loc=starts.to(device=device, non_blocking=True),
+            max_query_len=max(query_lens, default=0),
             manager_window=manager_window,
         )
 
@@ -128,7 +134,9 @@ class PagedAttention(nn.Module):
     ``alibi_slopes`` is ``None`` or ``[num_heads]`` floats; ``sliding_window = W > 0`` attends the
     last ``W`` positions; ``logits_soft_cap = c > 0`` maps logits to ``c * tanh(s / c)``;
     ``kv_cache_dtype`` is ``"auto"`` or an fp8 format (then pass ``k_scale``/``v_scale`` to
-    ``forward``, as :class:`~paged_attention.cache.PagedKVCache` holds them).
+    ``forward``, as :class:`~paged_attention.cache.PagedKVCache` holds them); ``sinks`` is
+    ``None`` or ``[num_heads]`` floats, one extra logit per head that only joins the softmax's
+    denominator (attention sinks as in gpt-oss; CPU only for now).
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class PagedAttention(nn.Module):
         sliding_window: int = 0,
         logits_soft_cap: float = 0.0,
         kv_cache_dtype: str = "auto",
+        sinks: Sequence[float] | torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -168,13 +177,21 @@ class PagedAttention(nn.Module):
             self.register_buffer("alibi_slopes", slopes, persistent=False)
         else:
             self.alibi_slopes = None
+        if sinks is not None:
+            sink_logits = torch.as_tensor(sinks, dtype=torch.float32).flatten()
+            if sink_logits.numel() != num_heads:
+                raise ValueError(f"sinks must have num_heads ({num_heads}) entries")
+            self.register_buffer("sinks", sink_logits, persistent=False)
+        else:
+            self.sinks = None
 
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, scale={self.scale}, sliding_window="
             f"{self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, "
-            f"alibi={self.alibi_slopes is not None}, kv_cache_dtype={self.kv_cache_dtype!r}"
+            f"alibi={self.alibi_slopes is not None}, sinks={self.sinks is not None}, "
+            f"kv_cache_dtype={self.kv_cache_dtype!r}"
         )
 
     def forward(
@@ -250,6 +267,18 @@ class PagedAttention(nn.Module):
     # ------------------------------------------------------------------ attention
 
     def _attend(self, query, key_cache, value_cache, metadata, k_scale, v_scale) -> torch.Tensor:
+        if query.device.type == "cpu":
+            return self._varlen(query, key_cache, value_cache, metadata, k_scale, v_scale)
+        return self._attend_gathered(query, key_cache, value_cache, metadata, k_scale, v_scale)
+
+    def _attend_gathered(self, query, key_cache, value_cache, metadata, k_scale, v_scale):
+        """The path of devices without a varlen kernel: decode rows through the decode kernel in
+        one call, each longer sequence through SDPA over its context gathered from the cache."""
+        if self.sinks is not None:
+            raise ValueError(
+                "attention sinks need the varlen kernel, which has no CUDA implementation in "
+                "this build yet"
+            )
         if metadata.is_decode:
             return self._decode(
                 query,
@@ -308,6 +337,39 @@ class PagedAttention(nn.Module):
                 key_start=start,
             )
         return out
+
+    def _varlen(self, query, key_cache, value_cache, metadata, k_scale, v_scale):
+        """Every row of the step in one ``paged_attention_varlen`` call; decode-only steps
+        without sinks through the decode kernel, which also splits long contexts (v2)."""
+        if metadata.is_decode and self.sinks is None:
+            return self._decode(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens_tensor,
+                metadata.max_seq_len,
+                k_scale,
+                v_scale,
+            )
+        return _ops.paged_attention_varlen(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens_tensor,
+            metadata.query_start_loc,
+            scale=self.scale,
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+            alibi_slopes=self.alibi_slopes,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
+        )
 
     def _first_attended(self, seq_len: int, query_len: int) -> int:
         """The first position any of a sequence's last ``query_len`` tokens attends."""
