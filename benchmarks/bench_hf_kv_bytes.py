@@ -25,20 +25,16 @@ import platform
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from paged_attention.demo import tiny_llama_config
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
 
-CONFIG = dict(
+CONFIG = tiny_llama_config(
     vocab_size=512,
-    hidden_size=256,
     intermediate_size=512,
     num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
     head_dim=64,
     max_position_embeddings=4096,
-    bos_token_id=1,
     eos_token_id=None,  # every run generates exactly max_new_tokens
-    pad_token_id=0,
 )
 
 RUNS = {

@@ -31,40 +31,55 @@ class UsageError(ValueError):
     argparse does: one line, exit status 2)."""
 
 
+TINY_LLAMA = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+"""The config of the demo's embedded model; tests and benchmarks derive theirs from it."""
+
+
+def tiny_llama_config(**overrides) -> dict:
+    """``LlamaConfig`` keyword arguments: the demo's model with ``overrides``."""
+    return {**TINY_LLAMA, **overrides}
+
+
 def default_model(seed: int) -> torch.nn.Module:
     """A 2-layer Llama (hidden 256, 8 query heads and 2 KV heads of size 32, vocab 1000)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+
+
+SYSTEM_PROMPT_TOKENS = 48
 
 
 def default_workload(
     num_requests: int, vocab_size: int, seed: int
 ) -> list[tuple[list[int], SamplingParams]]:
-    """Mixed prompt (8-96 tokens) and output (8-80 tokens) lengths; every fourth request
-    samples n = 2-4 completions at temperature 0.8, top-p 0.95, every sixth runs beam search
-    of width 2-4, the rest decode greedily."""
+    """Mixed prompt (8-96 tokens) and output (8-80 tokens) lengths; every other request starts
+    with the same 48-token system prompt (which prefix caching computes once); every fourth
+    request samples n = 2-4 completions at temperature 0.8, top-p 0.95, every sixth runs beam
+    search of width 2-4, the rest decode greedily."""
     rng = torch.Generator().manual_seed(seed)
 
     def randint(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (), generator=rng))
 
+    system = torch.randint(3, vocab_size, (SYSTEM_PROMPT_TOKENS,), generator=rng).tolist()
     workload = []
     for i in range(num_requests):
         prompt = torch.randint(3, vocab_size, (randint(8, 96),), generator=rng).tolist()
+        if i % 2 == 0:
+            prompt = system + prompt
         max_new_tokens = randint(8, 80)
         if i % 4 == 3:
             params = SamplingParams(
@@ -76,6 +91,12 @@ def default_workload(
             params = SamplingParams(max_new_tokens)
         workload.append((prompt, params))
     return workload
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q / 100))
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -135,6 +156,9 @@ def run(args: argparse.Namespace) -> dict:
         if is_greedy(params) and out.rejected is None
     ]
     rejected = [out.rejected for out in outputs if out.rejected is not None]
+    served = [out.metrics for out in outputs if out.rejected is None]
+    ttfts = [m.time_to_first_token for m in served]
+    itls = [latency for m in served for latency in m.inter_token_latencies]
     eos = sorted(engine.eos_token_ids)
     matches = 0
     model.set_attn_implementation("sdpa")
@@ -165,6 +189,14 @@ def run(args: argparse.Namespace) -> dict:
         "swaps_in": stats.swaps_in,
         "blocks_swapped_out": stats.blocks_swapped_out,
         "blocks_swapped_in": stats.blocks_swapped_in,
+        "preemptions_by_recompute": stats.preemptions_by_recompute,
+        "prompt_tokens": stats.prompt_tokens,
+        "prompt_tokens_cached": stats.prompt_tokens_cached,
+        "prompt_tokens_computed": stats.prompt_tokens_computed,
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "itl_p50_ms": _ms(percentile(itls, 50)),
+        "itl_p99_ms": _ms(percentile(itls, 99)),
         "greedy_requests": len(greedy),
         "greedy_matching": matches,
         "greedy_matches_transformers": matches == len(greedy),
@@ -177,6 +209,10 @@ def check_model_path(path: str) -> None:
         raise UsageError(f"--model {path}: no such directory (a local checkpoint is expected)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"--model {path}: not a transformers checkpoint (no config.json)")
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
 
 
 def load_model(path: str) -> torch.nn.Module:
@@ -230,6 +266,10 @@ def plot_timeline(timeline: list[tuple[int, int]], budget: int, path: str) -> No
     plt.close(fig)
 
 
+def _fmt_ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
 def print_table(report: dict) -> None:
     ratio = report["contiguous_blocks"] / max(report["peak_blocks"], 1)
     if not report["greedy_requests"]:
@@ -261,11 +301,25 @@ def print_table(report: dict) -> None:
             f"{report['contiguous_blocks']} blocks ({ratio:.1f}x the paged peak)",
         ),
         ("blocks saved by sharing (peak)", f"{report['blocks_saved_by_sharing']}"),
+        (
+            "prompt tokens computed / from cache",
+            f"{report['prompt_tokens_computed']} / {report['prompt_tokens_cached']} (of "
+            f"{report['prompt_tokens']}; prefix caching)",
+        ),
+        (
+            "time to first token p50 / p99",
+            f"{_fmt_ms(report['ttft_p50_ms'])} / {_fmt_ms(report['ttft_p99_ms'])}",
+        ),
+        (
+            "inter-token latency p50 / p99",
+            f"{_fmt_ms(report['itl_p50_ms'])} / {_fmt_ms(report['itl_p99_ms'])}",
+        ),
         ("copy-on-write copies", f"{report['cow_copies']}"),
         (
             "swaps out / in (requests)",
             f"{report['swaps_out']} / {report['swaps_in']} "
-            f"({report['blocks_swapped_out']} / {report['blocks_swapped_in']} blocks)",
+            f"({report['blocks_swapped_out']} / {report['blocks_swapped_in']} blocks; "
+            f"{report['preemptions_by_recompute']} recomputed)",
         ),
         ("greedy outputs == transformers generate()", greedy),
         ("KV memory plot", report["plot"]),

@@ -73,13 +73,31 @@ def mixed_workload():
     return work
 
 
+def assert_all_freed(engine):
+    assert not engine.has_unfinished()
+    assert engine.manager.seq_ids() == []  # every sequence freed
+    assert engine.manager.num_free_device_blocks() == engine.manager.num_device_blocks
+    assert engine.manager.num_free_host_blocks() == engine.manager.num_host_blocks
+
+
 def serve(model, work, num_blocks, **kwargs):
     engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, **kwargs)
     outputs = engine.generate([p for p, _ in work], [s for _, s in work])
-    assert not engine.has_unfinished()
-    assert engine.manager.seq_ids() == []  # every sequence freed
-    assert engine.manager.num_free_device_blocks() == num_blocks
+    assert_all_freed(engine)
     return engine, outputs
+
+
+def serve_stepwise(engine, work, max_steps=2000):
+    """Add every request, then step at most ``max_steps`` times (a hang fails instead of
+    blocking the test run); returns the final outputs in request order."""
+    ids = [engine.add_request(p, s) for p, s in work]
+    results = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        results.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert not engine.has_unfinished(), f"not done after {max_steps} steps"
+    return [results[i] for i in ids]
 
 
 def test_greedy_matches_transformers_generate(model):
@@ -99,7 +117,7 @@ def test_results_do_not_depend_on_kv_budget_or_swapping(model):
     assert roomy.stats.swaps_out == 0
     assert tight.stats.swaps_out > 0
     assert tight.stats.swaps_in == tight.stats.swaps_out
-    assert tight.stats.peak_blocks <= 28 < tight.stats.peak_contiguous_blocks
+    assert tight.stats.peak_contiguous_blocks > 28  # a contiguous cache could not run it
     assert [o.outputs for o in got] == [o.outputs for o in expected]
     assert [o.rejected for o in got] == [None] * len(work)
     assert roomy.stats.cow_copies > 0 and roomy.stats.peak_blocks_saved_by_sharing > 0
@@ -173,12 +191,15 @@ def test_eos_ends_samples_and_beams(model):
 
 
 def test_requests_wait_when_the_pool_is_full(model):
-    # Room for one request at a time: later ones wait (LATER), nothing is lost.
-    work = [(p, SamplingParams(12)) for p in prompts(4, low=20, high=30)]
+    # Room for one request at a time (a prompt takes 5 of the 9 blocks, 6 at full length):
+    # each later request is first scheduled only after the one before it finished.
+    work = [(p, SamplingParams(8)) for p in prompts(4, low=33, high=40)]
     _, expected = serve(model, work, num_blocks=64)
-    engine, got = serve(model, work, num_blocks=6)
+    engine, got = serve(model, work, num_blocks=9, enable_prefix_caching=False)
     assert [o.outputs for o in got] == [o.outputs for o in expected]
-    assert engine.stats.peak_blocks <= 6
+    assert engine.stats.peak_running_requests == 1
+    for before, after in zip(got, got[1:]):
+        assert after.metrics.first_scheduled_step > before.metrics.finished_step
 
 
 def test_request_that_can_never_fit_is_rejected(model):
@@ -187,27 +208,52 @@ def test_request_that_can_never_fit_is_rejected(model):
         (prompts(1)[0], SamplingParams(4)),
     ]
     _, (too_long, fine) = serve(model, work, num_blocks=8)
-    assert too_long.outputs == [] and "needs 12 blocks" in too_long.rejected
+    assert too_long.outputs == [] and "need 12 blocks of 8" in too_long.rejected
     assert fine.rejected is None and len(fine.outputs[0]) == 4
 
 
-def test_request_outgrowing_the_whole_budget_is_aborted(model):
-    # The prompt fits, but four samples growing private blocks cannot.
+def test_samples_that_together_outgrow_the_pool_are_rejected_up_front(model):
+    # The prompt fits, but four samples growing private blocks cannot: 3 shared prompt blocks
+    # plus 5 own blocks per sample need 23 of 8 blocks. Rejected at admission, nothing computed.
     work = [(prompts(1, low=30, high=31)[0], SamplingParams(30, temperature=1.0, n=4))]
-    _, (out,) = serve(model, work, num_blocks=8)
-    assert "outgrew the whole KV budget" in out.rejected
+    engine, (out,) = serve(model, work, num_blocks=8)
+    assert "4 sequences of up to 59 tokens need 23 blocks of 8 together" in out.rejected
+    assert engine.stats.prompt_tokens_computed == 0
 
 
-def test_preempted_request_that_cannot_resume_is_aborted(model):
-    # A (8 blocks at full length) preempts B; B's four samples then need more than the whole
-    # pool (one shared prompt block + two private blocks each): swapped in, then aborted.
-    a = prompts(1, seed=5, low=20, high=21)[0]
-    b = prompts(1, seed=6, low=10, high=11)[0]
-    work = [(a, SamplingParams(40)), (b, SamplingParams(12, temperature=1.0, n=4))]
-    engine, (out_a, out_b) = serve(model, work, num_blocks=8)
-    assert out_a.rejected is None and len(out_a.outputs[0]) == 40
-    assert "outgrew the whole KV budget" in out_b.rejected
-    assert engine.stats.swaps_out == engine.stats.swaps_in == 1
+def test_request_needing_the_whole_pool_runs_alone_without_a_watermark(model):
+    # Issue 15, defect 1 (a hang): the sampling request needs every block of the pool when it
+    # runs alone; the watermark held back for admissions must not stop it from resuming.
+    work = [
+        ([5], SamplingParams(max_new_tokens=30)),
+        ([7] * 1561, SamplingParams(max_new_tokens=24, n=4, temperature=1.0)),
+    ]
+    pool = 207  # 195 shared prompt blocks + 4 x 3 own blocks of 8 tokens
+    engine = Engine(model, num_blocks=pool, block_size=BLOCK, eos_token_id=[])
+    short, wide = serve_stepwise(engine, work)
+    assert short.rejected is None and len(short.outputs[0]) == 30
+    assert wide.rejected is None and [len(o) for o in wide.outputs] == [24] * 4
+    assert engine.stats.swaps_out + engine.stats.preemptions_by_recompute > 0
+    assert_all_freed(engine)
+    # With 200 blocks the same request can never run: rejected with the reason, no hang.
+    engine = Engine(model, num_blocks=200, block_size=BLOCK, eos_token_id=[])
+    short, wide = serve_stepwise(engine, work)
+    assert short.rejected is None and "need 207 blocks of 8 together" in wide.rejected
+    assert_all_freed(engine)
+
+
+def test_preemption_without_swap_space_recomputes_and_loses_nothing(model):
+    # Issue 15, defect 8: with num_host_blocks=0, a preempted request is freed and recomputed
+    # from its tokens later, with the same results.
+    work = mixed_workload()
+    _, expected = serve(model, work, num_blocks=512)
+    for prefix_caching in (False, True):
+        engine, got = serve(
+            model, work, num_blocks=28, num_host_blocks=0, enable_prefix_caching=prefix_caching
+        )
+        assert engine.stats.preemptions_by_recompute > 0 and engine.stats.swaps_out == 0
+        assert engine.stats.recomputed_tokens > 0
+        assert [o.outputs for o in got] == [o.outputs for o in expected]
 
 
 @pytest.mark.parametrize(
@@ -226,9 +272,239 @@ def test_sampling_params_are_validated(kwargs):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+        ({"n": 2.0}, "n must be an integer"),
+        ({"beam_width": True}, "beam_width must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": "0.5"}, "top_p must be a finite number"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids entries must be >= 0"),
+    ],
+)
+def test_sampling_params_need_integer_counts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
 def test_add_request_validates(model):
     engine = Engine(model, num_blocks=16, block_size=BLOCK, max_num_seqs=4)
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request([], SamplingParams())
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine.add_request([5, 6], SamplingParams(n=5, temperature=1.0))
+    with pytest.raises(ValueError, match=r"token 1000000 is outside the model's vocabulary"):
+        engine.add_request([5, 10**6], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([5, -1], SamplingParams())
+    with pytest.raises(ValueError, match="integers"):
+        engine.add_request([5.0, 6.0], SamplingParams())
+    assert not engine.has_unfinished()  # nothing was queued
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(3))
+    assert len(out.outputs[0]) == 3
+
+
+def test_generate_queues_all_requests_or_none(model):
+    # Issue 15, defect 10: a bad third request leaves no orphans behind for the next call.
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, max_num_seqs=4)
+    work = [(p, SamplingParams(6)) for p in prompts(2)]
+    bad = (prompts(1, seed=9)[0], SamplingParams(6, n=5, temperature=1.0))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.generate([p for p, _ in work + [bad]], [s for _, s in work + [bad]])
+    assert not engine.has_unfinished()
+    got = engine.generate([p for p, _ in work], [s for _, s in work])
+    assert [o.outputs[0] for o in got] == [hf_greedy(model, p, 6) for p, _ in work]
+
+
+class FailOnce:
+    """Wraps a module's forward to raise once, at its ``fail_at``-th call."""
+
+    def __init__(self, module, fail_at):
+        self.module, self.forward, self.calls, self.fail_at = module, module.forward, 0, fail_at
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("fail_at", [1, 4, 9])
+def test_a_failed_forward_leaves_the_engine_consistent_and_outputs_exact(
+    model, prefix_caching, fail_at
+):
+    # Issue 15, defect 2: the step that raised released what it reserved; retrying finishes
+    # with exactly the tokens of a run that never failed.
+    work = mixed_workload()[:6]
+    _, expected = serve(model, work, num_blocks=40, enable_prefix_caching=prefix_caching)
+    engine = Engine(model, num_blocks=40, block_size=BLOCK, enable_prefix_caching=prefix_caching)
+    mlp = model.model.layers[1].mlp
+    mlp.forward = FailOnce(mlp, fail_at)
+    try:
+        ids = [engine.add_request(p, s) for p, s in work]
+        results, failures = {}, 0
+        while engine.has_unfinished():
+            try:
+                results.update((o.request_id, o) for o in engine.step() if o.finished)
+            except RuntimeError as error:
+                assert "injected failure" in str(error)
+                failures += 1
+    finally:
+        del mlp.forward
+    assert failures == 1
+    assert [results[i].outputs for i in ids] == [o.outputs for o in expected]
+    assert_all_freed(engine)
+
+
+# --------------------------------------------------------------------------------- prefix caching
+
+
+def shared_prefix_workload(count=6, prefix_len=48, seed=11):
+    system = prompts(1, seed=seed, low=prefix_len, high=prefix_len + 1)[0]
+    questions = prompts(count, seed=seed + 1, low=5, high=20)
+    work = []
+    for i, question in enumerate(questions):
+        if i % 3 == 1:
+            params = SamplingParams(10, temperature=0.8, n=2, seed=i)
+        elif i % 3 == 2:
+            params = SamplingParams(8, beam_width=2)
+        else:
+            params = SamplingParams(12)
+        work.append((system + question, params))
+    return work
+
+
+@pytest.mark.parametrize("num_blocks", [512, 30])
+def test_prefix_caching_changes_no_output(model, num_blocks):
+    work = shared_prefix_workload() + mixed_workload()[:4]
+    off, expected = serve(model, work, num_blocks, enable_prefix_caching=False)
+    on, got = serve(model, work, num_blocks, enable_prefix_caching=True)
+    assert [o.outputs for o in got] == [o.outputs for o in expected]
+    assert off.stats.prompt_tokens_cached == 0
+    assert on.stats.prompt_tokens_cached > 0
+    assert on.stats.prompt_tokens_computed + on.stats.prompt_tokens_cached >= on.stats.prompt_tokens
+    if num_blocks == 30:
+        assert on.stats.swaps_out > 0  # swapping and beams under prefix caching too
+
+
+def test_a_shared_system_prompt_is_computed_once(model):
+    work = shared_prefix_workload()
+    engine = Engine(model, num_blocks=256, block_size=BLOCK)
+    first = engine.generate([work[0][0]], work[0][1])[0]
+    assert first.metrics.num_cached_prompt_tokens == 0
+    rest = engine.generate([p for p, _ in work[1:]], [s for _, s in work[1:]])
+    # 48 shared tokens are 6 full blocks of 8: every later request reuses them.
+    assert [o.metrics.num_cached_prompt_tokens for o in rest] == [48] * len(rest)
+    assert [o.metrics.num_computed_prompt_tokens for o in rest] == [
+        len(p) - 48 for p, _ in work[1:]
+    ]
+
+
+def test_a_fully_cached_prompt_recomputes_only_its_last_block(model):
+    prompt = prompts(1, seed=12, low=40, high=41)[0]  # 5 full blocks of 8
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    (first,) = engine.generate([prompt], SamplingParams(6))
+    (again,) = engine.generate([prompt], SamplingParams(6))
+    assert again.outputs == first.outputs
+    assert again.metrics.num_cached_prompt_tokens == 32  # the last token's block is computed
+    assert again.metrics.num_computed_prompt_tokens == 8
+
+
+# -------------------------------------------------------------------------------- chunked prefill
+
+
+def test_chunked_prefill_changes_no_output(model):
+    work = mixed_workload() + shared_prefix_workload(3)
+    _, expected = serve(model, work, num_blocks=512)
+    for budget, num_blocks in [(64, 512), (16, 512), (64, 28)]:
+        engine, got = serve(model, work, num_blocks, max_num_seqs=16, max_num_batched_tokens=budget)
+        assert [o.outputs for o in got] == [o.outputs for o in expected], (budget, num_blocks)
+
+
+def test_a_long_prompt_spreads_over_steps_while_others_decode(model):
+    budget = 16
+    engine = Engine(
+        model, num_blocks=128, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=budget
+    )
+    short = engine.add_request(prompts(1, seed=13)[0], SamplingParams(30))
+    engine.step()  # the short prompt is prefilled and decodes from now on
+    long_prompt = prompts(1, seed=14, low=100, high=101)[0]
+    long_id = engine.add_request(long_prompt, SamplingParams(4))
+    steps_until_first_token = 0
+    while True:
+        outputs = {o.request_id: o for o in engine.step()}
+        steps_until_first_token += 1
+        assert short in outputs  # the short request got a token in every step
+        if long_id in outputs:
+            break
+    assert steps_until_first_token == -(-len(long_prompt) // (budget - 1))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Engine(model, num_blocks=16, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+# ------------------------------------------------------------------------------- streaming, abort
+
+
+def test_stream_yields_each_steps_new_tokens(model):
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    prompt = prompts(1, seed=15)[0]
+    other = engine.add_request(prompts(1, seed=16)[0], SamplingParams(3))
+    deltas = list(engine.stream(prompt, SamplingParams(9)))
+    assert [len(d.new_tokens[0]) for d in deltas] == [1] * 9
+    assert [t for d in deltas for t in d.new_tokens[0]] == deltas[-1].outputs[0]
+    assert deltas[-1].outputs[0] == hf_greedy(model, prompt, 9)
+    assert [d.finished for d in deltas] == [False] * 8 + [True]
+    assert deltas[-1].finish_reasons == ["length"] and deltas[0].finish_reasons == [None]
+    # The other request's final output was kept for the next step(), not dropped.
+    (kept,) = [o for o in engine.step() if o.request_id == other]
+    assert kept.finished and len(kept.outputs[0]) == 3
+    samples = list(engine.stream(prompt, SamplingParams(4, temperature=1.0, n=3, seed=1)))
+    assert all(len(d.new_tokens) == 3 for d in samples)
+    assert_all_freed(engine)
+
+
+def test_abort_frees_a_request_wherever_it_is(model):
+    engine = Engine(model, num_blocks=24, block_size=BLOCK)
+    work = mixed_workload()
+    ids = [engine.add_request(p, s) for p, s in work]
+    waiting = engine.abort(ids[-1])  # never scheduled
+    assert waiting.finished and waiting.outputs == []
+    for _ in range(40):
+        engine.step()
+        if engine.scheduler.swapped:
+            break
+    swapped = engine.scheduler.swapped[0]
+    out = engine.abort(swapped.request_id)
+    assert out.finished and set(out.finish_reasons) <= {"abort", "eos", "length"}
+    assert "abort" in out.finish_reasons
+    running = engine.scheduler.running[0]
+    out = engine.abort(running.request_id)
+    assert "abort" in out.finish_reasons
+    with pytest.raises(ValueError, match="unknown or finished request"):
+        engine.abort(running.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_freed(engine)
+
+
+def test_stop_tokens_end_a_sequence(model):
+    prompt = prompts(1, seed=17)[0]
+    greedy = hf_greedy(model, prompt, 12)
+    stop = greedy[4]
+    end = greedy.index(stop) + 1
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    (out,) = engine.generate([prompt], SamplingParams(12, stop_token_ids=[stop]))
+    assert out.outputs == [greedy[:end]] and out.finish_reasons == ["stop"]
+
+
+def test_request_metrics(model):
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    (out,) = engine.generate([prompts(1, seed=18)[0]], SamplingParams(7))
+    metrics = out.metrics
+    assert metrics.time_to_first_token > 0
+    assert len(metrics.inter_token_latencies) == 6
+    assert all(latency > 0 for latency in metrics.inter_token_latencies)
+    assert metrics.finished_time >= metrics.first_token_time >= metrics.arrival_time

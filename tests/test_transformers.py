@@ -22,21 +22,17 @@ from transformers import (
 )
 
 from paged_attention.block_manager import OutOfBlocksError
+from paged_attention.demo import tiny_llama_config
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
 
 BLOCK = 8
-COMMON = dict(
+COMMON = tiny_llama_config(
     vocab_size=96,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
     num_attention_heads=4,
-    num_key_value_heads=2,  # GQA
-    head_dim=32,
+    head_dim=32,  # GQA: 4 query heads over 2 KV heads
     max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
 WINDOW = 12
 
@@ -240,84 +236,6 @@ def test_repeat_select_and_reorder_match_dynamic_cache(llama):
     llama.set_attn_implementation("sdpa")
 
 
-def reference_logits(model, tokens):
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0]
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return logits
-
-
-def test_engine_packed_steps_match_per_sequence_forward(model):
-    """Packed prefill + decode mix in one row, slots reserved by the caller."""
-    gen = torch.Generator().manual_seed(6)
-    prompts = {
-        s: torch.randint(3, 96, (n,), generator=gen).tolist() for s, n in enumerate([23, 9, 6])
-    }
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    cache = PagedCache(model, block_size=BLOCK, num_blocks=64)
-    tokens = {s: [] for s in prompts}
-
-    def step(plan):
-        ids, positions, counts = [], [], []
-        for seq_id, new in plan:
-            if cache.manager.has_seq(seq_id):
-                cache.kv.copy_blocks(cache.manager.append_slots(seq_id, len(new)))
-            else:
-                cache.manager.allocate(seq_id, len(new))
-            start = len(tokens[seq_id])
-            tokens[seq_id] += new
-            ids += new
-            positions += range(start, start + len(new))
-            counts.append(len(new))
-        cache.set_step([s for s, _ in plan], counts)
-        with torch.no_grad():
-            logits = model(
-                input_ids=torch.tensor([ids]),
-                position_ids=torch.tensor([positions]),
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[0]
-        cache.clear_step()
-        assert logits.shape[0] == len(ids)
-        for (seq_id, new), got in zip(plan, logits.split(counts)):
-            want = reference_logits(model, tokens[seq_id])[-len(new) :]
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-    step([(0, prompts[0][:15]), (1, prompts[1])])
-    step([(0, prompts[0][15:]), (1, [5])])  # chunked prefill after context + decode
-    step([(0, [7]), (2, prompts[2]), (1, [9])])  # decode + fresh prefill + decode
-    cache.manager.fork(1, 3)  # a parallel sample of sequence 1 shares its blocks
-    tokens[3] = list(tokens[1])
-    step([(1, [11]), (3, [12])])  # copy-on-write of their shared partial block
-    step([(3, [13, 14, 15])])
-    model.set_attn_implementation("sdpa")
-
-
-def test_set_step_validates():
-    model = build("llama")
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
-    cache.manager.allocate(0, 3)
-    with pytest.raises(ValueError, match="one num_new_tokens per sequence"):
-        cache.set_step([0], [1, 2])
-    with pytest.raises(ValueError, match="positive"):
-        cache.set_step([0], [0])
-    cache.set_step([0], [3])
-    with torch.no_grad(), pytest.raises(ValueError, match="3 packed tokens"):
-        model(
-            input_ids=torch.tensor([[4, 5]]),
-            position_ids=torch.tensor([[0, 1]]),
-            past_key_values=cache,
-        )
-    packed = dict(input_ids=torch.tensor([[4, 5, 6]]), position_ids=torch.tensor([[0, 1, 2]]))
-    cache.set_step([0], [3])
-    with torch.no_grad():
-        model(**packed, past_key_values=cache)
-        with pytest.raises(ValueError, match="its own cache.set_step"):
-            model(**packed, past_key_values=cache)
-
-
 def test_unsupported_model_names_what_is_supported():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match=r"llama.*mistral.*qwen2"):
@@ -340,10 +258,8 @@ def test_attention_without_paged_cache_raises(llama):
         llama.set_attn_implementation("sdpa")
 
 
-def test_unsupported_options_raise(llama):
+def test_sized_from_a_memory_budget(llama):
     cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
-    with pytest.raises(ValueError, match="cannot crop"):
-        cache.crop(-1)
     budget = 20 * cache.kv.bytes_per_block
     assert PagedCache(llama, BLOCK, max_memory=budget).kv.num_blocks == 20
 
@@ -495,3 +411,67 @@ def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
     torch.testing.assert_close(got[0][real], want[0][real], atol=0.06, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=0.06, rtol=0)
     assert not torch.equal(got[0][real], want[0][real])  # the values really were quantised
+
+
+def count_varlen_rows(monkeypatch):
+    """Spy on the varlen op: the longest query of each call."""
+    from paged_attention import _ops
+
+    calls = []
+    original = _ops.paged_attention_varlen
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["max_query_len"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_ops, "paged_attention_varlen", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("mode", ["assistant", "prompt lookup"])
+def test_assisted_generation_matches_the_default_cache(kind, mode, monkeypatch):
+    target = build(kind)
+    torch.manual_seed(99)
+    assistant = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 1})).eval()
+    gen = torch.Generator().manual_seed(3)
+    phrase = torch.randint(3, 96, (6,), generator=gen).tolist()
+    ids = torch.tensor([phrase * 3 + torch.randint(3, 96, (5,), generator=gen).tolist()])
+    extra = (
+        dict(assistant_model=assistant) if mode == "assistant" else dict(prompt_lookup_num_tokens=4)
+    )
+    kwargs = dict(input_ids=ids, max_new_tokens=30, do_sample=False, **extra)
+    expected, got, cache = generate_both(target, **kwargs)
+    calls = count_varlen_rows(monkeypatch)
+    target.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache.reset()
+    again = target.generate(**kwargs, past_key_values=cache)
+    target.set_attn_implementation("sdpa")
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    # Draft tokens were verified several at a time (the prefill is the first call).
+    assert max(calls[1:], default=0) > 1
+    assert cache.manager.stats().device.used_blocks <= math.ceil(again.shape[1] / BLOCK)
+
+
+def test_crop_drops_the_last_tokens_of_every_row(llama):
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
+        ids, mask = left_padded([9, 11, 17], seed=4)
+        with torch.no_grad():
+            llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        rows = list(cache._rows)
+        lengths = [cache.manager.num_tokens(s) for s in rows]
+        cache.crop(-4)
+        assert [cache.manager.num_tokens(s) for s in rows] == [n - 4 for n in lengths]
+        assert cache.get_seq_length() == 17 - 4
+        cache.crop(10)  # a positive argument is the length to keep
+        assert cache.get_seq_length() == 10
+        assert [cache.manager.num_tokens(s) for s in rows] == [n - 7 for n in lengths]
+        with pytest.raises(ValueError, match="cannot crop 3 tokens"):
+            cache.crop(-3)  # the shortest row holds only 2 real tokens
+        assert [cache.manager.num_tokens(s) for s in rows] == [n - 7 for n in lengths]
+        cache.crop(0)  # keeps everything
+        assert cache.get_seq_length() == 10
+    finally:
+        llama.set_attn_implementation("sdpa")

@@ -25,8 +25,8 @@ first layer of a forward pass also does the step's bookkeeping in the block mana
   become forks and frees of block tables: no key or value is copied, and the next step copies at
   most the one partly filled last block of a beam that shares it.
 
-An engine drives the cache directly with :meth:`PagedCache.set_step`: it reserves slots in
-``cache.manager`` itself and feeds the new tokens of many sequences packed into one row.
+:class:`PagedCacheBase` is what both caches of this project share with transformers: the engine's
+packed steps (``paged_attention.engine.model_runner.StepCache``) subclass it too.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ import functools
 import inspect
 import itertools
 import threading
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from paged_attention import cache as _cache_module
 from paged_attention.attention import AttentionMetadata, PagedAttention
-from paged_attention.block_manager import OutOfBlocksError
+from paged_attention.block_manager import BlockManager, OutOfBlocksError
 from paged_attention.cache import PagedKVCache
 
 try:
@@ -127,15 +127,9 @@ def paged_attention_forward(
             "has no autograd, so key and value gradients would be lost. Run the model under "
             "torch.no_grad() or torch.inference_mode() (generate() does)"
         )
-    cache: PagedCache = state[0]
-    layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
-    if layers is not None and layers != cache.num_layers:
-        raise ValueError(
-            f"PagedCache was built for a model with {cache.num_layers} layers; the model using it "
-            f"has {layers}: build a PagedCache for the model it serves"
-        )
-    out = cache._attend(
-        module.layer_idx,
+    cache: PagedCacheBase = state[0]
+    out = cache.attend(
+        module,
         query,
         key,
         value,
@@ -157,6 +151,98 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)
 
 
+# ------------------------------------------------------------------------------------------
+# What a model's KV cache must hold
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The shape of a decoder-only model's KV cache, read from its config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    layer_windows: tuple[int, ...]  # sliding window of each layer (0 = full attention)
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelGeometry:
+        config = _text_config(model)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"PagedCache supports decoder-only models with model_type in "
+                f"{SUPPORTED_MODEL_TYPES} (Llama-, Mistral- and Qwen2-style); got {model_type!r}"
+            )
+        parameter = next(model.parameters())
+        num_heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_size=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            layer_windows=tuple(_layer_windows(config)),
+            dtype=parameter.dtype,
+            device=parameter.device,
+        )
+
+    @property
+    def shared_window(self) -> int:
+        """The window every layer slides over, or 0 when some layer attends everything (or the
+        layers differ): only then may a block manager release blocks that left the window."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
+
+    def kv_cache(
+        self,
+        block_size: int,
+        num_blocks: int | None,
+        max_memory: int | float | None,
+        *,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+    ) -> PagedKVCache:
+        """The model's :class:`PagedKVCache`: ``num_blocks``, or as many as ``max_memory``
+        allows (bytes, or a fraction of free CUDA / available host memory), or by default 90% of
+        free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB."""
+        memory_budget = memory_fraction = None
+        if isinstance(max_memory, float):
+            memory_fraction = max_memory
+        elif max_memory is not None:
+            memory_budget = int(max_memory)
+        elif num_blocks is None:
+            if self.device.type == "cuda":
+                memory_fraction = _CUDA_DEFAULT_FRACTION
+            else:
+                available = _cache_module._host_available_bytes()
+                memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
+        return PagedKVCache(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            block_size,
+            num_blocks,
+            dtype=self.dtype,
+            device=self.device,
+            kv_cache_dtype=kv_cache_dtype,
+            num_host_blocks=num_host_blocks,
+            memory_budget=memory_budget,
+            memory_fraction=memory_fraction,
+        )
+
+    def block_manager(self, kv: PagedKVCache, enable_prefix_caching: bool) -> BlockManager:
+        """A manager over ``kv``'s blocks. When every layer slides over the same window it
+        releases the blocks that left it (not with prefix caching, whose cached blocks other
+        sequences may still need)."""
+        window = self.shared_window
+        return kv.make_manager(
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=window if window and not enable_prefix_caching else None,
+        )
+
+
 def _text_config(model):
     config = model.config
     getter = getattr(config, "get_text_config", None)
@@ -172,101 +258,26 @@ def _layer_windows(config) -> list[int]:
     return [window] * config.num_hidden_layers
 
 
-class PagedCache(Cache):
-    """A ``transformers.Cache`` whose keys and values live in a :class:`PagedKVCache`, managed
-    by a :class:`~paged_attention.block_manager.BlockManager`.
+# ------------------------------------------------------------------------------------------
+# Caches
 
-    ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``max_memory`` allows: bytes
-    (int) or a fraction (float) of free CUDA memory (of available host memory on CPU). With
-    neither: 90% of free memory on CUDA; on CPU a quarter of the available host memory, at most
-    4 GiB. ``num_host_blocks`` adds host swap space (for an engine), ``kv_cache_dtype`` is
-    ``"auto"`` or an fp8 format, and ``enable_prefix_caching`` lets sequences that an engine
-    allocates with their token ids share cached prompt blocks.
 
-    Supports decoder-only Llama-, Mistral- and Qwen2-style models (GQA and sliding windows
-    included) with ``attn_implementation="paged_attention"``, with the head sizes the kernels
-    are built for. One ``PagedCache`` serves the model it was built for, one ``generate`` call at
-    a time; :meth:`reset` frees every block for the next one. A later ``generate`` on the same
-    cache must continue what it holds (its ``input_ids`` start with the tokens already cached, as
-    with transformers' own caches); a new prompt without ``reset()`` raises. To see those
-    ``input_ids``, the first ``PagedCache`` of a model wraps the model's
-    ``prepare_inputs_for_generation`` once (the wrapper only compares, at the first step of a
-    ``generate`` call).
-    """
+class PagedCacheBase(Cache):
+    """A ``transformers.Cache`` whose layers attend through :class:`PagedAttention` over a
+    :class:`PagedKVCache`, for the model it was built for. A subclass defines what a forward
+    pass stores and attends: ``_attend_layer(layer_idx, query, key, value, attention_mask,
+    scale, window, cap)`` (``[batch, heads, q, dim]`` in, ``[batch, q, heads, dim]`` out)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_memory: int | float | None = None,
-        *,
-        num_host_blocks: int = 0,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = False,
-    ) -> None:
-        config = _text_config(model)
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
-            raise ValueError(
-                f"PagedCache supports decoder-only models with model_type in "
-                f"{SUPPORTED_MODEL_TYPES} (Llama-, Mistral- and Qwen2-style); got {model_type!r}"
-            )
+    def __init__(self, model: torch.nn.Module, geometry: ModelGeometry, kv: PagedKVCache) -> None:
         super().__init__(layers=[])
-        parameter = next(model.parameters())
-        num_heads = config.num_attention_heads
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.layer_windows = _layer_windows(config)
-
-        memory_budget = memory_fraction = None
-        if isinstance(max_memory, float):
-            memory_fraction = max_memory
-        elif max_memory is not None:
-            memory_budget = int(max_memory)
-        elif num_blocks is None:
-            if parameter.device.type == "cuda":
-                memory_fraction = _CUDA_DEFAULT_FRACTION
-            else:
-                available = _cache_module._host_available_bytes()
-                memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
-        self.kv = PagedKVCache(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_size,
-            block_size,
-            num_blocks,
-            dtype=parameter.dtype,
-            device=parameter.device,
-            kv_cache_dtype=kv_cache_dtype,
-            num_host_blocks=num_host_blocks,
-            memory_budget=memory_budget,
-            memory_fraction=memory_fraction,
-        )
-        # When every layer slides over the same window, blocks that left it are released.
-        windows = set(self.layer_windows)
-        manager_window = windows.pop() if len(windows) == 1 else 0
-        self.manager = self.kv.make_manager(
-            enable_prefix_caching=enable_prefix_caching,
-            sliding_window=manager_window if manager_window and not enable_prefix_caching else None,
-        )
+        self.geometry = geometry
+        self.num_layers = geometry.num_layers
+        self.num_kv_heads = geometry.num_kv_heads
+        self.head_size = geometry.head_size
+        self.layer_windows = list(geometry.layer_windows)
+        self.kv = kv
         self._model_config = model.config
         self._modules: dict[int, PagedAttention] = {}
-        self._ids = itertools.count()
-        self._rows: list[int | None] = []  # generate mode: the sequence of each batch row
-        self._seen = 0  # generate mode: tokens per row so far, padding included
-        self._engine_metadata: AttentionMetadata | None = None
-        self._engine_step_used = False
-        self._metadata: AttentionMetadata | None = None
-        self._token_index: torch.Tensor | None = None
-        self._last_layer = self.num_layers
-        self._step_open = False
-        self._fed_ids: torch.Tensor | None = None  # generate mode: input_ids fed so far
-        self.peak_blocks_in_use = 0
-        _check_generation_inputs(model)
-
-    # ------------------------------------------------------------------ Cache API
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
@@ -293,23 +304,65 @@ class PagedCache(Cache):
                 f'attn_implementation="{ATTN_IMPLEMENTATION}": the model using this PagedCache '
                 "must be the one it was built for, with that attention implementation"
             )
-        if layer_idx <= self._last_layer:
-            self._step_open = True  # the first layer of a new forward pass
-        self._last_layer = layer_idx
+        self._begin_layer(layer_idx)
         _active.value = (self, key_states)
         return key_states, value_states
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._seen
+    def attend(self, module, query, key, value, attention_mask, scale, window, cap):
+        """Called by the attention function with this layer's new query/key/value ``[batch,
+        heads, q, dim]``; returns ``[batch, q, heads, dim]``."""
+        layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+        if layers is not None and layers != self.num_layers:
+            raise ValueError(
+                f"PagedCache was built for a model with {self.num_layers} layers; the model "
+                f"using it has {layers}: build a PagedCache for the model it serves"
+            )
+        head_size = query.shape[-1]
+        if key.shape[1] != self.num_kv_heads or head_size != self.head_size:
+            raise ValueError(
+                f"PagedCache was built for {self.num_kv_heads} KV heads of size {self.head_size}; "
+                f"layer {module.layer_idx} of the model using it has {key.shape[1]} of size "
+                f"{head_size}: build a PagedCache for the model it serves"
+            )
+        return self._attend_layer(
+            module.layer_idx, query, key, value, attention_mask, scale, window, cap
+        )
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self._seen
+    def _begin_layer(self, layer_idx: int) -> None:
+        """Hook: ``update`` of layer ``layer_idx`` is about to hand its keys and values on."""
 
-    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        # transformers passed cache_position (a tensor) before it passed the query length.
-        if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
-        return self._seen + int(query_length), 0
+    def _packed_attention(
+        self, layer_idx, query, key, value, metadata: AttentionMetadata, scale, window, cap
+    ) -> torch.Tensor:
+        """PagedAttention over packed ``[tokens, heads, dim]`` rows described by ``metadata``."""
+        module = self._modules.get(layer_idx)
+        num_heads = query.shape[1]
+        if (
+            module is None
+            or module.num_heads != num_heads
+            or module.scale != float(scale)
+            or module.sliding_window != window
+            or module.logits_soft_cap != cap
+        ):
+            module = PagedAttention(
+                num_heads,
+                self.head_size,
+                self.num_kv_heads,
+                scale=scale,
+                sliding_window=window,
+                logits_soft_cap=cap,
+                kv_cache_dtype=self.kv.kv_cache_dtype,
+            )
+            self._modules[layer_idx] = module
+        return module(
+            query,
+            key,
+            value,
+            self.kv.layer(layer_idx),
+            metadata,
+            k_scale=self.kv.k_scale,
+            v_scale=self.kv.v_scale,
+        )
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -336,6 +389,80 @@ class PagedCache(Cache):
     def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
 
+
+class PagedCache(PagedCacheBase):
+    """A ``transformers.Cache`` for ``generate()`` whose keys and values live in a
+    :class:`PagedKVCache`, managed by a :class:`~paged_attention.block_manager.BlockManager`.
+
+    ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``max_memory`` allows: bytes
+    (int) or a fraction (float) of free CUDA memory (of available host memory on CPU). With
+    neither: 90% of free memory on CUDA; on CPU a quarter of the available host memory, at most
+    4 GiB. ``num_host_blocks`` adds host swap space, ``kv_cache_dtype`` is ``"auto"`` or an fp8
+    format, and ``enable_prefix_caching`` lets sequences allocated with their token ids share
+    cached prompt blocks.
+
+    Supports decoder-only Llama-, Mistral- and Qwen2-style models (GQA and sliding windows
+    included) with ``attn_implementation="paged_attention"``, with the head sizes the kernels
+    are built for. One ``PagedCache`` serves the model it was built for, one ``generate`` call at
+    a time; :meth:`reset` frees every block for the next one. A later ``generate`` on the same
+    cache must continue what it holds (its ``input_ids`` start with the tokens already cached, as
+    with transformers' own caches); a new prompt without ``reset()`` raises. To see those
+    ``input_ids``, the first ``PagedCache`` of a model wraps the model's
+    ``prepare_inputs_for_generation`` once (the wrapper only compares, at the first step of a
+    ``generate`` call).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_memory: int | float | None = None,
+        *,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        geometry = ModelGeometry.of(model)
+        kv = geometry.kv_cache(
+            block_size,
+            num_blocks,
+            max_memory,
+            num_host_blocks=num_host_blocks,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        super().__init__(model, geometry, kv)
+        self.manager = geometry.block_manager(kv, enable_prefix_caching)
+        self._ids = itertools.count()
+        self._rows: list[int | None] = []  # the sequence of each batch row
+        self._seen = 0  # tokens per row so far, padding included
+        self._metadata: AttentionMetadata | None = None
+        self._token_index: torch.Tensor | None = None
+        self._last_layer = self.num_layers
+        self._step_open = False
+        self._fed_ids: torch.Tensor | None = None  # input_ids fed so far
+        self.peak_blocks_in_use = 0
+        _check_generation_inputs(model)
+
+    # ------------------------------------------------------------------ Cache API
+
+    def _begin_layer(self, layer_idx: int) -> None:
+        if layer_idx <= self._last_layer:
+            self._step_open = True  # the first layer of a new forward pass
+        self._last_layer = layer_idx
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        # transformers passed cache_position (a tensor) before it passed the query length.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self._seen + int(query_length), 0
+
     @property
     def batch_size(self) -> int:
         return len(self._rows) if self._rows else -1
@@ -346,7 +473,6 @@ class PagedCache(Cache):
         self._rows = []
         self._seen = 0
         self._fed_ids = None
-        self._engine_metadata = None
         self._last_layer = self.num_layers
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -360,53 +486,38 @@ class PagedCache(Cache):
         """Each row becomes ``repeats`` rows sharing its blocks (forks, no copy)."""
         self._remap_rows([row for row in range(len(self._rows)) for _ in range(repeats)])
 
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(
-            "PagedCache cannot crop (assisted generation and prompt lookup roll back the "
-            "cache); it supports greedy search, sampling, num_return_sequences and beam search"
-        )
-
-    def _check_input_ids(self, input_ids: torch.Tensor, first_iteration: bool | None) -> None:
-        """At the first step of a ``generate`` call on a cache that holds tokens, its
-        ``input_ids`` must start with them (a continuation); anything else is a new prompt."""
-        if first_iteration is None:  # releases without the flag: a step feeding one token
-            first_iteration = input_ids.shape[1] != self._seen + 1
-        held = self._fed_ids
-        if first_iteration and self._seen and held is not None:
-            continues = (
-                input_ids.shape[0] == held.shape[0]
-                and input_ids.shape[1] > self._seen
-                and torch.equal(input_ids[:, : self._seen], held[:, : self._seen].to(input_ids))
-            )
-            if not continues:
-                raise ValueError(
-                    f"this PagedCache holds {self._seen} tokens per row from an earlier "
-                    "generate() call, and the new input_ids do not start with them: call "
-                    "cache.reset() before generating for new prompts (to continue, pass the "
-                    "cached tokens first, as with transformers' own caches)"
-                )
-        self._fed_ids = input_ids
-
-    # ------------------------------------------------------------------ engine API
-
-    def set_step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> None:
-        """Next forward: the new tokens of ``seq_ids`` packed into one row (batch 1, the caller
-        gives position_ids); their slots are already reserved in :attr:`manager` and their
-        copy-on-write pairs already run through ``kv.copy_blocks``."""
-        seq_ids, counts = list(seq_ids), [int(n) for n in num_new_tokens]
-        if len(seq_ids) != len(counts) or not seq_ids:
+        """Drop the last tokens of every row (assisted generation and prompt lookup reject draft
+        tokens this way): a negative argument removes that many, a positive one is the number
+        of tokens to keep (the meaning older transformers releases give it), and 0 keeps
+        everything. Blocks wholly past
+        the cut return to the pool; a kept block that other rows share is copied before it is
+        written again (``BlockManager.truncate``)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise ValueError(f"crop takes an int, got {tokens_to_remove!r}")
+        if tokens_to_remove == 0 or not self._rows:
+            return  # transformers calls crop(0) to mean "keep everything"
+        keep = self._seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        if keep >= self._seen:
+            return
+        cut = self._seen - keep
+        held = [(s, self.manager.num_tokens(s)) for s in self._rows if s is not None]
+        if keep < 0 or any(length < cut for _, length in held):
             raise ValueError(
-                f"set_step needs one num_new_tokens per sequence, got {len(seq_ids)} sequences "
-                f"and {len(counts)} counts"
+                f"cannot crop {cut} tokens: this PagedCache holds {self._seen} per row, some "
+                "of them padding"
             )
-        if min(counts) <= 0:
-            raise ValueError(f"num_new_tokens must be positive, got {counts}")
-        self._engine_metadata = self.kv.metadata(self.manager, seq_ids, counts)
-        self._engine_step_used = False
-
-    def clear_step(self) -> None:
-        """Back to ``generate`` mode."""
-        self._engine_metadata = None
+        pairs = []
+        for seq_id, length in dict(held).items():  # forked rows may repeat a sequence
+            pairs += self.manager.truncate(seq_id, length - cut)
+        self.kv.copy_blocks(pairs)
+        self._seen = keep
+        if self._fed_ids is not None:
+            self._fed_ids = self._fed_ids[:, :keep]
 
     # ------------------------------------------------------------------ stats
 
@@ -419,35 +530,8 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------------ attention
 
-    def _module(self, layer_idx: int, num_heads: int, scale: float, window: int, cap: float):
-        module = self._modules.get(layer_idx)
-        if (
-            module is None
-            or module.num_heads != num_heads
-            or module.scale != float(scale)
-            or module.sliding_window != window
-            or module.logits_soft_cap != cap
-        ):
-            module = PagedAttention(
-                num_heads,
-                self.head_size,
-                self.num_kv_heads,
-                scale=scale,
-                sliding_window=window,
-                logits_soft_cap=cap,
-                kv_cache_dtype=self.kv.kv_cache_dtype,
-            )
-            self._modules[layer_idx] = module
-        return module
-
-    def _attend(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
+    def _attend_layer(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
         batch, num_heads, q_len, head_size = query.shape
-        if key.shape[1] != self.num_kv_heads or head_size != self.head_size:
-            raise ValueError(
-                f"PagedCache was built for {self.num_kv_heads} KV heads of size {self.head_size}; "
-                f"layer {layer_idx} of the model using it has {key.shape[1]} of size {head_size}: "
-                "build a PagedCache for the model it serves"
-            )
         if self._step_open:
             self._begin_step(batch, q_len, key, value, attention_mask)
             self._step_open = False
@@ -457,14 +541,7 @@ class PagedCache(Cache):
         ]
         if self._token_index is not None:
             packed = [t[self._token_index] for t in packed]
-        module = self._module(layer_idx, num_heads, scale, window, cap)
-        out = module(
-            *packed,
-            self.kv.layer(layer_idx),
-            self._metadata,
-            k_scale=self.kv.k_scale,
-            v_scale=self.kv.v_scale,
-        )
+        out = self._packed_attention(layer_idx, *packed, self._metadata, scale, window, cap)
         if self._token_index is not None:
             full = out.new_zeros(batch * q_len, num_heads, head_size)
             full[self._token_index] = out
@@ -473,20 +550,6 @@ class PagedCache(Cache):
 
     def _begin_step(self, batch, q_len, key, value, attention_mask) -> None:
         """Bookkeeping once per forward pass, before the first layer stores anything."""
-        if self._engine_metadata is not None:
-            if self._engine_step_used:
-                raise ValueError(
-                    "each forward in engine mode needs its own cache.set_step(...) (or call "
-                    "cache.clear_step() to return to generate mode)"
-                )
-            if batch != 1 or q_len != self._engine_metadata.num_tokens:
-                raise ValueError(
-                    f"set_step announced {self._engine_metadata.num_tokens} packed tokens in one "
-                    f"row; the forward got input of shape [{batch}, {q_len}]"
-                )
-            self._metadata, self._token_index = self._engine_metadata, None
-            self._engine_step_used = True
-            return
         real = self._real_tokens(batch, q_len, attention_mask)
         counts = [q_len] * batch if real is None else real.sum(dim=1).tolist()
         if not self._rows:
@@ -532,7 +595,7 @@ class PagedCache(Cache):
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
 
     def _grow_rows(self, counts: list[int], duplicates: list[bool]) -> AttentionMetadata:
-        pairs, active, dropped, created = [], [], [], []
+        pairs, active, dropped, created, appended = [], [], [], [], []
         try:
             for row, count in enumerate(counts):
                 if count == 0:
@@ -549,11 +612,16 @@ class PagedCache(Cache):
                     created.append(row)
                 else:
                     pairs += self.manager.append_slots(seq_id, count)
+                    appended.append((seq_id, count))
                 active.append((seq_id, count))
         except OutOfBlocksError:
             self.manager.free_many([self._rows[row] for row in created], cache=False)
             for row in created:
                 self._rows[row] = None
+            for seq_id, count in reversed(appended):
+                length = self.manager.num_tokens(seq_id)
+                pairs += self.manager.truncate(seq_id, length - count, cache=False)
+            self.kv.copy_blocks(pairs)
             raise
         self.kv.copy_blocks(pairs)
         seq_ids, query_lens = [s for s, _ in active], [n for _, n in active]
@@ -603,6 +671,27 @@ class PagedCache(Cache):
         if real is not None:
             same &= (real[1:] == real[:-1]).all(1)
         return [False, *same.tolist()]
+
+    def _check_input_ids(self, input_ids: torch.Tensor, first_iteration: bool | None) -> None:
+        """At the first step of a ``generate`` call on a cache that holds tokens, its
+        ``input_ids`` must start with them (a continuation); anything else is a new prompt."""
+        if first_iteration is None:  # releases without the flag: a step feeding one token
+            first_iteration = input_ids.shape[1] != self._seen + 1
+        held = self._fed_ids
+        if first_iteration and self._seen and held is not None:
+            continues = (
+                input_ids.shape[0] == held.shape[0]
+                and input_ids.shape[1] > self._seen
+                and torch.equal(input_ids[:, : self._seen], held[:, : self._seen].to(input_ids))
+            )
+            if not continues:
+                raise ValueError(
+                    f"this PagedCache holds {self._seen} tokens per row from an earlier "
+                    "generate() call, and the new input_ids do not start with them: call "
+                    "cache.reset() before generating for new prompts (to continue, pass the "
+                    "cached tokens first, as with transformers' own caches)"
+                )
+        self._fed_ids = input_ids
 
     def _remap_rows(self, sources: list[int]) -> None:
         """New row ``i`` continues old row ``sources[i]``: the first taker keeps the sequence,

@@ -1,0 +1,183 @@
+"""What the engine serves: sampling parameters, requests and their sequences, and the outputs a
+step reports."""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _check_int(name: str, value, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    ``temperature`` 0 is greedy; ``top_p`` keeps the smallest set of most likely tokens whose
+    probability reaches it; ``n`` parallel samples share the prompt's blocks; ``beam_width > 1``
+    is beam search (deterministic: ``n = 1`` and ``temperature = 0``). A sequence ends at an
+    end-of-sequence token of the engine (``"eos"``), at one of ``stop_token_ids`` (``"stop"``;
+    the token is kept, as the EOS token is), or after ``max_new_tokens`` (``"length"``).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+    beam_width: int = 1
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("n", self.n, 1)
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("seed", self.seed)
+        _check_real("temperature", self.temperature)
+        _check_real("top_p", self.top_p)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
+            raise ValueError("beam search (beam_width > 1) needs n = 1 and temperature = 0")
+        stop = tuple(self.stop_token_ids)
+        for token in stop:
+            _check_int("stop_token_ids entries", token, 0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once."""
+        return max(self.n, self.beam_width)
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.perf_counter()`` seconds) and step numbers of one request."""
+
+    arrival_time: float
+    first_scheduled_step: int | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per step that added tokens
+    finished_time: float | None = None
+    finished_step: int | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_computed_prompt_tokens: int = 0  # prompt tokens fed to the model (recomputation included)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Seconds between consecutive steps that gave this request tokens."""
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (``Engine.step``/``stream``) or at its end (``generate``).
+
+    ``outputs`` holds every token so far per sample (in sample order) or per beam (best first:
+    for beam search, beams are reordered as they compete, so a stream reader should read
+    ``outputs``); ``new_tokens`` the tokens added by this step, per entry of ``outputs``.
+    ``finish_reasons`` per entry: ``"eos"``, ``"stop"``, ``"length"``, ``"abort"``, or ``None``
+    while it runs. ``rejected`` says why a request was not served (its outputs stay empty).
+    """
+
+    request_id: int
+    prompt: list[int]
+    outputs: list[list[int]]
+    finish_reasons: list[str | None]
+    new_tokens: list[list[int]] = field(default_factory=list)
+    finished: bool = False
+    rejected: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()  # not admitted yet, or preempted to be recomputed
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted to host memory
+    FINISHED = enum.auto()
+
+
+@dataclass
+class Sequence:
+    """One sample or beam: the tokens it generated and how many of its tokens (prompt, then
+    generated) the KV cache holds. The last generated token is fed by the next step."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    score: float = 0.0  # beam search: sum of log-probabilities
+    finish_reason: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    metrics: RequestMetrics
+    status: RequestStatus = RequestStatus.WAITING
+    seqs: list[Sequence] = field(default_factory=list)  # live sequences
+    done: list[Sequence] = field(default_factory=list)  # finished samples or beam hypotheses
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> this step's
+
+    def num_tokens(self, seq: Sequence) -> int:
+        """Prompt and generated tokens of ``seq``."""
+        return len(self.prompt) + len(seq.tokens)
+
+    def token_slice(self, seq: Sequence, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of ``seq``'s prompt-then-generated sequence."""
+        prompt = len(self.prompt)
+        if stop <= prompt:
+            return self.prompt[start:stop]
+        if start >= prompt:
+            return seq.tokens[start - prompt : stop - prompt]
+        return self.prompt[start:] + seq.tokens[: stop - prompt]
+
+    def prefill_target(self, seq: Sequence) -> int:
+        """How many tokens of ``seq`` a prefill computes. A lone sequence computes them all and
+        samples from the last one in the same step; the sequences of a recomputed request with
+        several stop one short, so that all of them sample together in a decode step (a
+        request's random draws happen together, in sequence order)."""
+        total = self.num_tokens(seq)
+        return total if len(self.seqs) == 1 else total - 1
+
+    @property
+    def seats(self) -> int:
+        """Sequences the request runs at once: all its samples or beams from the start (they
+        fork from the prompt once it is computed), its live ones later."""
+        return len(self.seqs) if any(s.tokens for s in self.seqs) else self.params.num_seqs
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every live sequence has exactly its last token left to compute."""
+        return bool(self.seqs) and all(
+            self.num_tokens(s) - s.num_computed == 1 and s.tokens for s in self.seqs
+        )

@@ -1,0 +1,458 @@
+"""The scheduler: which requests run in a step, and which of their tokens, over a BlockManager.
+
+Pure policy: no model and no tensors but the ones the block manager returns. Each step
+(``schedule``), in this order:
+
+1. Resume: swapped-out requests come back, oldest first, once the device pool has room for their
+   blocks (plus one new block per sequence and the manager's watermark, unless nothing else runs:
+   a request running alone gets the whole pool).
+2. Reserve: every decoding sequence gets a slot for its next token (one ``decode_step`` for all
+   of them); then running requests whose prompt is not fully computed get their next chunk.
+   When blocks run short, the most recently admitted request is preempted: swapped to host
+   memory with all its sequences when there is room there, else freed to be recomputed later
+   (with prefix caching its prompt and generated blocks usually stay cached, so recomputing
+   costs little). A request is never lost: it stays in ``swapped`` or goes back to ``waiting``.
+3. Admit: waiting requests, first come first served, while seats (``max_num_seqs``), the token
+   budget (``max_num_batched_tokens``) and blocks allow. A request that could never run, even
+   alone with the whole pool, is rejected with the reason; one that fits later waits (and so do
+   the requests behind it). Nothing new is admitted while a request is swapped out.
+
+Every step's work is a list of chunks: ``count`` tokens of one sequence starting at position
+``start``. Decodes come first, then prompt chunks, oldest request first, until the token budget
+is spent; a prompt longer than the budget spreads over several steps and its last chunk samples
+the first token. A chunk only reserves slots: ``commit`` marks its tokens computed after the
+forward pass, ``rollback`` releases what the step reserved if the forward pass failed, so the
+scheduler is then as it was before the step (preemptions and swaps done by it stand; they are
+consistent states of their own).
+
+With prefix caching, an admitted prompt skips the leading tokens whose blocks the cache holds;
+the rest is allocated and appended chunk by chunk, so that a block is registered in the prefix
+cache only in the step that computes its tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_attention.block_manager import RELEASED, AllocStatus, BlockManager, OutOfBlocksError
+from paged_attention.engine.request import Request, RequestStatus, Sequence
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``start .. start + count - 1`` of ``seq`` are computed in this step."""
+
+    request: Request
+    seq: Sequence
+    start: int
+    count: int
+    allocated: bool = False  # the step allocated the sequence (rather than appending to it)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+    @property
+    def samples(self) -> bool:
+        """The chunk computes the sequence's last token: its logits give the next one."""
+        return self.end == self.request.num_tokens(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[ScheduledChunk] = field(default_factory=list)
+    # decode_step's int32 block tables and seq lens and int64 slot mapping, for ``decode``.
+    decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prefill: list[ScheduledChunk] = field(default_factory=list)
+    # Recomputed samples or beams forked from their request's first sequence with nothing of
+    # their own to compute in this step (count 0).
+    forked: list[ScheduledChunk] = field(default_factory=list)
+    # ("swap_in" | "swap_out" | "copy", pairs), in the order the cache must carry them out.
+    block_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    rejected: list[tuple[Request, str]] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.count for c in self.prefill)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions_by_swap: int = 0
+    preemptions_by_recompute: int = 0
+    swaps_in: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    cow_copies: int = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Admission, resumption, preemption and the per-step token budget over ``manager``."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if max_num_batched_tokens is not None and (
+            isinstance(max_num_batched_tokens, bool)
+            or not isinstance(max_num_batched_tokens, int)
+            or max_num_batched_tokens < max_num_seqs
+        ):
+            raise ValueError(
+                "max_num_batched_tokens must be None (no limit) or an integer >= max_num_seqs "
+                f"({max_num_seqs}: every running sequence decodes a token per step), got "
+                f"{max_num_batched_tokens!r}"
+            )
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.swapped: list[Request] = []  # admission order
+        self.stats = SchedulerStats()
+        self._seq_ids = itertools.count()
+        self._admissions = itertools.count()
+        self._admission_order: dict[int, int] = {}  # request_id -> its first admission
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def new_sequence(self, parent: Sequence | None = None, token: int | None = None) -> Sequence:
+        """A fresh sequence id; a copy of ``parent``'s progress (and tokens, plus ``token``)."""
+        seq = Sequence(next(self._seq_ids))
+        if parent is not None:
+            seq.tokens = list(parent.tokens) if token is None else [*parent.tokens, token]
+            seq.num_computed = parent.num_computed
+            seq.score = parent.score
+        return seq
+
+    def blocks_needed(self, request: Request) -> int:
+        """The most device blocks ``request``'s sequences can hold together: the prompt's full
+        blocks, shared by every sample or beam, plus each sequence's own blocks up to
+        ``prompt + max_new_tokens - 1`` tokens (the last token is never stored); with a sliding
+        window, each sequence's own blocks are capped by the window."""
+        size = self.manager.block_size
+        prompt = len(request.prompt)
+        longest = prompt + request.params.max_new_tokens - 1
+        num_seqs = request.params.num_seqs
+        shared = prompt // size
+        own = _cdiv(longest, size) - shared
+        window = self.manager.sliding_window
+        if window is not None:
+            return _cdiv(prompt, size) + num_seqs * min(own, _cdiv(window, size) + 1)
+        return shared + num_seqs * own
+
+    def rejection_reason(self, request: Request) -> str | None:
+        """Why ``request`` can never run, even alone with the whole pool, or None."""
+        needed = self.blocks_needed(request)
+        if needed <= self.manager.num_device_blocks:
+            return None
+        params, size = request.params, self.manager.block_size
+        longest = len(request.prompt) + params.max_new_tokens - 1
+        who = "a sequence" if params.num_seqs == 1 else f"{params.num_seqs} sequences"
+        return (
+            f"{who} of up to {longest} tokens need {needed} blocks of {size} together; the pool "
+            f"has {self.manager.num_device_blocks}"
+        )
+
+    def fork(self, request: Request, parents: list[Sequence], children: list[Sequence]) -> None:
+        """``children[i]`` shares every block of ``parents[i]`` (no copy)."""
+        self.manager.fork_many([p.seq_id for p in parents], [c.seq_id for c in children])
+
+    def free(self, seqs: list[Sequence]) -> None:
+        self.manager.free_many(s.seq_id for s in seqs)
+
+    def finish(self, request: Request) -> None:
+        """Release everything ``request`` holds, wherever it is, and forget it."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.swapped.remove(request)
+        held = [s.seq_id for s in request.seqs if self.manager.has_seq(s.seq_id)]
+        self.manager.free_many(held)
+        request.status = RequestStatus.FINISHED
+        self._admission_order.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        self._resume_swapped(out)
+        budget -= self._reserve_decodes(out)
+        budget = self._continue_prefills(out, budget)
+        self._admit_waiting(out, budget)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The forward pass computed every scheduled token."""
+        for chunk in out.chunks + out.forked:
+            chunk.seq.num_computed = chunk.end
+
+    def rollback(self, out: SchedulerOutput) -> list[tuple[int, int]]:
+        """The forward pass failed: release the slots and sequences the step reserved, and put
+        the requests it admitted back at the front of the queue, in order. Returns the block
+        copies the cache must make (a kept partly filled block that other sequences share as a
+        prefix-cache entry is copied rather than rewritten)."""
+        pairs = self._release(out.chunks + out.forked)
+        for request in reversed(out.admitted):
+            self.running.remove(request)
+            if all(not s.tokens for s in request.seqs):  # a new request: its sequence goes too
+                request.seqs = []
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return pairs
+
+    # ------------------------------------------------------------------ the phases
+
+    def _resume_swapped(self, out: SchedulerOutput) -> None:
+        manager = self.manager
+        while self.swapped:
+            request = self.swapped[0]
+            ids = [s.seq_id for s in request.seqs]
+            blocks = {b for s in ids for b in manager.host_block_table(s) if b != RELEASED}
+            others = bool(self.running)
+            # Room for its blocks and a new block per sequence, or it would be preempted again;
+            # a request that runs alone gets the whole pool.
+            headroom = len(ids) + manager.watermark_blocks if others else 0
+            if manager.num_free_device_blocks() < len(blocks) + headroom:
+                return
+            pairs = manager.swap_in(ids)
+            out.block_ops.append(("swap_in", pairs))
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            self._insert_running(request)
+            self.stats.swaps_in += 1
+            self.stats.blocks_swapped_in += len(pairs)
+
+    def _reserve_decodes(self, out: SchedulerOutput) -> int:
+        """One slot for every decoding sequence, preempting the newest requests while the pool
+        is short. Returns the tokens scheduled."""
+        record = self.manager.enable_prefix_caching
+        while True:
+            decoding = [r for r in self.running if r.is_decoding]
+            seqs = [(r, s) for r in decoding for s in r.seqs]
+            if not seqs:
+                return 0
+            ids = [s.seq_id for _, s in seqs]
+            tokens = [s.tokens[-1] for _, s in seqs] if record else None
+            try:
+                pairs, tables, seq_lens, slots = self.manager.decode_step(ids, tokens)
+            except OutOfBlocksError:
+                victim = self.running[-1]
+                if len(self.running) == 1:
+                    # Alone with the whole pool and still short: blocks_needed was exceeded,
+                    # which admission rules out; end the request rather than loop.
+                    out.rejected.append(
+                        (victim, "its sequences outgrew the whole KV budget while decoding")
+                    )
+                    self.finish(victim)
+                    continue
+                self._preempt(victim, out)
+                continue
+            if pairs:
+                out.block_ops.append(("copy", pairs))
+                self.stats.cow_copies += len(pairs)
+            out.decode = [ScheduledChunk(r, s, s.num_computed, 1) for r, s in seqs]
+            out.decode_tensors = (tables, seq_lens, slots)
+            return len(seqs)
+
+    def _continue_prefills(self, out: SchedulerOutput, budget: float) -> float:
+        """The next prompt chunk of every running request that is still prefilling, oldest
+        first. A chunk that does not fit preempts newer requests that have no work in this step;
+        with none left, the request waits for the next step."""
+        scheduled = {id(r) for r in self.running if r.is_decoding}
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            index += 1
+            if id(request) in scheduled:
+                continue
+            while True:
+                try:
+                    chunks = self._reserve_chunks(request, budget, out)
+                    break
+                except OutOfBlocksError:
+                    newer = [r for r in self.running[index:] if id(r) not in scheduled]
+                    if not newer:
+                        chunks = []
+                        break
+                    self._preempt(newer[-1], out)
+            if chunks:
+                scheduled.add(id(request))
+                budget -= sum(c.count for c in chunks)
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: float) -> None:
+        if self.swapped:
+            return  # preempted requests are served first
+        seats = self.max_num_seqs - sum(r.seats for r in self.running)
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            reason = self.rejection_reason(request)
+            if reason is not None:
+                self.waiting.popleft()
+                out.rejected.append((request, reason))
+                request.status = RequestStatus.FINISHED
+                continue
+            if seats < request.params.num_seqs:
+                return
+            fresh = not request.seqs
+            if fresh:
+                request.seqs = [self.new_sequence()]
+            try:
+                # Alone, a request gets the whole pool; otherwise the watermark stays free.
+                chunks = self._reserve_chunks(request, budget, out, watermark=bool(self.running))
+            except OutOfBlocksError:
+                chunks = []
+            if not chunks:
+                if fresh:
+                    request.seqs = []
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self._admission_order.setdefault(request.request_id, next(self._admissions))
+            self._insert_running(request)
+            out.admitted.append(request)
+            if request.metrics.first_scheduled_step is None:
+                request.metrics.num_cached_prompt_tokens = min(chunks[0].start, len(request.prompt))
+            seats -= request.params.num_seqs
+            budget -= sum(c.count for c in chunks)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _reserve_chunks(
+        self, request: Request, budget: float, out: SchedulerOutput, watermark: bool = False
+    ) -> list[ScheduledChunk]:
+        """Reserve the next chunk of each of ``request``'s sequences that still has prompt (or
+        recomputed) tokens to compute, within ``budget`` tokens: all of them, or none
+        (OutOfBlocksError). ``watermark``: allocate only while the pool keeps its watermark
+        free.
+
+        A sequence the manager does not hold yet is allocated, its chunk starting after its
+        prefix-cache hit, looked up just before (an earlier sequence of the same step may have
+        registered the blocks it hits). The other samples or beams of a recomputed request fork
+        from its first sequence once that holds the prompt, cut back to the prompt: they share
+        its blocks again, as when they were first forked, so the request fits the blocks
+        ``blocks_needed`` counted."""
+        manager = self.manager
+        leader = request.seqs[0]
+        prompt = len(request.prompt)
+        reserved: list[ScheduledChunk] = []
+        pairs: list[tuple[int, int]] = []
+        try:
+            for seq in request.seqs:
+                target = request.prefill_target(seq)
+                allocate = not manager.has_seq(seq.seq_id)
+                forks = allocate and seq is not leader
+                start = seq.num_computed
+                if forks:
+                    if leader.num_computed < prompt:
+                        break  # the first sequence has not computed the prompt yet
+                    start = prompt
+                elif allocate and manager.enable_prefix_caching:
+                    start = manager.cached_prefix_length(request.token_slice(seq, 0, target))
+                if target > start and budget <= 0:
+                    break  # out of budget
+                count = int(min(target - start, budget))
+                if count == 0 and not forks:
+                    continue
+                tokens = request.token_slice(seq, 0, start + count)
+                chunk = ScheduledChunk(request, seq, start, count, allocated=allocate)
+                if forks:
+                    manager.fork(leader.seq_id, seq.seq_id)
+                    reserved.append(chunk)
+                    pairs += manager.truncate(seq.seq_id, start)
+                    if count:
+                        pairs += manager.append_slots(seq.seq_id, count, tokens[start:])
+                elif allocate:
+                    if watermark and manager.can_allocate(tokens) is not AllocStatus.OK:
+                        raise OutOfBlocksError("the pool keeps its watermark for running sequences")
+                    manager.allocate(seq.seq_id, tokens)
+                    reserved.append(chunk)
+                else:
+                    pairs += manager.append_slots(seq.seq_id, count, tokens[start:])
+                    reserved.append(chunk)
+                budget -= count
+        except OutOfBlocksError:
+            pairs += self._release(reserved)
+            if pairs:
+                out.block_ops.append(("copy", pairs))
+            raise
+        if pairs:
+            out.block_ops.append(("copy", pairs))
+            self.stats.cow_copies += len(pairs)
+        out.prefill += [c for c in reserved if c.count]
+        out.forked += [c for c in reserved if not c.count]
+        return reserved
+
+    def _release(self, chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
+        """Undo the reservations of ``chunks``, last first; their tokens were never computed,
+        so blocks they registered in the prefix cache leave it. Returns the copies to make."""
+        pairs = []
+        for chunk in reversed(chunks):
+            if chunk.allocated:
+                self.manager.free(chunk.seq.seq_id, cache=False)
+            else:
+                pairs += self.manager.truncate(chunk.seq.seq_id, chunk.start, cache=False)
+        return pairs
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Swap ``request`` out when the host has room for all its blocks, else free it to be
+        recomputed from its tokens (which it keeps)."""
+        self.running.remove(request)
+        ids = [s.seq_id for s in request.seqs if self.manager.has_seq(s.seq_id)]
+        # A recomputed request whose samples have not forked again yet is recomputed again.
+        whole = len(ids) == len(request.seqs)
+        if whole and self.manager.num_host_blocks and self.manager.can_swap_out(ids):
+            pairs = self.manager.swap_out(ids)
+            out.block_ops.append(("swap_out", pairs))
+            request.status = RequestStatus.SWAPPED
+            self._insert_by_admission(self.swapped, request)
+            self.stats.preemptions_by_swap += 1
+            self.stats.blocks_swapped_out += len(pairs)
+            return
+        self.manager.free_many(ids)  # their blocks hold computed tokens: they may stay cached
+        for seq in request.seqs:
+            seq.num_computed = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.stats.preemptions_by_recompute += 1
+
+    def _insert_running(self, request: Request) -> None:
+        self._insert_by_admission(self.running, request)
+
+    def _insert_by_admission(self, queue: list[Request], request: Request) -> None:
+        order = self._admission_order
+        keys = [order[r.request_id] for r in queue]
+        queue.insert(bisect.bisect(keys, order[request.request_id]), request)

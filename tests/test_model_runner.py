@@ -1,0 +1,122 @@
+"""The ModelRunner and its StepCache: packed steps that mix prompt chunks and decodes of several
+sequences in one row give the logits of a per-sequence transformers forward, on tiny Llama,
+Mistral (sliding window) and Qwen2 (mixed layers) models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from test_transformers import BLOCK, build  # noqa: E402
+
+from paged_attention.engine.model_runner import ModelRunner  # noqa: E402
+from paged_attention.engine.request import Request, RequestMetrics, SamplingParams  # noqa: E402
+from paged_attention.engine.request import Sequence as EngineSequence  # noqa: E402
+from paged_attention.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
+from paged_attention.integrations.transformers import (  # noqa: E402
+    ATTN_IMPLEMENTATION,
+    ModelGeometry,
+)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def model(request):
+    return build(request.param)
+
+
+def reference_last_logits(model, tokens):
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def make_runner(model, num_blocks=64):
+    geometry = ModelGeometry.of(model)
+    kv = geometry.kv_cache(BLOCK, num_blocks, None)
+    manager = geometry.block_manager(kv, enable_prefix_caching=False)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return ModelRunner(model, geometry, kv), manager
+
+
+def sequence_request(seq_id):
+    """A request whose "prompt" is the sequence's whole token list, so every chunk that ends
+    at its last token samples."""
+    return Request(seq_id, [], SamplingParams(), torch.Generator(), RequestMetrics(0.0)), (
+        EngineSequence(seq_id)
+    )
+
+
+def test_packed_steps_match_per_sequence_forward(model):
+    runner, manager = make_runner(model)
+    gen = torch.Generator().manual_seed(6)
+    seqs = {s: sequence_request(s) for s in range(3)}
+    prompts = {
+        s: torch.randint(3, 96, (n,), generator=gen).tolist() for s, n in enumerate([23, 9, 6])
+    }
+
+    def step(plan):
+        out = SchedulerOutput()
+        decodes = [(s, new) for s, new in plan if manager.has_seq(s) and len(new) == 1]
+        if decodes:
+            pairs, *tensors = manager.decode_step([s for s, _ in decodes])
+            out.block_ops.append(("copy", pairs))
+            out.decode_tensors = tuple(tensors)
+        for seq_id, new in plan:
+            request, seq = seqs[seq_id]
+            start = len(request.prompt)
+            request.prompt += new
+            chunk = ScheduledChunk(request, seq, start, len(new))
+            if (seq_id, new) in decodes:
+                out.decode.append(chunk)
+                continue
+            if manager.has_seq(seq_id):
+                out.block_ops.append(("copy", manager.append_slots(seq_id, len(new))))
+            else:
+                manager.allocate(seq_id, len(new))
+                chunk.allocated = True
+            out.prefill.append(chunk)
+        runner.execute_block_ops(out.block_ops)
+        logits = runner.run(out, manager)
+        assert logits.shape[0] == len(plan)
+        for chunk, got in zip(out.chunks, logits):
+            want = reference_last_logits(model, chunk.request.prompt)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    step([(0, prompts[0][:15]), (1, prompts[1])])
+    step([(0, prompts[0][15:]), (1, [5])])  # chunked prefill after context + decode
+    step([(0, [7]), (2, prompts[2]), (1, [9])])  # decode + fresh prefill + decode
+    manager.fork(1, 3)  # a parallel sample of sequence 1 shares its blocks
+    seqs[3] = sequence_request(3)
+    seqs[3][0].prompt = list(seqs[1][0].prompt)
+    step([(1, [11]), (3, [12])])  # copy-on-write of their shared partial block
+    step([(3, [13, 14, 15])])
+    model.set_attn_implementation("sdpa")
+
+
+def test_step_cache_needs_the_steps_metadata():
+    model = build("llama")
+    runner, manager = make_runner(model, num_blocks=16)
+    manager.allocate(0, 3)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="metadata must describe the step"):
+            model(
+                input_ids=torch.tensor([[4, 5, 6]]),
+                position_ids=torch.tensor([[0, 1, 2]]),
+                past_key_values=runner.cache,
+            )
+        request, seq = sequence_request(0)
+        request.prompt = [4, 5, 6]
+        out = SchedulerOutput(prefill=[ScheduledChunk(request, seq, 0, 3, allocated=True)])
+        runner.cache.metadata = runner.metadata(out, manager)
+        with pytest.raises(ValueError, match="packs 3 tokens in one row"):
+            model(
+                input_ids=torch.tensor([[4, 5]]),
+                position_ids=torch.tensor([[0, 1]]),
+                past_key_values=runner.cache,
+            )
+    model.set_attn_implementation("sdpa")
