@@ -302,10 +302,9 @@ PA_DEVICE void cuda_core_decode(const AttentionParams& p, const DecodeLaunch& la
           Cache::to_floats(raw, kv);
 #pragma unroll
           for (int gq = 0; gq < kG; ++gq) {
-            float dot = 0.0f;
+            float& dot = partial[gq * kTokensPerLane + tt];
 #pragma unroll
             for (int e = 0; e < Cache::kX; ++e) dot += qr[gq][k][e] * kv[e];
-            partial[gq * kTokensPerLane + tt] += dot;
           }
         }
       }
@@ -344,44 +343,52 @@ PA_DEVICE void cuda_core_decode(const AttentionParams& p, const DecodeLaunch& la
 #pragma unroll
       for (int t = 0; t < kT; ++t) pr[gq][t] = *prim::shared<float>(probs + 4u * (gq * kT + t));
     }
-    // Masked tokens' values may be NaN, and 0 * NaN is NaN.
-    bool keep[kT];
-#pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      keep[t] = !boundary || (tile_pos + t >= work.begin && tile_pos + t < work.end);
-    }
+    // In tiles holding masked tokens their values are zeroed first: their weight is 0, but
+    // they may be NaN, and 0 * NaN is NaN.
     const uint32_t vstage = stage + kKeyTileBytes;
+    const auto accumulate_values = [&]<bool kMask>() {
 #pragma unroll
-    for (int k = 0; k < kValueDims; ++k) {
-      const int d = 32 * k + lane;
-      float v[kT];
-      if constexpr (kFp8) {
-        const uint32_t* row = prim::shared<uint32_t>(vstage + d * 8);
+      for (int k = 0; k < kValueDims; ++k) {
+        const int d = 32 * k + lane;
+        float v[kT];
+        if constexpr (kFp8) {
+          const uint32_t* row = prim::shared<uint32_t>(vstage + d * 8);
 #pragma unroll
-        for (int t = 0; t < kT; t += 2) {
-          const auto pair = static_cast<uint16_t>(row[t / 4] >> (8 * (t % 4)));
-          const uint32_t h2 = kCache == CacheDtype::kFp8E4M3 ? prim::e4m3x2_to_half2(pair)
-                                                             : prim::e5m2x2_to_half2(pair);
-          prim::half2_to_float2(h2, v[t], v[t + 1]);
+          for (int t = 0; t < kT; t += 2) {
+            const auto pair = static_cast<uint16_t>(row[t / 4] >> (8 * (t % 4)));
+            const uint32_t h2 = kCache == CacheDtype::kFp8E4M3 ? prim::e4m3x2_to_half2(pair)
+                                                               : prim::e5m2x2_to_half2(pair);
+            prim::half2_to_float2(h2, v[t], v[t + 1]);
+          }
+        } else {
+          const int slot = (d >> 2) & 1;
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const float* unit = prim::shared<float>(vstage + (2 * d + (u ^ slot)) * 16);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[4 * u + e] = unit[e];
+          }
         }
-      } else {
-        const int slot = (d >> 2) & 1;
+        if constexpr (kMask) {
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const float* unit = prim::shared<float>(vstage + (2 * d + (u ^ slot)) * 16);
+          for (int t = 0; t < kT; ++t) {
+            const int pos = tile_pos + t;
+            v[t] = pos >= work.begin && pos < work.end ? v[t] : 0.0f;
+          }
+        }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) v[4 * u + e] = unit[e];
+        for (int gq = 0; gq < kG; ++gq) {
+          float acc = o[gq][k];
+#pragma unroll
+          for (int t = 0; t < kT; ++t) acc += pr[gq][t] * v[t];
+          o[gq][k] = acc;
         }
       }
-#pragma unroll
-      for (int t = 0; t < kT; ++t) v[t] = keep[t] ? v[t] : 0.0f;
-#pragma unroll
-      for (int gq = 0; gq < kG; ++gq) {
-        float acc = o[gq][k];
-#pragma unroll
-        for (int t = 0; t < kT; ++t) acc += pr[gq][t] * v[t];
-        o[gq][k] = acc;
-      }
+    };
+    if (boundary) {
+      accumulate_values.template operator()<true>();
+    } else {
+      accumulate_values.template operator()<false>();
     }
     prim::syncwarp();  // the stage and the probabilities are free for the next tile
   }

@@ -53,12 +53,12 @@ struct MmaCache {
   static constexpr int kX = 16 / kElementBytes;  // key chunk width (dims)
   // Rescale bf16 queries per row into fp16's range (fp8 caches only).
   static constexpr bool kScaleQuery = kFp8 && Scalar::kMma == prim::MmaType::kBF16;
-  // Two fp8 values of the cache -> two halves.
-  static PA_DEVICE uint32_t to_half2(uint16_t pair) {
+  // Four fp8 values of the cache (bytes 0-3) -> two registers of two halves each.
+  static PA_DEVICE void to_halves(uint32_t four, uint32_t& lo, uint32_t& hi) {
     if constexpr (kCache == CacheDtype::kFp8E4M3) {
-      return prim::e4m3x2_to_half2(pair);
+      prim::e4m3x4_to_half2x2(four, lo, hi);
     } else {
-      return prim::e5m2x2_to_half2(pair);
+      prim::e5m2x4_to_half2x2(four, lo, hi);
     }
   }
 };
@@ -352,9 +352,8 @@ PA_DEVICE void mma_decode(const AttentionParams& p, const DecodeLaunch& launch) 
               const uint32_t(&a)[4] = query_fragment(ks);
 #pragma unroll
               for (int nb = 0; nb < 2; ++nb) {
-                const uint32_t bytes = kb[2 * h + nb];
-                const uint32_t b0 = Cache::to_half2(static_cast<uint16_t>(bytes & 0xffffu));
-                const uint32_t b1 = Cache::to_half2(static_cast<uint16_t>(bytes >> 16));
+                uint32_t b0, b1;
+                Cache::to_halves(kb[2 * h + nb], b0, b1);
                 prim::mma_16816<kMma>(s[nb], a, b0, b1);
               }
             }
@@ -472,9 +471,8 @@ PA_DEVICE void mma_decode(const AttentionParams& p, const DecodeLaunch& launch) 
           prim::ldmatrix_x4(vb, stage + value_lane + nq * 32 * 16);
 #pragma unroll
           for (int mm = 0; mm < 4; ++mm) {
-            const uint32_t bytes = kMask ? vb[mm] & keep : vb[mm];
-            const uint32_t b0 = Cache::to_half2(static_cast<uint16_t>(bytes & 0xffffu));
-            const uint32_t b1 = Cache::to_half2(static_cast<uint16_t>(bytes >> 16));
+            uint32_t b0, b1;
+            Cache::to_halves(kMask ? vb[mm] & keep : vb[mm], b0, b1);
             prim::mma_16816<kMma>(o[4 * nq + mm], pa, b0, b1);
           }
         }

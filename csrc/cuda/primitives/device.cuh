@@ -164,6 +164,24 @@ PA_DEVICE uint32_t e5m2x2_to_half2(uint16_t pair) {
   return __byte_perm(uint32_t{pair}, 0u, 0x1404);
 }
 
+// Four fp8 values (bytes 0-3) -> halves (0, 1) in lo and (2, 3) in hi, reading the register's
+// 16-bit halves directly (no shift to extract the upper pair).
+PA_DEVICE void e4m3x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(four));
+#else
+  lo = e4m3x2_to_half2(static_cast<uint16_t>(four & 0xffffu));
+  hi = e4m3x2_to_half2(static_cast<uint16_t>(four >> 16));
+#endif
+}
+PA_DEVICE void e5m2x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  lo = __byte_perm(four, 0u, 0x1404);
+  hi = __byte_perm(four, 0u, 0x3424);
+}
+
 PA_DEVICE float exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -228,6 +228,14 @@ PA_DEVICE uint32_t e4m3x2_to_half2(uint16_t pair) {
 PA_DEVICE uint32_t e5m2x2_to_half2(uint16_t pair) {
   return ((uint32_t{pair} & 0xffu) << 8) | ((uint32_t{pair} & 0xff00u) << 16);
 }
+PA_DEVICE void e4m3x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  lo = e4m3x2_to_half2(static_cast<uint16_t>(four & 0xffffu));
+  hi = e4m3x2_to_half2(static_cast<uint16_t>(four >> 16));
+}
+PA_DEVICE void e5m2x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  lo = e5m2x2_to_half2(static_cast<uint16_t>(four & 0xffffu));
+  hi = e5m2x2_to_half2(static_cast<uint16_t>(four >> 16));
+}
 
 PA_DEVICE float exp2(float x) { return std::exp2(x); }
 PA_DEVICE float tanh(float x) { return std::tanh(x); }
