@@ -9,9 +9,12 @@
 // Build it with -I pointing at a modified copy of csrc/ to time a variant. --save writes each
 // case's output to DIR; --compare reports the largest difference from the outputs saved there.
 // Cases: decode over a paged cache with 32 query heads, 8 KV heads, head size 128, block size 16,
-// every sequence as long as the context, block tables a random permutation of the pool. Each time
-// is the best of 5 samples of 20 back-to-back launches (CUDA events); the limit is a plain read of
-// the same K and V bytes by a grid-stride kernel.
+// every sequence as long as the context, block tables a random permutation of the pool; each
+// launch plans its splits as the op does (plan_decode_on_device). Each time is the best of 5
+// samples of 20 back-to-back launches (CUDA events); the limit is a plain read of the same K and
+// V bytes by a grid-stride kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,6 +45,10 @@ constexpr int kHeads = 32, kKvHeads = 8, kHeadSize = 128, kBlockSize = 16;
     }                                                                                 \
   } while (0)
 
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_as(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
 // Values in [-1.5, 1.5) from a hash of the index, written as T.
 template <typename T>
 __global__ void fill_hashed(T* data, size_t n, uint32_t seed) {
@@ -51,7 +58,7 @@ __global__ void fill_hashed(T* data, size_t n, uint32_t seed) {
     h ^= h >> 13;
     h *= 0x5bd1e995u;
     h ^= h >> 15;
-    data[i] = from_float<T>(((h & 0xffff) / 65536.0f - 0.5f) * 3.0f);
+    store_as(data + i, ((h & 0xffff) / 65536.0f - 0.5f) * 3.0f);
   }
 }
 
@@ -65,13 +72,17 @@ __global__ void read_once(const uint4* data, size_t n, unsigned* sink) {
   if (folded == 0x12345678u) *sink = folded;  // keeps the loads
 }
 
+enum class Dtype { kFloat, kHalf, kBFloat16 };
+
 struct Case {
   const char* name;
-  bool bf16;
+  Dtype dtype;
   bool v2;
   int batch;
   int context;
 };
+
+size_t element_bytes(Dtype dtype) { return dtype == Dtype::kFloat ? 4 : 2; }
 
 // Best milliseconds per call of `fn` over 5 samples of `calls` calls.
 template <typename Fn>
@@ -94,15 +105,20 @@ float best_ms(Fn fn, int calls) {
   return best;
 }
 
-// Registers and resident CTAs per SM of the kernel a case launches (auto cache, head size 128).
-template <typename scalar_t>
-void occupancy(const AttentionParams& p, bool v2, int* registers, int* ctas_per_sm) {
-  const auto kernel = paged_attention_kernel<scalar_t, CacheDtype::kAuto, 1>;
+// The decode kernel variant a case launches (auto cache, head size 128) and its registers.
+template <typename Scalar>
+int registers() {
   cudaFuncAttributes attributes{};
-  CHECK_CUDA(cudaFuncGetAttributes(&attributes, kernel));
-  *registers = attributes.numRegs;
-  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      ctas_per_sm, kernel, kAttentionThreads, attention_shared_memory_bytes(p, v2)));
+  CHECK_CUDA(cudaFuncGetAttributes(&attributes, decode_kernel<Scalar, CacheDtype::kAuto, 128>()));
+  return attributes.numRegs;
+}
+
+template <typename Scalar>
+void plan_and_launch(const AttentionParams& p, bool v2, DecodePlan* plan, float** scratch) {
+  CHECK_CUDA(plan_decode_on_device<Scalar>(p, v2, plan));
+  const int64_t floats = decode_scratch_floats(p, *plan);
+  if (floats > 0 && *scratch == nullptr) CHECK_CUDA(cudaMalloc(scratch, floats * sizeof(float)));
+  CHECK_CUDA(launch_decode<Scalar>(p, *plan, *scratch, nullptr));
 }
 
 // Largest absolute difference between `out` and the output saved as `path`; -1 if none is saved.
@@ -121,10 +137,10 @@ double largest_difference(const std::vector<float>& out, const std::string& path
   return largest;
 }
 
-template <typename scalar_t>
+template <typename T>
 std::vector<float> to_floats(const void* device, size_t n) {
-  std::vector<scalar_t> raw(n);
-  CHECK_CUDA(cudaMemcpy(raw.data(), device, n * sizeof(scalar_t), cudaMemcpyDeviceToHost));
+  std::vector<T> raw(n);
+  CHECK_CUDA(cudaMemcpy(raw.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost));
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(raw[i]);
   return out;
@@ -147,27 +163,31 @@ int main(int argc, char** argv) {
     *value = argv[i + 1];
   }
   const Case cases[] = {
-      {"bf16 v2 64x4096", true, true, 64, 4096},   {"bf16 v1 64x4096", true, false, 64, 4096},
-      {"bf16 v2 8x8192", true, true, 8, 8192},     {"bf16 v1 64x1024", true, false, 64, 1024},
-      {"fp32 v2 64x4096", false, true, 64, 4096},  {"fp32 v1 64x2048", false, false, 64, 2048},
+      {"bf16 v1 64x4096", Dtype::kBFloat16, false, 64, 4096},
+      {"bf16 v2 64x4096", Dtype::kBFloat16, true, 64, 4096},
+      {"fp16 v1 64x4096", Dtype::kHalf, false, 64, 4096},
+      {"bf16 v1 8x4096", Dtype::kBFloat16, false, 8, 4096},
+      {"bf16 v1 8x32768", Dtype::kBFloat16, false, 8, 32768},
+      {"fp32 v1 64x4096", Dtype::kFloat, false, 64, 4096},
+      {"fp32 v1 8x4096", Dtype::kFloat, false, 8, 4096},
   };
   cudaDeviceProp device{};
   CHECK_CUDA(cudaGetDeviceProperties(&device, 0));
   unsigned* sink = nullptr;
   CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
-  std::printf("%s\n%-16s %9s %9s %10s %8s %5s %5s %s\n", device.name, "case", "us", "GB/s",
-              "limit GB/s", "% limit", "regs", "CTAs", "difference");
+  std::printf("%s\n%-16s %9s %9s %10s %8s %5s %5s %6s %s\n", device.name, "case", "us", "GB/s",
+              "limit GB/s", "% limit", "regs", "CTAs", "splits", "difference");
   std::string json = std::string("{\"device\": \"") + device.name + "\", \"rows\": [";
 
   for (const Case& c : cases) {
-    const size_t element = c.bf16 ? 2 : 4;
+    const size_t element = element_bytes(c.dtype);
     const int blocks_per_seq = c.context / kBlockSize;
     const int num_blocks = c.batch * blocks_per_seq;
     const int partitions = (c.context + kV2PartitionSize - 1) / kV2PartitionSize;
     const size_t cache_elements = static_cast<size_t>(num_blocks) * kKvHeads * kHeadSize * kBlockSize;
     const size_t rows = static_cast<size_t>(c.batch) * kHeads;
     void *key_cache, *value_cache, *query, *out, *tmp_out;
-    float *exp_sums, *max_logits, *unit_scale;
+    float *exp_sums, *max_logits, *unit_scale, *scratch = nullptr;
     int32_t *block_tables, *seq_lens;
     CHECK_CUDA(cudaMalloc(&key_cache, cache_elements * element));
     CHECK_CUDA(cudaMalloc(&value_cache, cache_elements * element));
@@ -181,14 +201,20 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&seq_lens, c.batch * sizeof(int32_t)));
     const float one = 1.0f;
     CHECK_CUDA(cudaMemcpy(unit_scale, &one, sizeof(float), cudaMemcpyHostToDevice));
-    if (c.bf16) {
-      fill_hashed<<<1024, 256>>>(static_cast<__nv_bfloat16*>(key_cache), cache_elements, 1);
-      fill_hashed<<<1024, 256>>>(static_cast<__nv_bfloat16*>(value_cache), cache_elements, 2);
-      fill_hashed<<<64, 256>>>(static_cast<__nv_bfloat16*>(query), rows * kHeadSize, 3);
+    const auto fill = [&](auto* typed_key, auto* typed_value, auto* typed_query) {
+      fill_hashed<<<1024, 256>>>(typed_key, cache_elements, 1);
+      fill_hashed<<<1024, 256>>>(typed_value, cache_elements, 2);
+      fill_hashed<<<64, 256>>>(typed_query, rows * kHeadSize, 3);
+    };
+    if (c.dtype == Dtype::kBFloat16) {
+      fill(static_cast<__nv_bfloat16*>(key_cache), static_cast<__nv_bfloat16*>(value_cache),
+           static_cast<__nv_bfloat16*>(query));
+    } else if (c.dtype == Dtype::kHalf) {
+      fill(static_cast<__half*>(key_cache), static_cast<__half*>(value_cache),
+           static_cast<__half*>(query));
     } else {
-      fill_hashed<<<1024, 256>>>(static_cast<float*>(key_cache), cache_elements, 1);
-      fill_hashed<<<1024, 256>>>(static_cast<float*>(value_cache), cache_elements, 2);
-      fill_hashed<<<64, 256>>>(static_cast<float*>(query), rows * kHeadSize, 3);
+      fill(static_cast<float*>(key_cache), static_cast<float*>(value_cache),
+           static_cast<float*>(query));
     }
     CHECK_CUDA(cudaGetLastError());
     std::vector<int32_t> table(num_blocks);
@@ -225,13 +251,21 @@ int main(int argc, char** argv) {
     p.scale = 1.0f / std::sqrt(static_cast<float>(kHeadSize));
     p.k_scale = p.v_scale = unit_scale;
     p.num_partitions = partitions;
-    p.scalar = c.bf16 ? ScalarKind::kBFloat16 : ScalarKind::kFloat;
+    p.scalar = c.dtype == Dtype::kFloat  ? ScalarKind::kFloat
+               : c.dtype == Dtype::kHalf ? ScalarKind::kHalf
+                                         : ScalarKind::kBFloat16;
     p.cache = CacheDtype::kAuto;
 
+    DecodePlan plan{};
     const auto launch = [&] {
-      const cudaError_t status = c.bf16 ? launch_paged_attention<__nv_bfloat16>(p, c.v2, nullptr)
-                                        : launch_paged_attention<float>(p, c.v2, nullptr);
-      CHECK_CUDA(status);
+      switch (c.dtype) {
+        case Dtype::kFloat:
+          return plan_and_launch<Float32>(p, c.v2, &plan, &scratch);
+        case Dtype::kHalf:
+          return plan_and_launch<Float16>(p, c.v2, &plan, &scratch);
+        case Dtype::kBFloat16:
+          return plan_and_launch<BFloat16>(p, c.v2, &plan, &scratch);
+      }
     };
     launch();
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -245,15 +279,21 @@ int main(int argc, char** argv) {
               static_cast<const uint4*>(value_cache), vectors, sink);
         },
         10);
-    int registers = 0, ctas_per_sm = 0;
-    if (c.bf16) {
-      occupancy<__nv_bfloat16>(p, c.v2, &registers, &ctas_per_sm);
-    } else {
-      occupancy<float>(p, c.v2, &registers, &ctas_per_sm);
-    }
+    const int regs = c.dtype == Dtype::kFloat  ? registers<Float32>()
+                     : c.dtype == Dtype::kHalf ? registers<Float16>()
+                                               : registers<BFloat16>();
+    int ctas_per_sm = 0;
+    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &ctas_per_sm,
+        c.dtype == Dtype::kFloat  ? decode_kernel<Float32, CacheDtype::kAuto, 128>()
+        : c.dtype == Dtype::kHalf ? decode_kernel<Float16, CacheDtype::kAuto, 128>()
+                                  : decode_kernel<BFloat16, CacheDtype::kAuto, 128>(),
+        kAttentionThreads, plan.shape.shared_bytes));
 
-    const std::vector<float> result = c.bf16 ? to_floats<__nv_bfloat16>(out, rows * kHeadSize)
-                                             : to_floats<float>(out, rows * kHeadSize);
+    const std::vector<float> result =
+        c.dtype == Dtype::kFloat  ? to_floats<float>(out, rows * kHeadSize)
+        : c.dtype == Dtype::kHalf ? to_floats<__half>(out, rows * kHeadSize)
+                                  : to_floats<__nv_bfloat16>(out, rows * kHeadSize);
     std::string file_name = c.name;
     std::replace(file_name.begin(), file_name.end(), ' ', '_');
     double difference = -1;
@@ -273,23 +313,23 @@ int main(int argc, char** argv) {
     const double limit_gbps = bytes / (read_ms * 1e-3) / 1e9;
     char difference_text[32] = "-";
     if (difference >= 0) std::snprintf(difference_text, sizeof difference_text, "%.3g", difference);
-    std::printf("%-16s %9.1f %9.0f %10.0f %7.1f%% %5d %5d %s\n", c.name, kernel_ms * 1e3, gbps,
-                limit_gbps, 100.0 * read_ms / kernel_ms, registers, ctas_per_sm,
-                difference_text);
-    char row[384];
+    std::printf("%-16s %9.1f %9.0f %10.0f %7.1f%% %5d %5d %6d %s\n", c.name, kernel_ms * 1e3,
+                gbps, limit_gbps, 100.0 * read_ms / kernel_ms, regs, ctas_per_sm,
+                plan.split.splits, difference_text);
+    char row[448];
     std::snprintf(row, sizeof row,
                   "%s{\"case\": \"%s\", \"time_s\": %.9g, \"bytes\": %.0f, \"bytes_per_s\": %.6g, "
                   "\"limit_bytes_per_s\": %.6g, \"registers\": %d, \"ctas_per_sm\": %d, "
-                  "\"largest_difference\": %s}",
+                  "\"splits\": %d, \"largest_difference\": %s}",
                   &c == cases ? "" : ", ", c.name, kernel_ms * 1e-3, bytes, gbps * 1e9,
-                  limit_gbps * 1e9, registers, ctas_per_sm,
+                  limit_gbps * 1e9, regs, ctas_per_sm, plan.split.splits,
                   difference >= 0 ? difference_text : "null");
     json += row;
 
     for (void* buffer : std::initializer_list<void*>{key_cache, value_cache, query, out, tmp_out,
                                                      exp_sums, max_logits, unit_scale,
-                                                     block_tables, seq_lens}) {
-      CHECK_CUDA(cudaFree(buffer));
+                                                     block_tables, seq_lens, scratch}) {
+      if (buffer != nullptr) CHECK_CUDA(cudaFree(buffer));
     }
   }
   json += "]}\n";

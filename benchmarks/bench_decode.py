@@ -18,6 +18,16 @@ contents:
 * ``limit``: a streaming read of the same number of bytes (``buffer.sum()`` over a float32
   buffer as large as the step's K and V; on CUDA timed with events, plus the stated peak).
 
+GPU-only peers are named with ``--cuda-methods`` (timed only with ``--device cuda``; on the CPU
+the option is recorded in the JSON's notes and nothing runs):
+
+* ``flashinfer``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` with
+  ``use_tensor_cores=True`` (its prefill kernel with the GQA group in one 16-row query tile), on
+  the same cache values converted to its HND pages; planned once, outside the timed loop.
+* ``flashinfer-cc``: the same wrapper on CUDA cores (``use_tensor_cores=False``).
+  Both check their output against ``gather+sdpa`` first; where FlashInfer cannot run (not
+  installed, or no prebuilt module for the dtype and head size), the reason is reported.
+
 With ``--huge-pages`` the cache and the limit's buffer are advised to use 2 MiB pages, as
 :class:`paged_attention.PagedKVCache` allocates CPU caches (plain ``torch`` tensors, the default
 here, get 4 KiB pages).
@@ -56,6 +66,9 @@ class Shape:
 
 CUDA_PEAK_BYTES_PER_S = {"H200": 4.8e12}
 METHODS = ("v1", "v2", "gather+sdpa", "flex")
+CUDA_METHODS = ("flashinfer", "flashinfer-cc")
+# FlashInfer's workspace (its README's size).
+FLASHINFER_WORKSPACE_BYTES = 128 << 20
 # FlexAttention's GPU decode kernel tiles the query rows of a KV head by at least 16 and needs the
 # block mask's query block to be a multiple of that tile (torch/_inductor/kernel/flex/
 # flex_decoding.py): with a 1-row query block it found no valid configuration on an H200. One
@@ -250,6 +263,59 @@ def method_flex(case):
     return run
 
 
+def flashinfer_inputs(case):
+    """The case's cache as FlashInfer's HND pages with identical values, and its CSR page table:
+    (k_pages [N, kv_heads, block, D], v_pages, indptr, indices, last_page_len), all int32."""
+    key_cache, value_cache = case["key_cache"], case["value_cache"]
+    num_blocks, kv_heads, _, block_size, _ = key_cache.shape
+    head_size = value_cache.shape[2]
+    k_pages = key_cache.permute(0, 1, 3, 2, 4).reshape(num_blocks, kv_heads, block_size, head_size)
+    v_pages = value_cache.permute(0, 1, 3, 2)
+    seq_lens = case["seq_lens"].long()
+    pages = (seq_lens + block_size - 1) // block_size  # every seq_len >= 1
+    indptr = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).to(torch.int32)
+    tables = case["block_tables"]
+    columns = torch.arange(tables.shape[1], device=tables.device)
+    indices = tables[columns[None] < pages[:, None]].to(torch.int32)
+    last_page_len = (seq_lens - (pages - 1) * block_size).to(torch.int32)
+    return k_pages.contiguous(), v_pages.contiguous(), indptr, indices, last_page_len
+
+
+def method_flashinfer(case, use_tensor_cores: bool):
+    """FlashInfer's paged decode on the same cache values; raises if it cannot run here."""
+    import flashinfer
+
+    query = case["query"]
+    shape = case["shape"]
+    k_pages, v_pages, indptr, indices, last_page_len = flashinfer_inputs(case)
+    workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, kv_layout="HND", use_tensor_cores=use_tensor_cores
+    )
+    wrapper.plan(
+        indptr,
+        indices,
+        last_page_len,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_size,
+        shape.block_size,
+        pos_encoding_mode="NONE",
+        q_data_type=query.dtype,
+        kv_data_type=k_pages.dtype,
+        sm_scale=shape.head_size**-0.5,
+    )
+
+    def run():
+        return wrapper.run(query, (k_pages, v_pages))
+
+    expected = method_gather_sdpa(case)().squeeze(2).float()
+    err = (run().float() - expected).abs().max().item()
+    if not err < 2e-2:
+        raise RuntimeError(f"FlashInfer result differs from gather+sdpa by {err:.3g}")
+    return run
+
+
 def make_method(method: str, case: dict):
     if method == "v1":
         return method_ours(case, 1)
@@ -259,7 +325,9 @@ def make_method(method: str, case: dict):
         return method_gather_sdpa(case)
     if method == "flex":
         return method_flex(case)
-    raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
+    if method in ("flashinfer", "flashinfer-cc"):
+        return method_flashinfer(case, use_tensor_cores=method == "flashinfer")
+    raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS + CUDA_METHODS)})")
 
 
 def streaming_limit(nbytes: int, device: torch.device, reps: int, huge_pages=False) -> float:
@@ -323,6 +391,10 @@ def run_grid(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     methods = [m for m in args.methods.split(",") if m]
+    cuda_methods = [m for m in args.cuda_methods.split(",") if m]
+    unknown = [m for m in cuda_methods if m not in CUDA_METHODS]
+    if unknown:
+        raise SystemExit(f"--cuda-methods: unknown {unknown} (known: {', '.join(CUDA_METHODS)})")
     shape = Shape(args.heads, args.kv_heads, args.head_size, args.block_size)
     llc = last_level_cache_bytes(device)
     result = dict(device=device.type, machine=machine_info(device), rows=[], notes=[])
@@ -334,11 +406,16 @@ def run_grid(args) -> dict:
         f"{CUDA_CALLS_PER_SAMPLE} back-to-back calls); limit = sum() over a float32 buffer of the "
         "same size"
     )
+    if cuda_methods and device.type == "cuda":
+        methods += cuda_methods
+    elif cuda_methods:
+        result["notes"].append(f"--cuda-methods {','.join(cuda_methods)}: not run on the CPU")
     peak = cuda_peak(device) if device.type == "cuda" else None
     if peak:
         result["notes"].append(f"stated peak memory bandwidth: {peak / 1e12:.1f} TB/s")
-    flex_failure = None
+    peer_failures: dict[str, str] = {}
     for dtype in dtypes:
+        peer_failures = {m: r for m, r in peer_failures.items() if m == "flex"}
         for batch in batches:
             for context in contexts:
                 nbytes = kv_bytes(batch, context, dtype, shape)
@@ -355,16 +432,18 @@ def run_grid(args) -> dict:
                 for method in methods:
                     entry = dict(row_common, method=method)
                     try:
-                        if method == "flex" and flex_failure is not None:
-                            raise RuntimeError(flex_failure)
+                        if method in peer_failures:
+                            raise RuntimeError(peer_failures[method])
                         fn = make_method(method, case)
                         seconds = best_time(fn, device, args.reps)
                         timings[method] = seconds
                         entry.update(time_s=seconds, bytes_per_s=nbytes / seconds)
                     except Exception as error:  # reported in the table instead of a number
                         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                        if method == "flex":
-                            flex_failure = flex_failure or reason
+                        if method == "flex" or method in CUDA_METHODS:
+                            # A peer that cannot run once (not installed, no module for
+                            # this dtype) is not retried for every row of the dtype.
+                            peer_failures.setdefault(method, reason)
                         entry.update(time_s=None, error=reason)
                     result["rows"].append(entry)
                 # Measured again after the methods; the machine may be shared, so keep the best.
@@ -384,8 +463,8 @@ def run_grid(args) -> dict:
                 print_rows(result["rows"][-len(methods) - 1 :], header=not result.get("printed"))
                 result["printed"] = True
     result.pop("printed", None)
-    if flex_failure:
-        result["notes"].append(f"flex could not run: {flex_failure}")
+    if "flex" in peer_failures:
+        result["notes"].append(f"flex could not run: {peer_failures['flex']}")
     return result
 
 
@@ -421,7 +500,7 @@ def plot(result, path):
     for ax, dtype in zip(axes[0], dtypes):
         rows = [r for r in result["rows"] if r["dtype"] == dtype]
         labels = sorted({(r["batch"], r["context"]) for r in rows})
-        for method in [*METHODS, "limit"]:
+        for method in [*METHODS, *CUDA_METHODS, "limit"]:
             points = {
                 (r["batch"], r["context"]): r["bytes_per_s"] / 1e9
                 for r in rows
@@ -450,6 +529,11 @@ def main():
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="512,2048,4096,8192")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--cuda-methods",
+        default="",
+        help=f"GPU-only peers, timed with --device cuda: {', '.join(CUDA_METHODS)}",
+    )
     parser.add_argument("--heads", type=int, default=Shape.num_heads, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=Shape.num_kv_heads)
     parser.add_argument("--head-size", type=int, default=Shape.head_size)

@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# One-GPU check of the CUDA kernels (made for an H200 machine: 16 cores, torch + nvcc installed,
-# no network). Builds the extension for sm_90, runs a plain-python smoke check of every op against
-# reference.py, the CUDA tests (when pytest is importable), the decode benchmark (the whole grid
-# without FlexAttention, then our v1 and v2 against compiled FlexAttention on the target rows,
-# since each FlexAttention shape is its own compilation), the attention kernels timed without
-# torch (benchmarks/bench_cuda_kernels.cu: registers and CTAs per SM too), the serving demo on the
-# GPU, compute-sanitizer memcheck on a small case of every op, and an Nsight Compute profile of
-# the attention kernel. Two stages, kernels and ncu, have not run successfully yet. Each stage
-# has its own timeout (120 + 40 + 120 + 60 + 60 + 30 + 15 + 50 + 55 + 45 s at most; about 5
-# minutes expected), so the whole script stays within about 10 minutes; a failing stage does not
-# stop the later ones.
+# One-GPU check of the CUDA kernels, made for the H200 machine (16 cores, torch + nvcc, no
+# network), within 8 minutes. Stages, each with its own timeout (a failing one does not stop the
+# later ones); the budgets add up to 470 s:
+#   build      130 s  the extension for sm_90 with 16 jobs
+#   tests      100 s  tests/test_cuda_ops.py, test_cache_ops.py, test_cuda_sass.py (pytest-xdist if
+#                     there)
+#   memcheck    40 s  compute-sanitizer --tool memcheck on small cases of every op
+#   racecheck   45 s  compute-sanitizer --tool racecheck (shared-memory hazards) on the same
+#   bench       70 s  benchmarks/bench_decode.py --device cuda: v1, v2, gather+SDPA and FlashInfer
+#                     (tensor-core and CUDA-core decode) on the same cache values, bf16/fp16/fp32
+#   ncu         45 s  Nsight Compute, --launch-count 1, on our v1 decode kernel and FlashInfer's
+#                     tensor-core decode (bf16, batch 64 x 4096): dram throughput, achieved
+#                     occupancy, issue activity, instructions executed, tensor-pipe utilisation,
+#                     warp stall reasons
+#   kernels     40 s  benchmarks/bench_cuda_kernels.cu: the decode kernels timed without torch
+# Optional stages (GPU_CHECK_STAGES=...): smoke (every op against reference.py without pytest),
+# demo (the serving demo on the GPU), flex (v1/v2 against compiled FlexAttention).
 #
-# Usage: [GPU_CHECK_STAGES=smoke,tests,...] benchmarks/gpu_check.sh OUTDIR
-# GPU_CHECK_STAGES picks the stages after the build (default: all of smoke, tests, bench, flex,
-# kernels, demo, memcheck, ncu), to rerun part of the check within a short lease.
-# OUTDIR receives at most 8 files: summary.txt build.log tests.log (smoke, pytest, demo, memcheck)
-# bench.log bench_decode_cuda.json bench_decode_cuda_flex.json bench_cuda_kernels.json
-# bench_decode_cuda.png
+# FlashInfer cannot be pip-installed there (no network): the bundle of ../shared/peers/flashinfer
+# (FlashInfer 0.7.2.post1 prebuilt for sm_90a, bf16 head size 128; see its README) travels in a
+# git-ignored folder of the checkout. Once, in the repository's root:
+#     echo /.peers/ >> "$(git rev-parse --git-common-dir)/info/exclude"
+#     cp -r ../shared/peers .peers
+# and name `.peers` in the device call's `carry`. Without it the FlashInfer rows say why.
+#
+# Usage: [GPU_CHECK_STAGES=tests,bench,...] benchmarks/gpu_check.sh OUTDIR
+# OUTDIR receives at most 8 files: summary.txt build.log tests.log (pytest, sanitizers, smoke,
+# demo) bench.log bench_decode_cuda.json bench_decode_cuda.png bench_cuda_kernels.json ncu.log
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -38,8 +48,9 @@ SCRIPT_START=$(date +%s)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-ALL_STAGES="smoke,tests,bench,flex,kernels,demo,memcheck,ncu"
-STAGES=",${GPU_CHECK_STAGES:-$ALL_STAGES},"
+ALL_STAGES="smoke,tests,memcheck,racecheck,bench,flex,ncu,kernels,demo"
+DEFAULT_STAGES="tests,memcheck,racecheck,bench,ncu,kernels"
+STAGES=",${GPU_CHECK_STAGES:-$DEFAULT_STAGES},"
 want() { [[ $STAGES == *",$1,"* ]]; }
 for stage in ${STAGES//,/ }; do
   if [[ ",$ALL_STAGES," != *",$stage,"* ]]; then
@@ -87,9 +98,25 @@ export PAGED_ATTENTION_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 # another build of GCC 13.3, and an extension it builds (even a one-op repro without flags)
 # segfaults as soon as an op formats a number into its error message; built by /usr/bin/g++, the
 # same repro raises normally.
-run_stage build 120 "$OUT/build.log" env -u CXX -u CC $PY setup.py build_ext --inplace
+run_stage build 130 "$OUT/build.log" env -u CXX -u CC $PY setup.py build_ext --inplace
 BUILD_RC=$?
 unset PAGED_ATTENTION_CUDA MAX_JOBS
+
+# ---- FlashInfer from the carried bundle (its README) ---------------------------------------
+PEERS=.peers/flashinfer
+if ls $PEERS/apache_tvm_ffi-*.whl $PEERS/flashinfer-trim-*.tar.xz >/dev/null 2>&1; then
+  mkdir -p "$WORK/flashinfer"
+  if $PY -m pip install -q --no-index --no-deps --target "$WORK/flashinfer" \
+      $PEERS/apache_tvm_ffi-*.whl >> "$OUT/build.log" 2>&1 \
+      && tar -C "$WORK/flashinfer" -xJf $PEERS/flashinfer-trim-*.tar.xz; then
+    export PYTHONPATH="$WORK/flashinfer:$PYTHONPATH" FLASHINFER_DISABLE_JIT=1
+    note "flashinfer: $($PY -c 'import flashinfer; print(flashinfer.__version__)' 2>&1 | tail -1)"
+  else
+    note "flashinfer: the bundle in $PEERS did not install (see build.log)"
+  fi
+else
+  note "flashinfer: no bundle in $PEERS (carry it: see the header); its rows will say so"
+fi
 
 # ---- the smoke / memcheck script (every op against reference.py, no pytest needed) ----------
 cat > "$WORK/smoke.py" <<'PYEOF'
@@ -143,7 +170,7 @@ cases = [(torch.bfloat16, "auto", 128, 16), (torch.float32, "fp8_e4m3", 64, 8),
          (torch.float16, "fp8_e5m2", 256, 32)]
 if tiny:
     cases = cases[:2]
-seq_lens = [0, 1, 37, 700] if tiny else [0, 1, 37, 700, 1500]
+seq_lens = [0, 1, 37, 300] if tiny else [0, 1, 37, 700, 1500]
 for dtype, kv, head_size, block_size in cases:
     num_heads, num_kv_heads = 8, 2
     max_len = max(seq_lens)
@@ -227,7 +254,7 @@ if [ $BUILD_RC -ne 0 ]; then
   exit 1
 fi
 
-# ---- 2. smoke check and CUDA tests --------------------------------------------------------
+# ---- 2. CUDA tests and the smoke check ----------------------------------------------------
 if want smoke; then
   echo "== smoke check (plain python, every op vs reference.py) ==" >> "$OUT/tests.log"
   run_stage smoke 40 "$OUT/tests.log" $PY "$WORK/smoke.py"
@@ -236,53 +263,21 @@ fi
 if ! want tests; then
   :
 elif $PY -c 'import pytest' 2>/dev/null; then
-  echo "== pytest tests/test_cuda_ops.py tests/test_cache_ops.py ==" >> "$OUT/tests.log"
+  echo "== pytest tests/test_cuda_ops.py tests/test_cache_ops.py tests/test_cuda_sass.py ==" \
+    >> "$OUT/tests.log"
   # Eight workers when pytest-xdist is there: the tests are many small launches plus reference.py.
   WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
-  run_stage tests 120 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py \
-    tests/test_cache_ops.py -q -rfE -p no:cacheprovider --durations=10 $WORKERS
+  run_stage tests 100 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py \
+    tests/test_cache_ops.py tests/test_cuda_sass.py -q -rfE -p no:cacheprovider --durations=10 \
+    $WORKERS
   grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
     | sed 's/^/  pytest: /' >> "$SUMMARY"
   grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | cut -c1-300 | sed 's/^/    /' >> "$SUMMARY"
 else
-  note "[tests] SKIPPED: pytest is not importable by $PY (the smoke check above still ran)"
+  note "[tests] SKIPPED: pytest is not importable by $PY"
 fi
 
-# ---- 3. decode benchmark --------------------------------------------------------------------
-if want bench; then
-  run_stage bench 60 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
-    --batches 1,8,32,64 --contexts 512,2048,4096,8192 --dtypes bfloat16,float32 \
-    --methods v1,v2,gather+sdpa --json "$OUT/bench_decode_cuda.json" \
-    --plot "$OUT/bench_decode_cuda.png"
-fi
-if want flex; then
-  echo "== v1 and v2 against compiled FlexAttention ==" >> "$OUT/bench.log"
-  run_stage bench-flex 60 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
-    --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,v2,flex \
-    --json "$OUT/bench_decode_cuda_flex.json"
-fi
-if want kernels; then
-  echo "== the attention kernels without torch (benchmarks/bench_cuda_kernels.cu) ==" \
-    >> "$OUT/bench.log"
-  run_stage kernels-build 30 "$OUT/bench.log" "$NVCC" -O3 -std=c++20 --expt-relaxed-constexpr \
-    -gencode=arch=compute_90,code=sm_90 -Icsrc benchmarks/bench_cuda_kernels.cu \
-    -o "$WORK/bench_cuda_kernels" \
-    && run_stage kernels 15 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
-      --json "$OUT/bench_cuda_kernels.json"
-fi
-if want bench || want flex || want kernels; then
-  echo "  bench (last lines of bench.log):" >> "$SUMMARY"
-  tail -n 80 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
-fi
-
-# ---- 4. the serving demo on the GPU (engine, PagedCache, transformers adapter, checked against
-# transformers' own generate()) -----------------------------------------------------------------
-if want demo; then
-  echo "== python -m paged_attention demo --device cuda ==" >> "$OUT/tests.log"
-  run_stage demo 50 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
-fi
-
-# ---- 5. compute-sanitizer memcheck ----------------------------------------------------------
+# ---- 3. compute-sanitizer: memcheck and racecheck on small cases of every op -----------------
 # On PATH, in a CUDA toolkit, or in the nvidia-cuda-sanitizer-api wheel next to torch's CUDA libs.
 SANITIZER=$(command -v compute-sanitizer || true)
 WHEELS=$($PY -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null)
@@ -293,24 +288,68 @@ for candidate in /usr/local/cuda/bin/compute-sanitizer \
   [ -n "$SANITIZER" ] && break
   [ -x "$candidate" ] && SANITIZER=$candidate
 done
-if ! want memcheck; then
-  :
-elif [ -n "$SANITIZER" ]; then
+for tool in memcheck racecheck; do
+  want $tool || continue
+  if [ -z "$SANITIZER" ]; then
+    note "[$tool] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
+    continue
+  fi
   # Without the caching allocator every tensor is its own allocation, so an out-of-bounds access
   # cannot hide inside a pooled segment.
-  echo "== compute-sanitizer --tool memcheck ==" >> "$OUT/tests.log"
-  run_stage memcheck 55 "$OUT/tests.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
-    --tool memcheck --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
-  grep -E "ERROR SUMMARY" "$OUT/tests.log" | tail -1 | sed 's/^/  memcheck: /' >> "$SUMMARY"
-else
-  note "[memcheck] SKIPPED: compute-sanitizer not found (PATH, /usr/local/cuda*, nvidia wheels)"
+  echo "== compute-sanitizer --tool $tool ==" >> "$OUT/tests.log"
+  limit=$([ $tool = memcheck ] && echo 40 || echo 45)
+  run_stage $tool $limit "$OUT/tests.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
+    --tool $tool --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tests.log" | tail -1 \
+    | sed "s/^/  $tool: /" >> "$SUMMARY"
+done
+
+# ---- 4. decode benchmark: ours, gather + SDPA and FlashInfer on the same cache values --------
+if want bench; then
+  run_stage bench 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 8,64 --contexts 2048,4096,8192 --dtypes bfloat16,float16,float32 \
+    --methods v1,v2,gather+sdpa --cuda-methods flashinfer,flashinfer-cc \
+    --json "$OUT/bench_decode_cuda.json" --plot "$OUT/bench_decode_cuda.png"
+fi
+if want flex; then
+  echo "== v1 and v2 against compiled FlexAttention ==" >> "$OUT/bench.log"
+  run_stage bench-flex 60 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,v2,flex \
+    --json "$WORK/bench_decode_cuda_flex.json"
+fi
+if want kernels; then
+  echo "== the decode kernels without torch (benchmarks/bench_cuda_kernels.cu) ==" \
+    >> "$OUT/bench.log"
+  run_stage kernels-build 25 "$OUT/bench.log" "$NVCC" -O3 -std=c++20 --expt-relaxed-constexpr \
+    -gencode=arch=compute_90,code=sm_90 -Icsrc benchmarks/bench_cuda_kernels.cu \
+    -o "$WORK/bench_cuda_kernels" \
+    && run_stage kernels 15 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
+      --json "$OUT/bench_cuda_kernels.json"
+fi
+if want bench || want flex || want kernels; then
+  echo "  bench (last lines of bench.log):" >> "$SUMMARY"
+  tail -n 60 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
 fi
 
-# ---- 6. Nsight Compute: where the attention kernel's time goes ---------------------------------
-# Batch 64 x 4096 tokens, bf16 (the target row): the v2 partition kernel, then v1. Appended to
-# bench.log: throughput against the hardware's peaks, occupancy, warp stall reasons.
+# ---- 5. the serving demo on the GPU (engine, PagedCache, transformers adapter, checked against
+# transformers' own generate()) -----------------------------------------------------------------
+if want demo; then
+  echo "== python -m paged_attention demo --device cuda ==" >> "$OUT/tests.log"
+  run_stage demo 50 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
+fi
+
+# ---- 6. Nsight Compute: one launch of our decode kernel and one of FlashInfer's ---------------
+# Batch 64 x 4096 tokens, bf16, 32/8 heads, d128 (the target row). The metrics say where the time
+# goes: dram throughput against its peak, achieved occupancy, issue-slot activity, instructions
+# executed, tensor-pipe (HMMA) activity, and the warp stall reasons (WarpStateStats).
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null \
   | head -1)
+NCU_METRICS=dram__throughput.avg.pct_of_peak_sustained_elapsed
+NCU_METRICS+=,sm__warps_active.avg.pct_of_peak_sustained_active
+NCU_METRICS+=,smsp__issue_active.avg.pct_of_peak_sustained_active
+NCU_METRICS+=,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor_op_hmma.sum
+NCU_METRICS+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+NCU_METRICS+=,gpu__time_duration.sum,dram__bytes_read.sum
 if ! want ncu; then
   :
 elif [ -n "$NCU" ]; then
@@ -323,15 +362,27 @@ sys.path.insert(0, "benchmarks")
 import bench_decode  # noqa: E402
 
 case = bench_decode.build_case(torch.device("cuda"), torch.bfloat16, 64, 4096)
-v1, v2 = bench_decode.method_ours(case, 1), bench_decode.method_ours(case, 2)
-v2(), v2(), v1()
+method = sys.argv[1]
+fn = bench_decode.method_ours(case, 1) if method == "ours" else bench_decode.make_method(method, case)
+fn(), fn()
 torch.cuda.synchronize()
 PYEOF
-  echo "== ncu: paged_attention_kernel, v2 then v1, bf16 64 x 4096 ==" >> "$OUT/bench.log"
-  run_stage ncu 45 "$OUT/bench.log" "$NCU" --clock-control none \
-    --kernel-name regex:paged_attention_kernel --launch-skip 1 --launch-count 2 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis $PY "$WORK/profile_decode.py"
+  for target in ours:'regex:mma_decode_kernel' \
+      flashinfer:'regex:BatchPrefillWithPagedKVCache|BatchDecodeWithPagedKVCache'; do
+    method=${target%%:*}
+    echo "== ncu: $method, bf16 64 x 4096 ==" >> "$OUT/ncu.log"
+    ncu_args=(--clock-control none --kernel-name "${target#*:}" --launch-skip 1 --launch-count 1
+      --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats)
+    if ! run_stage ncu-$method 22 "$OUT/ncu.log" "$NCU" "${ncu_args[@]}" \
+        --metrics "$NCU_METRICS" $PY "$WORK/profile_decode.py" "$method" \
+        && grep -q "Failed to find metric" "$OUT/ncu.log"; then
+      # A metric this ncu does not know: the sections alone (their own metric names).
+      run_stage ncu-$method-sections 22 "$OUT/ncu.log" "$NCU" "${ncu_args[@]}" \
+        $PY "$WORK/profile_decode.py" "$method"
+    fi
+  done
+  grep -E "dram__throughput|sm__warps_active|smsp__issue_active|pipe_tensor_op_hmma_cycles" \
+    "$OUT/ncu.log" | sed 's/^ */    /' >> "$SUMMARY"
 else
   note "[ncu] SKIPPED: Nsight Compute (ncu) not found"
 fi

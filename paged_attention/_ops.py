@@ -163,15 +163,10 @@ def num_partitions(max_seq_len: int) -> int:
     return max(1, math.ceil(max_seq_len / PARTITION_SIZE))
 
 
-# v1 is one unit of work per (sequence, KV head); below this many units per core/SM, v2's extra
+# v1 is one unit of work per (sequence, KV head); below this many units per core, v2's extra
 # parallelism over partitions wins. (The CPU kernel serves adjacent KV heads of a sequence in one
 # unit only while that still leaves this many units per thread.)
 _CPU_UNITS_PER_THREAD = 4
-_CUDA_UNITS_PER_SM = 4
-# On an H200, v2 was faster than v1 in every measured row above 2048 tokens (batch 8-64; v1's
-# logits in shared memory leave room for few CTAs per SM). At 2048, v1 was up to 4.4% faster
-# (bf16, 64 sequences, where 512 (sequence, KV head) pairs still make use_v2 choose v2).
-_CUDA_V1_MAX_CONTEXT = 2048
 
 
 @torch._dynamo.assume_constant_result
@@ -180,37 +175,18 @@ def _cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def cuda_v1_shared_memory_bytes(num_queries_per_kv: int, max_seq_len: int, block_size: int) -> int:
-    """Upper bound of the dynamic shared memory of the CUDA v1 kernel (csrc/cuda/launchers.h,
-    attention_shared_memory_bytes). A CTA serves up to 4 query heads of a KV group (larger groups
-    are split into balanced chunks) and keeps, per served head, one float32 logit per token of the
-    block-padded context plus at most 264 float32 words (query row, reductions, value partials),
-    and one int32 block id per block."""
-    chunks = max(1, math.ceil(num_queries_per_kv / 4))  # kMaxHeadsPerCta
-    heads_per_cta = math.ceil(num_queries_per_kv / chunks)
-    padded_len = math.ceil(max_seq_len / block_size) * block_size
-    return 4 * heads_per_cta * (padded_len + 264) + 4 * (padded_len // block_size)
-
-
 def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16) -> bool:
     """The v1/v2 choice of ``paged_attention``: v2 when the context spans several partitions and
-    the batch is too small to keep the machine busy without splitting sequences, or (CUDA) the
-    context is longer than 2048 tokens or v1 would not fit the GPU's shared memory. On the CPU,
-    v1 keeps its logits in per-thread buffers, so long contexts need no split (and v1 was the
-    faster kernel at 16k and 32k tokens; README, "Decode attention on the CPU")."""
+    the batch is too small to keep the machine busy without splitting sequences. On the CPU, v1
+    keeps its logits in per-thread buffers, so long contexts need no split (and v1 was the
+    faster kernel at 16k and 32k tokens; README, "Decode attention on the CPU"). On CUDA, always
+    v1: it splits each sequence itself, into as many parts as fill the GPU's waves of CTAs
+    (csrc/cuda/attention/plan.h), where v2's partitions are fixed at 512 tokens."""
     if num_partitions(max_seq_len) == 1:
         return False
-    work_units = query.shape[0] * num_kv_heads
     if query.device.type == "cuda":
-        if max_seq_len > _CUDA_V1_MAX_CONTEXT:
-            return True
-        props = torch.cuda.get_device_properties(query.device)
-        group = query.shape[1] // num_kv_heads
-        if cuda_v1_shared_memory_bytes(group, max_seq_len, block_size) > getattr(
-            props, "shared_memory_per_block_optin", 48 * 1024
-        ):
-            return True
-        return work_units < _CUDA_UNITS_PER_SM * props.multi_processor_count
+        return False
+    work_units = query.shape[0] * num_kv_heads
     return work_units < _CPU_UNITS_PER_THREAD * _cpu_threads()
 
 

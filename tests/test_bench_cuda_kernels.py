@@ -43,6 +43,7 @@ def test_builds_and_on_a_gpu_times_every_case(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(report_path.read_text())["rows"]
-    assert len(rows) == 6
+    assert len(rows) == 7
     for row in rows:
         assert row["time_s"] > 0 and row["registers"] > 0 and row["ctas_per_sm"] > 0, row
+        assert row["splits"] >= 1, row

@@ -373,10 +373,7 @@ def test_v1_equals_v2(context, dtype):
 def test_long_context(context, dtype):
     kv = PagedKV(seq_lens=[context, context - 77], num_heads=8, num_kv_heads=8, dtype=dtype)
     assert_attention(kv, 2)
-    if pa_ops.cuda_v1_shared_memory_bytes(1, context, kv.block_size) <= (
-        torch.cuda.get_device_properties(kv.query.device).shared_memory_per_block_optin
-    ):
-        assert_attention(kv, 1)
+    assert_attention(kv, 1)
     out = pa_ops.paged_attention(
         kv.query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens
     )
@@ -384,30 +381,22 @@ def test_long_context(context, dtype):
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
-def test_v1_shared_memory_formula_and_clear_error():
-    device = _device()
-    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    group, block_size = 4, 16  # a CTA serves the whole group (kMaxHeadsPerCta)
-    too_long = (limit // (4 * group)) // block_size * block_size + block_size
-    assert pa_ops.cuda_v1_shared_memory_bytes(group, too_long, block_size) > limit
-    kv = PagedKV(seq_lens=[too_long], num_heads=group, num_kv_heads=1, block_size=block_size)
-    assert pa_ops.use_v2(kv.query, 1, too_long, block_size)
-    with pytest.raises(RuntimeError, match="shared memory"):
-        run_attention(kv, 1)
-    assert_attention(kv, 2)
+def test_v1_serves_contexts_longer_than_one_cta_takes():
+    # A CTA attends at most 8192 tokens (csrc/cuda/attention/plan.h, kMaxSplitTokens): longer
+    # contexts are split even when the batch alone would fill the GPU.
+    kv = PagedKV(seq_lens=[9000, 20000], num_heads=4, num_kv_heads=1, block_size=8, seed=5)
+    assert_attention(kv, 1)
+    assert_attention(kv, 1, sliding_window=8500)
     out = pa_ops.paged_attention(
         kv.query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens
     )
     torch.testing.assert_close(out, run_attention(kv, 2)[1], **TOLERANCES[kv.dtype])
 
 
-def test_v2_beyond_2048_tokens_or_for_small_batches():
-    many = torch.empty(1024, 32, 128, device=_device())  # 8192 (sequence, KV head) pairs
-    few = torch.empty(2, 32, 128, device=_device())
-    assert not pa_ops.use_v2(many, 8, 2048)
-    assert pa_ops.use_v2(many, 8, 2049)
-    assert pa_ops.use_v2(few, 8, 1024)
-    assert not pa_ops.use_v2(few, 8, 512)  # one partition: nothing to split
+def test_paged_attention_picks_v1_on_cuda():
+    # v1 splits each sequence to fill the GPU itself; v2's 512-token partitions stay available.
+    for batch, context in [(1024, 2049), (2, 1024), (2, 100_000), (64, 4096)]:
+        assert not pa_ops.use_v2(torch.empty(batch, 32, 128, device=_device()), 8, context)
 
 
 def test_misaligned_cache_is_rejected():

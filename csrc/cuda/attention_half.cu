@@ -1,10 +1,16 @@
-// Attention kernels for half queries (one file per query dtype, so they compile in parallel).
+// Decode attention kernels for half queries (one file per query dtype, so they compile in
+// parallel).
 #include "cuda/attention_kernels.cuh"
 
 namespace paged_attention::cuda {
 
-cudaError_t paged_attention_half(const AttentionParams& params, bool v2, cudaStream_t stream) {
-  return launch_paged_attention<__half>(params, v2, stream);
+cudaError_t plan_paged_attention_half(const AttentionParams& p, bool v2, DecodePlan* plan) {
+  return plan_decode_on_device<Float16>(p, v2, plan);
+}
+
+cudaError_t launch_paged_attention_half(const AttentionParams& p, const DecodePlan& plan,
+                                        float* scratch, cudaStream_t stream) {
+  return launch_decode<Float16>(p, plan, scratch, stream);
 }
 
 }  // namespace paged_attention::cuda

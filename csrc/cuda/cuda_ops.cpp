@@ -3,6 +3,7 @@
 // the host unless PAGED_ATTENTION_DEBUG_CHECKS=1 (content checks) or swap_blocks has to read a
 // device-side block_mapping for per-block copies (documented below).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -139,32 +140,28 @@ void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_s
   p.scalar = scalar_kind(query.scalar_type());
   p.cache = dims.cache_dtype;
 
-  const int64_t shared_bytes = attention_shared_memory_bytes(p, v2);
+  DecodePlan plan{};
+  check_launch(plan_paged_attention(p, v2, &plan), op);
   int device_limit = 0;
   const cudaError_t query_status = cudaDeviceGetAttribute(
       &device_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, query.get_device());
   TORCH_CHECK(query_status == cudaSuccess, op, ": cannot read the device's shared memory limit: ",
               cudaGetErrorString(query_status));
-  TORCH_CHECK(shared_bytes <= device_limit, op, " needs ", shared_bytes,
-              " bytes of shared memory for max_seq_len = ", max_seq_len, " (", dims.num_heads,
-              " query heads over ", num_kv_heads, " KV heads), more than the device's ",
-              device_limit, "; use paged_attention_v2 (paged_attention.paged_attention() "
-                            "chooses it automatically)");
+  TORCH_CHECK(plan.shape.shared_bytes <= static_cast<uint32_t>(device_limit), op, " needs ",
+              plan.shape.shared_bytes, " bytes of shared memory per CTA for head size ",
+              dims.head_size, ", more than the device's ", device_limit);
+  TORCH_CHECK_VALUE(plan.grid_z <= 65535, op, ": max_seq_len (", max_seq_len,
+                    ") needs more than 65535 splits");
 
-  const cudaStream_t stream = current_stream(query);
-  cudaError_t status = cudaSuccess;
-  switch (p.scalar) {
-    case ScalarKind::kFloat:
-      status = paged_attention_float(p, v2, stream);
-      break;
-    case ScalarKind::kHalf:
-      status = paged_attention_half(p, v2, stream);
-      break;
-    case ScalarKind::kBFloat16:
-      status = paged_attention_bfloat16(p, v2, stream);
-      break;
-  }
-  check_launch(status, op);
+  // v1 with several splits per sequence: float32 partial results from the caching allocator
+  // (no host synchronisation; inside a CUDA graph the allocation is part of the capture).
+  const int64_t scratch_floats = decode_scratch_floats(p, plan);
+  at::Tensor scratch;
+  if (scratch_floats > 0) scratch = at::empty({scratch_floats}, query.options().dtype(at::kFloat));
+  check_launch(launch_paged_attention(p, plan, scratch_floats > 0 ? scratch.data_ptr<float>()
+                                                                  : nullptr,
+                                      current_stream(query)),
+               op);
 }
 
 void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

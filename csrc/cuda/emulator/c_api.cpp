@@ -1,0 +1,284 @@
+// The C interface of the emulation library (libpa_emulator.so) that tests/test_cuda_emulated.py
+// loads with ctypes: the decode ops as the CUDA glue launches them, and self-tests of the
+// primitives.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/emulator/decode_entry.h"
+
+using namespace paged_attention;
+using namespace paged_attention::cuda;
+
+namespace {
+
+void copy_error(const std::string& error, char* out, int64_t capacity) {
+  if (capacity <= 0) return;
+  const size_t n = std::min<size_t>(error.size(), static_cast<size_t>(capacity - 1));
+  std::memcpy(out, error.data(), n);
+  out[n] = '\0';
+}
+
+struct Regions {
+  explicit Regions(const int64_t* triples, int64_t count) {
+    emulator::clear_globals();
+    for (int64_t i = 0; i < count; ++i) {
+      emulator::register_global(reinterpret_cast<const void*>(triples[3 * i]),
+                                static_cast<size_t>(triples[3 * i + 1]), triples[3 * i + 2] != 0);
+    }
+  }
+  ~Regions() { emulator::clear_globals(); }
+};
+
+}  // namespace
+
+extern "C" {
+
+// All fields 64-bit: pointers, integers, doubles (ctypes mirrors this struct).
+struct PaEmulatedAttention {
+  int64_t version;  // 1 or 2
+  int64_t scalar;  // ScalarKind
+  int64_t cache;  // CacheDtype
+  int64_t num_sms;  // the plan's GPU (v1 splits)
+  int64_t ctas_per_sm;  // 0: modelled from shared memory
+  int64_t workers;  // host threads
+  const int64_t* regions;  // (address, bytes, writable) triples: the memory the kernels may touch
+  int64_t num_regions;
+  void* out;
+  float* exp_sums;
+  float* max_logits;
+  void* tmp_out;
+  const void* query;
+  int64_t query_seq_stride;
+  int64_t query_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t key_block_stride;
+  int64_t key_head_stride;
+  int64_t value_block_stride;
+  int64_t value_head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  int64_t max_blocks_per_seq;
+  const int32_t* seq_lens;
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t max_seq_len;
+  double scale;
+  double logits_soft_cap;
+  int64_t sliding_window;
+  const float* alibi_slopes;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t num_partitions;
+};
+
+struct PaEmulatorReport {
+  int64_t splits;
+  int64_t split_tokens;
+  int64_t ctas;
+  int64_t shared_bytes;
+  int64_t ctas_per_sm;
+  int64_t heads_per_cta;
+  int64_t ldmatrix;
+  int64_t ldmatrix_conflicted;
+  int64_t ldmatrix_max_ways;
+  int64_t mma;
+  int64_t cp_async_bytes;
+};
+
+// Returns 0, or 1 with a message in `error`.
+int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport* report,
+                               char* error, int64_t error_capacity) {
+  AttentionParams p{};
+  p.out = call->out;
+  p.exp_sums = call->exp_sums;
+  p.max_logits = call->max_logits;
+  p.tmp_out = call->tmp_out;
+  p.query = call->query;
+  p.query_seq_stride = call->query_seq_stride;
+  p.query_head_stride = call->query_head_stride;
+  p.key_cache = call->key_cache;
+  p.value_cache = call->value_cache;
+  p.key_block_stride = call->key_block_stride;
+  p.key_head_stride = call->key_head_stride;
+  p.value_block_stride = call->value_block_stride;
+  p.value_head_stride = call->value_head_stride;
+  p.block_tables = call->block_tables;
+  p.block_table_stride = call->block_table_stride;
+  p.max_blocks_per_seq = static_cast<int32_t>(call->max_blocks_per_seq);
+  p.seq_lens = call->seq_lens;
+  p.num_seqs = static_cast<int32_t>(call->num_seqs);
+  p.num_heads = static_cast<int32_t>(call->num_heads);
+  p.num_kv_heads = static_cast<int32_t>(call->num_kv_heads);
+  p.head_size = static_cast<int32_t>(call->head_size);
+  p.block_size = static_cast<int32_t>(call->block_size);
+  p.max_seq_len = static_cast<int32_t>(call->max_seq_len);
+  p.scale = static_cast<float>(call->scale);
+  p.logits_soft_cap = static_cast<float>(call->logits_soft_cap);
+  p.sliding_window = static_cast<int32_t>(call->sliding_window);
+  p.alibi_slopes = call->alibi_slopes;
+  p.k_scale = call->k_scale;
+  p.v_scale = call->v_scale;
+  p.num_partitions = static_cast<int32_t>(call->num_partitions);
+  p.scalar = static_cast<ScalarKind>(call->scalar);
+  p.cache = static_cast<CacheDtype>(call->cache);
+  const bool v2 = call->version == 2;
+
+  const KernelShape shape =
+      attention_kernel_shape(p.scalar, p.cache, p.head_size, p.num_heads, p.num_kv_heads);
+  const int ctas_per_sm = call->ctas_per_sm > 0 ? static_cast<int>(call->ctas_per_sm)
+                                                : modelled_ctas_per_sm(shape.shared_bytes);
+  const DecodePlan plan = plan_decode(p, v2, static_cast<int>(call->num_sms), ctas_per_sm);
+  std::vector<float> scratch(static_cast<size_t>(decode_scratch_floats(p, plan)));
+  const DecodeLaunch launch = decode_launch(p, plan, scratch.data());
+
+  const Regions regions(call->regions, call->num_regions);
+  if (!scratch.empty()) {
+    emulator::register_global(scratch.data(), scratch.size() * sizeof(float), true);
+  }
+  emulator::reset_stats();
+  std::string failure;
+  if (p.num_seqs > 0 && p.num_heads > 0) {
+    const int workers = static_cast<int>(std::max<int64_t>(1, call->workers));
+    switch (p.scalar) {
+      case ScalarKind::kFloat:
+        failure = emulate_decode_float(p, plan, launch, workers);
+        break;
+      case ScalarKind::kHalf:
+        failure = emulate_decode_half(p, plan, launch, workers);
+        break;
+      case ScalarKind::kBFloat16:
+        failure = emulate_decode_bfloat16(p, plan, launch, workers);
+        break;
+    }
+  }
+  const emulator::Stats stats = emulator::stats();
+  report->splits = plan.split.splits;
+  report->split_tokens = plan.split.split_tokens;
+  report->ctas = static_cast<int64_t>(stats.ctas);
+  report->shared_bytes = shape.shared_bytes;
+  report->ctas_per_sm = ctas_per_sm;
+  report->heads_per_cta = shape.heads_per_cta;
+  report->ldmatrix = static_cast<int64_t>(stats.ldmatrix);
+  report->ldmatrix_conflicted = static_cast<int64_t>(stats.ldmatrix_conflicted);
+  report->ldmatrix_max_ways = stats.ldmatrix_max_ways;
+  report->mma = static_cast<int64_t>(stats.mma);
+  report->cp_async_bytes = static_cast<int64_t>(stats.cp_async_bytes);
+  copy_error(failure, error, error_capacity);
+  return failure.empty() ? 0 : 1;
+}
+
+// ---- self-tests of the primitives: one warp (or CTA) running a small body ----
+
+// ldmatrix_x4: shared memory initialised from `init` (bytes), lane l gives row_offsets[l] and
+// returns r[0..3] in out[4 l ..].
+int pa_selftest_ldmatrix(const uint8_t* init, int64_t bytes, const uint32_t* row_offsets,
+                         uint32_t* out, char* error, int64_t error_capacity) {
+  const int64_t regions[] = {reinterpret_cast<int64_t>(init), bytes, 0,
+                             reinterpret_cast<int64_t>(row_offsets), 32 * 4, 0,
+                             reinterpret_cast<int64_t>(out), 32 * 16, 1};
+  const Regions guard(regions, 3);
+  const std::string failure = emulator::launch(
+      {{1, 1, 1}, 32, static_cast<uint32_t>(bytes)}, [&] {
+        const int lane = prim::thread_index();
+        for (int64_t i = lane; i < bytes; i += 32) *prim::shared<uint8_t>(i) = prim::load(init + i);
+        prim::syncwarp();
+        uint32_t r[4];
+        prim::ldmatrix_x4(r, prim::load(row_offsets + lane));
+        for (int j = 0; j < 4; ++j) prim::store(out + 4 * lane + j, r[j]);
+      });
+  copy_error(failure, error, error_capacity);
+  return failure.empty() ? 0 : 1;
+}
+
+// mma_16816: lane l's registers a[4 l ..], b[2 l ..], accumulators c[4 l ..] -> d[4 l ..].
+int pa_selftest_mma(int64_t bf16, const uint32_t* a, const uint32_t* b, const float* c, float* d,
+                    char* error, int64_t error_capacity) {
+  const int64_t regions[] = {reinterpret_cast<int64_t>(a), 32 * 16, 0,
+                             reinterpret_cast<int64_t>(b), 32 * 8, 0,
+                             reinterpret_cast<int64_t>(c), 32 * 16, 0,
+                             reinterpret_cast<int64_t>(d), 32 * 16, 1};
+  const Regions guard(regions, 4);
+  const std::string failure = emulator::launch({{1, 1, 1}, 32, 0}, [&] {
+    const int lane = prim::thread_index();
+    const uint32_t ra[4] = {prim::load(a + 4 * lane), prim::load(a + 4 * lane + 1),
+                            prim::load(a + 4 * lane + 2), prim::load(a + 4 * lane + 3)};
+    float acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = prim::load(c + 4 * lane + i);
+    if (bf16) {
+      prim::mma_16816<prim::MmaType::kBF16>(acc, ra, prim::load(b + 2 * lane),
+                                            prim::load(b + 2 * lane + 1));
+    } else {
+      prim::mma_16816<prim::MmaType::kF16>(acc, ra, prim::load(b + 2 * lane),
+                                           prim::load(b + 2 * lane + 1));
+    }
+    for (int i = 0; i < 4; ++i) prim::store(d + 4 * lane + i, acc[i]);
+  });
+  copy_error(failure, error, error_capacity);
+  return failure.empty() ? 0 : 1;
+}
+
+// cp.async: each of 32 lanes copies 16 bytes of `src` (group 0) and 16 more (group 1), then
+//   mode 0: waits for all, mode 1: waits for none, mode 2: wait_group<1>, mode 3: exits without
+//   waiting (an error); after a syncwarp lane l reads back its 32 bytes into out[8 l ..].
+int pa_selftest_cp_async(int64_t mode, const float* src, float* out, char* error,
+                         int64_t error_capacity) {
+  const int64_t regions[] = {reinterpret_cast<int64_t>(src), 32 * 32, 0,
+                             reinterpret_cast<int64_t>(out), 32 * 32, 1};
+  const Regions guard(regions, 2);
+  const std::string failure = emulator::launch({{1, 1, 1}, 32, 32 * 32}, [&] {
+    const int lane = prim::thread_index();
+    prim::cp_async_16(16u * lane, src + 4 * lane);
+    prim::cp_async_commit();
+    prim::cp_async_16(512u + 16u * lane, src + 128 + 4 * lane);
+    prim::cp_async_commit();
+    if (mode == 0) prim::cp_async_wait<0>();
+    if (mode == 2) prim::cp_async_wait<1>();
+    if (mode == 3) return;
+    prim::syncwarp();
+    for (int i = 0; i < 4; ++i) {
+      prim::store(out + 8 * lane + i, *prim::shared<float>(16u * lane + 4u * i));
+      prim::store(out + 8 * lane + 4 + i, *prim::shared<float>(512u + 16u * lane + 4u * i));
+    }
+    if (mode == 1 || mode == 2) prim::cp_async_wait<0>();
+  });
+  copy_error(failure, error, error_capacity);
+  return failure.empty() ? 0 : 1;
+}
+
+// Bodies the emulator must reject: 0 lanes of one warp at different collectives, 1 a
+// syncthreads some threads never reach, 2 a global load outside the registered memory,
+// 3 an ldmatrix row outside shared memory, 4 a store to read-only memory.
+int pa_selftest_rejects(int64_t which, float* buffer, char* error, int64_t error_capacity) {
+  const int64_t regions[] = {reinterpret_cast<int64_t>(buffer), 64 * 4, which != 4};
+  const Regions guard(regions, 1);
+  const std::string failure = emulator::launch({{1, 1, 1}, 64, 256}, [&] {
+    const int tid = prim::thread_index();
+    if (which == 0) {
+      if (tid % 2 == 0) {
+        prim::syncwarp();
+      } else {
+        (void)prim::shfl_xor(1.0f, 1);
+      }
+    } else if (which == 1) {
+      if (tid < 32) return;
+      prim::syncthreads();
+    } else if (which == 2) {
+      (void)prim::load(buffer + 64 + tid);
+    } else if (which == 3) {
+      uint32_t r[4];
+      prim::ldmatrix_x4(r, 256);
+    } else {
+      prim::store(buffer + tid, 1.0f);
+    }
+  });
+  copy_error(failure, error, error_capacity);
+  return failure.empty() ? 0 : 1;
+}
+
+}  // extern "C"
