@@ -8,11 +8,12 @@
 //
 // Build it with -I pointing at a modified copy of csrc/ to time a variant. --save writes each
 // case's output to DIR; --compare reports the largest difference from the outputs saved there.
-// Cases: decode over a paged cache with 32 query heads, 8 KV heads, head size 128, block size 16,
-// every sequence as long as the context, block tables a random permutation of the pool; each
-// launch plans its splits as the op does (plan_decode_on_device). Each time is the best of 5
-// samples of 20 back-to-back launches (CUDA events); the limit is a plain read of the same K and
-// V bytes by a grid-stride kernel.
+// Cases: decode (v1, v2) and varlen attention (q_len new rows per sequence) over a paged cache with
+// 32 query heads, 8 KV heads, head size 128, block size 16, every sequence as long as the context
+// (its new rows included), block tables a random permutation of the pool; each launch plans as
+// the op does (plan_attention_on_device). Each time is the best of 5 samples of 20 back-to-back
+// launches (CUDA events); the limit is a plain read of the same K and V bytes by a grid-stride
+// kernel; FLOP counts the attended (query row, key) pairs, 4 x head size each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -77,9 +78,10 @@ enum class Dtype { kFloat, kHalf, kBFloat16 };
 struct Case {
   const char* name;
   Dtype dtype;
-  bool v2;
+  AttentionOp op;
   int batch;
-  int context;
+  int context;  // tokens of each sequence in the cache, its q_len new ones included
+  int q_len;  // query rows per sequence (1 for decode)
 };
 
 size_t element_bytes(Dtype dtype) { return dtype == Dtype::kFloat ? 4 : 2; }
@@ -105,20 +107,25 @@ float best_ms(Fn fn, int calls) {
   return best;
 }
 
-// The decode kernel variant a case launches (auto cache, head size 128) and its registers.
+// The kernel variant a plan launches (auto cache, head size 128).
 template <typename Scalar>
-int registers() {
-  cudaFuncAttributes attributes{};
-  CHECK_CUDA(cudaFuncGetAttributes(&attributes, decode_kernel<Scalar, CacheDtype::kAuto, 128>()));
-  return attributes.numRegs;
+const void* planned_kernel(const AttentionPlan& plan) {
+  if (plan.shape.row_warps == kWideRowWarps) {
+    return reinterpret_cast<const void*>(
+        attention_kernel<Scalar, CacheDtype::kAuto, 128, kWideRowWarps>());
+  }
+  return reinterpret_cast<const void*>(
+      attention_kernel<Scalar, CacheDtype::kAuto, 128, kNarrowRowWarps>());
 }
 
 template <typename Scalar>
-void plan_and_launch(const AttentionParams& p, bool v2, DecodePlan* plan, float** scratch) {
-  CHECK_CUDA(plan_decode_on_device<Scalar>(p, v2, plan));
-  const int64_t floats = decode_scratch_floats(p, *plan);
-  if (floats > 0 && *scratch == nullptr) CHECK_CUDA(cudaMalloc(scratch, floats * sizeof(float)));
-  CHECK_CUDA(launch_decode<Scalar>(p, *plan, *scratch, nullptr));
+void plan_and_launch(const AttentionParams& p, AttentionOp op, AttentionPlan* plan,
+                     void** scratch, const void** kernel) {
+  CHECK_CUDA(plan_attention_on_device<Scalar>(p, op, plan));
+  const int64_t bytes = scratch_layout(p, *plan).bytes;
+  if (bytes > 0 && *scratch == nullptr) CHECK_CUDA(cudaMalloc(scratch, bytes));
+  CHECK_CUDA(launch_attention_kernels<Scalar>(p, *plan, *scratch, nullptr));
+  *kernel = planned_kernel<Scalar>(*plan);
 }
 
 // Largest absolute difference between `out` and the output saved as `path`; -1 if none is saved.
@@ -162,21 +169,28 @@ int main(int argc, char** argv) {
     }
     *value = argv[i + 1];
   }
+  constexpr AttentionOp kV1 = AttentionOp::kDecodeV1, kV2 = AttentionOp::kDecodeV2,
+                        kVarlen = AttentionOp::kVarlen;
   const Case cases[] = {
-      {"bf16 v1 64x4096", Dtype::kBFloat16, false, 64, 4096},
-      {"bf16 v2 64x4096", Dtype::kBFloat16, true, 64, 4096},
-      {"fp16 v1 64x4096", Dtype::kHalf, false, 64, 4096},
-      {"bf16 v1 8x4096", Dtype::kBFloat16, false, 8, 4096},
-      {"bf16 v1 8x32768", Dtype::kBFloat16, false, 8, 32768},
-      {"fp32 v1 64x4096", Dtype::kFloat, false, 64, 4096},
-      {"fp32 v1 8x4096", Dtype::kFloat, false, 8, 4096},
+      {"bf16 v1 64x4096", Dtype::kBFloat16, kV1, 64, 4096, 1},
+      {"bf16 v2 64x4096", Dtype::kBFloat16, kV2, 64, 4096, 1},
+      {"fp16 v1 64x4096", Dtype::kHalf, kV1, 64, 4096, 1},
+      {"bf16 v1 8x4096", Dtype::kBFloat16, kV1, 8, 4096, 1},
+      {"bf16 v1 8x32768", Dtype::kBFloat16, kV1, 8, 32768, 1},
+      {"fp32 v1 64x4096", Dtype::kFloat, kV1, 64, 4096, 1},
+      {"fp32 v1 8x4096", Dtype::kFloat, kV1, 8, 4096, 1},
+      // The targets of the varlen kernel: speculative decoding (bandwidth) and a prompt chunk
+      // after a cached context (tensor-core rate).
+      {"bf16 varlen q4 32x4096", Dtype::kBFloat16, kVarlen, 32, 4096, 4},
+      {"bf16 varlen q512 4x2560", Dtype::kBFloat16, kVarlen, 4, 2560, 512},
   };
   cudaDeviceProp device{};
   CHECK_CUDA(cudaGetDeviceProperties(&device, 0));
   unsigned* sink = nullptr;
   CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
-  std::printf("%s\n%-16s %9s %9s %10s %8s %5s %5s %6s %s\n", device.name, "case", "us", "GB/s",
-              "limit GB/s", "% limit", "regs", "CTAs", "splits", "difference");
+  std::printf("%s\n%-24s %9s %9s %10s %8s %8s %5s %5s %6s %s\n", device.name, "case", "us",
+              "GB/s", "limit GB/s", "% limit", "TFLOP/s", "regs", "CTAs", "splits",
+              "difference");
   std::string json = std::string("{\"device\": \"") + device.name + "\", \"rows\": [";
 
   for (const Case& c : cases) {
@@ -185,10 +199,11 @@ int main(int argc, char** argv) {
     const int num_blocks = c.batch * blocks_per_seq;
     const int partitions = (c.context + kV2PartitionSize - 1) / kV2PartitionSize;
     const size_t cache_elements = static_cast<size_t>(num_blocks) * kKvHeads * kHeadSize * kBlockSize;
-    const size_t rows = static_cast<size_t>(c.batch) * kHeads;
+    const size_t rows = static_cast<size_t>(c.batch) * c.q_len * kHeads;
     void *key_cache, *value_cache, *query, *out, *tmp_out;
-    float *exp_sums, *max_logits, *unit_scale, *scratch = nullptr;
-    int32_t *block_tables, *seq_lens;
+    float *exp_sums, *max_logits, *unit_scale;
+    void* scratch = nullptr;
+    int32_t *block_tables, *seq_lens, *query_start_loc;
     CHECK_CUDA(cudaMalloc(&key_cache, cache_elements * element));
     CHECK_CUDA(cudaMalloc(&value_cache, cache_elements * element));
     CHECK_CUDA(cudaMalloc(&query, rows * kHeadSize * element));
@@ -199,6 +214,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&unit_scale, sizeof(float)));
     CHECK_CUDA(cudaMalloc(&block_tables, num_blocks * sizeof(int32_t)));
     CHECK_CUDA(cudaMalloc(&seq_lens, c.batch * sizeof(int32_t)));
+    CHECK_CUDA(cudaMalloc(&query_start_loc, (c.batch + 1) * sizeof(int32_t)));
     const float one = 1.0f;
     CHECK_CUDA(cudaMemcpy(unit_scale, &one, sizeof(float), cudaMemcpyHostToDevice));
     const auto fill = [&](auto* typed_key, auto* typed_value, auto* typed_query) {
@@ -225,6 +241,10 @@ int main(int argc, char** argv) {
                           cudaMemcpyHostToDevice));
     CHECK_CUDA(
         cudaMemcpy(seq_lens, lens.data(), c.batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+    std::vector<int32_t> starts(c.batch + 1);
+    for (int s = 0; s <= c.batch; ++s) starts[s] = s * c.q_len;
+    CHECK_CUDA(cudaMemcpy(query_start_loc, starts.data(), (c.batch + 1) * sizeof(int32_t),
+                          cudaMemcpyHostToDevice));
 
     AttentionParams p{};
     p.out = out;
@@ -242,6 +262,9 @@ int main(int argc, char** argv) {
     p.block_table_stride = blocks_per_seq;
     p.max_blocks_per_seq = blocks_per_seq;
     p.seq_lens = seq_lens;
+    p.query_start_loc = c.op == kVarlen ? query_start_loc : nullptr;
+    p.num_tokens = c.batch * c.q_len;
+    p.max_query_len = c.q_len;
     p.num_seqs = c.batch;
     p.num_heads = kHeads;
     p.num_kv_heads = kKvHeads;
@@ -256,15 +279,16 @@ int main(int argc, char** argv) {
                                          : ScalarKind::kBFloat16;
     p.cache = CacheDtype::kAuto;
 
-    DecodePlan plan{};
+    AttentionPlan plan{};
+    const void* kernel = nullptr;
     const auto launch = [&] {
       switch (c.dtype) {
         case Dtype::kFloat:
-          return plan_and_launch<Float32>(p, c.v2, &plan, &scratch);
+          return plan_and_launch<Float32>(p, c.op, &plan, &scratch, &kernel);
         case Dtype::kHalf:
-          return plan_and_launch<Float16>(p, c.v2, &plan, &scratch);
+          return plan_and_launch<Float16>(p, c.op, &plan, &scratch, &kernel);
         case Dtype::kBFloat16:
-          return plan_and_launch<BFloat16>(p, c.v2, &plan, &scratch);
+          return plan_and_launch<BFloat16>(p, c.op, &plan, &scratch, &kernel);
       }
     };
     launch();
@@ -279,16 +303,12 @@ int main(int argc, char** argv) {
               static_cast<const uint4*>(value_cache), vectors, sink);
         },
         10);
-    const int regs = c.dtype == Dtype::kFloat  ? registers<Float32>()
-                     : c.dtype == Dtype::kHalf ? registers<Float16>()
-                                               : registers<BFloat16>();
+    cudaFuncAttributes attributes{};
+    CHECK_CUDA(cudaFuncGetAttributes(&attributes, kernel));
+    const int regs = attributes.numRegs;
     int ctas_per_sm = 0;
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &ctas_per_sm,
-        c.dtype == Dtype::kFloat  ? decode_kernel<Float32, CacheDtype::kAuto, 128>()
-        : c.dtype == Dtype::kHalf ? decode_kernel<Float16, CacheDtype::kAuto, 128>()
-                                  : decode_kernel<BFloat16, CacheDtype::kAuto, 128>(),
-        kAttentionThreads, plan.shape.shared_bytes));
+        &ctas_per_sm, kernel, kAttentionThreads, plan.shape.shared_bytes));
 
     const std::vector<float> result =
         c.dtype == Dtype::kFloat  ? to_floats<float>(out, rows * kHeadSize)
@@ -310,25 +330,33 @@ int main(int argc, char** argv) {
 
     const double bytes = 2.0 * cache_elements * element;
     const double gbps = bytes / (kernel_ms * 1e-3) / 1e9;
+    const double q_len = c.q_len;
+    const double pairs = static_cast<double>(c.batch) * kHeads *
+                         (q_len * (c.context - q_len) + q_len * (q_len + 1) / 2);
+    const double flops = 4.0 * kHeadSize * pairs;
+    const double tflops = flops / (kernel_ms * 1e-3) / 1e12;
     const double limit_gbps = bytes / (read_ms * 1e-3) / 1e9;
     char difference_text[32] = "-";
     if (difference >= 0) std::snprintf(difference_text, sizeof difference_text, "%.3g", difference);
-    std::printf("%-16s %9.1f %9.0f %10.0f %7.1f%% %5d %5d %6d %s\n", c.name, kernel_ms * 1e3,
-                gbps, limit_gbps, 100.0 * read_ms / kernel_ms, regs, ctas_per_sm,
-                plan.split.splits, difference_text);
-    char row[448];
+    std::printf("%-24s %9.1f %9.0f %10.0f %7.1f%% %8.1f %5d %5d %6d %s\n", c.name,
+                kernel_ms * 1e3, gbps, limit_gbps, 100.0 * read_ms / kernel_ms, tflops, regs,
+                ctas_per_sm, plan.split.splits, difference_text);
+    char row[512];
     std::snprintf(row, sizeof row,
                   "%s{\"case\": \"%s\", \"time_s\": %.9g, \"bytes\": %.0f, \"bytes_per_s\": %.6g, "
-                  "\"limit_bytes_per_s\": %.6g, \"registers\": %d, \"ctas_per_sm\": %d, "
+                  "\"limit_bytes_per_s\": %.6g, \"flops\": %.6g, \"flops_per_s\": %.6g, "
+                  "\"registers\": %d, \"ctas_per_sm\": %d, \"row_warps\": %d, "
                   "\"splits\": %d, \"largest_difference\": %s}",
                   &c == cases ? "" : ", ", c.name, kernel_ms * 1e-3, bytes, gbps * 1e9,
-                  limit_gbps * 1e9, regs, ctas_per_sm, plan.split.splits,
+                  limit_gbps * 1e9, flops, tflops * 1e12, regs, ctas_per_sm,
+                  plan.shape.row_warps, plan.split.splits,
                   difference >= 0 ? difference_text : "null");
     json += row;
 
     for (void* buffer : std::initializer_list<void*>{key_cache, value_cache, query, out, tmp_out,
                                                      exp_sums, max_logits, unit_scale,
-                                                     block_tables, seq_lens, scratch}) {
+                                                     block_tables, seq_lens, query_start_loc,
+                                                     scratch}) {
       if (buffer != nullptr) CHECK_CUDA(cudaFree(buffer));
     }
   }

@@ -367,7 +367,7 @@ fn = bench_decode.method_ours(case, 1) if method == "ours" else bench_decode.mak
 fn(), fn()
 torch.cuda.synchronize()
 PYEOF
-  for target in ours:'regex:mma_decode_kernel' \
+  for target in ours:'regex:mma_attention_kernel' \
       flashinfer:'regex:BatchPrefillWithPagedKVCache|BatchDecodeWithPagedKVCache'; do
     method=${target%%:*}
     echo "== ncu: $method, bf16 64 x 4096 ==" >> "$OUT/ncu.log"

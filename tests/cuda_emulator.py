@@ -2,9 +2,9 @@
 
 ``library()`` compiles ``libpa_emulator.so`` with the host C++ compiler (no CUDA toolkit, no
 torch headers) into ``build/emulator/<hash of the sources>/``, once per source state, and loads
-it with ctypes. ``paged_attention_v1`` / ``paged_attention_v2`` take the arguments of the ops of
-the same name (CPU tensors) and run the CUDA kernels' bodies under the emulation, with the same
-kernel variants, split plan and grids as the CUDA launcher.
+it with ctypes. ``paged_attention_v1`` / ``paged_attention_v2`` / ``paged_attention_varlen`` take
+the arguments of the ops of the same name (CPU tensors) and run the CUDA kernels' bodies under the
+emulation, with the same kernel variants, split plan and grids as the CUDA launcher.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Call(ctypes.Structure):
             "key_block_stride key_head_stride value_block_stride value_head_stride block_tables "
             "block_table_stride max_blocks_per_seq seq_lens num_seqs num_heads num_kv_heads "
             "head_size block_size max_seq_len scale logits_soft_cap sliding_window alibi_slopes "
-            "k_scale v_scale num_partitions"
+            "k_scale v_scale num_partitions query_start_loc num_tokens max_query_len sinks"
         ).split()
     ]
 
@@ -51,6 +51,7 @@ class Report(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int64)
         for name in (
+            "row_warps rows_per_cta tokens_per_cta work_items scheduled "
             "splits split_tokens ctas shared_bytes ctas_per_sm heads_per_cta ldmatrix "
             "ldmatrix_conflicted ldmatrix_max_ways mma cp_async_bytes"
         ).split()
@@ -160,11 +161,15 @@ def run(
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
     *,
+    query_start_loc: torch.Tensor | None = None,
+    max_query_len: int = 1,
+    sinks: torch.Tensor | None = None,
     num_sms: int = H200_SMS,
     ctas_per_sm: int = 0,
     workers: int = 2,
 ) -> Report:
-    """Runs the decode op on CPU tensors under the emulation; returns the kernels' report."""
+    """Runs an attention op on CPU tensors under the emulation (version 1 / 2: decode, 3:
+    varlen); returns the kernels' report."""
     readable = [
         query,
         key_cache,
@@ -174,11 +179,14 @@ def run(
         alibi_slopes,
         k_scale,
         v_scale,
+        query_start_loc,
+        sinks,
     ]
     writable = [out, exp_sums, max_logits, tmp_out]
     regions = [region(t, False) for t in readable] + [region(t, True) for t in writable]
     flat = [v for r in regions if r is not None for v in r]
     region_array = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+    num_seqs = query_start_loc.shape[0] - 1 if query_start_loc is not None else query.shape[0]
     call = Call(
         version=version,
         scalar=SCALAR[query.dtype],
@@ -205,7 +213,7 @@ def run(
         block_table_stride=block_tables.stride(0),
         max_blocks_per_seq=block_tables.shape[1],
         seq_lens=_pointer(seq_lens),
-        num_seqs=query.shape[0],
+        num_seqs=num_seqs,
         num_heads=query.shape[1],
         num_kv_heads=num_kv_heads,
         head_size=query.shape[2],
@@ -218,6 +226,10 @@ def run(
         k_scale=_pointer(k_scale),
         v_scale=_pointer(v_scale),
         num_partitions=exp_sums.shape[2] if exp_sums is not None else 0,
+        query_start_loc=_pointer(query_start_loc),
+        num_tokens=query.shape[0],
+        max_query_len=max_query_len,
+        sinks=_pointer(sinks),
     )
     report = Report()
     error = ctypes.create_string_buffer(4096)
@@ -235,3 +247,53 @@ def paged_attention_v1(out, *args, **options) -> Report:
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_out, *args, **options) -> Report:
     return run(2, out, exp_sums, max_logits, tmp_out, *args, **options)
+
+
+def paged_attention_varlen(
+    out,
+    query,
+    key_cache,
+    value_cache,
+    num_kv_heads,
+    scale,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    max_query_len,
+    max_seq_len,
+    alibi_slopes,
+    kv_cache_dtype,
+    k_scale,
+    v_scale,
+    sliding_window=0,
+    logits_soft_cap=0.0,
+    sinks=None,
+    **options,
+) -> Report:
+    """The varlen op's arguments in its schema's order (block_size from value_cache)."""
+    return run(
+        3,
+        out,
+        None,
+        None,
+        None,
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        scale,
+        block_tables,
+        seq_lens,
+        value_cache.shape[3],
+        max_seq_len,
+        alibi_slopes,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        sliding_window,
+        logits_soft_cap,
+        query_start_loc=query_start_loc,
+        max_query_len=max_query_len,
+        sinks=sinks,
+        **options,
+    )

@@ -43,7 +43,10 @@ def test_builds_and_on_a_gpu_times_every_case(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(report_path.read_text())["rows"]
-    assert len(rows) == 7
+    assert len(rows) == 9
     for row in rows:
         assert row["time_s"] > 0 and row["registers"] > 0 and row["ctas_per_sm"] > 0, row
-        assert row["splits"] >= 1, row
+        assert row["splits"] >= 1 and row["flops"] > 0, row
+    # The long prompt chunk runs on 64-row CTAs, the short queries on the decode tiling.
+    tilings = {row["case"]: row["row_warps"] for row in rows}
+    assert tilings["bf16 varlen q512 4x2560"] == 4 and tilings["bf16 varlen q4 32x4096"] == 1

@@ -1,11 +1,12 @@
-"""Gates on the machine code (SASS) of the built extension's CUDA decode kernels.
+"""Gates on the machine code (SASS) of the built extension's CUDA attention kernels.
 
 ``cuobjdump`` (shipped in triton's wheel, or the CUDA toolkit's) reads the kernels embedded in
-paged_attention/_C*.so without a GPU. Every fp16/bf16 decode kernel must use tensor cores (HMMA),
-ldmatrix (LDSM) and asynchronous copies (LDGSTS, waited with DEPBAR); the fp32 kernels the
-asynchronous copies; no kernel may spill to local memory; and every decode kernel's registers
-must leave room for as many CTAs per SM as its shared memory allows on an H100/H200 (the
-minimum its __launch_bounds__ asks for, csrc/cuda/attention/plan.h: compiled_ctas_per_sm).
+paged_attention/_C*.so without a GPU. One kernel body serves decode (v1, v2) and varlen attention
+(csrc/cuda/attention/): every fp16/bf16 variant, in both row tilings (one warp of rows: 16-row
+CTAs; four warps: 64 rows), must use tensor cores (HMMA), ldmatrix (LDSM) and asynchronous
+copies (LDGSTS, waited with DEPBAR); the fp32 kernels the asynchronous copies; no kernel may
+spill to local memory; and every attention kernel's registers must leave room for the CTAs per
+SM its __launch_bounds__ asks for (csrc/cuda/attention/plan.h: compiled_ctas_per_sm).
 
 CI builds the CUDA sources (PAGED_ATTENTION_CUDA=1): then a missing CUDA build or tool fails
 these tests. Without that switch they skip on a CPU-only build.
@@ -26,21 +27,29 @@ REQUIRED = os.environ.get("PAGED_ATTENTION_CUDA") == "1"
 CACHES = {0: "auto", 1: "fp8_e4m3", 2: "fp8_e5m2"}
 BUCKETS = (64, 128, 256)
 # Resident CTAs per SM each variant is compiled for (compiled_ctas_per_sm in plan.h), from its
-# shared memory: (tensor cores?, fp8 cache?, head bucket) -> CTAs.
+# shared memory on an H100/H200 and its registers:
+# (tensor cores?, fp8 cache?, head bucket, warps of rows) -> CTAs.
 COMPILED_CTAS = {
-    (True, False, 64): 4,
-    (True, False, 128): 2,
-    (True, False, 256): 1,
-    (True, True, 64): 4,
-    (True, True, 128): 3,
-    (True, True, 256): 2,
-    (False, False, 64): 2,
-    (False, False, 128): 2,
-    (False, False, 256): 1,
-    (False, True, 64): 2,
-    (False, True, 128): 2,
-    (False, True, 256): 2,
+    (True, False, 64, 1): 4,
+    (True, False, 128, 1): 2,
+    (True, False, 256, 1): 1,
+    (True, True, 64, 1): 3,
+    (True, True, 128, 1): 2,
+    (True, True, 256, 1): 2,
+    (True, False, 64, 4): 4,
+    (True, False, 128, 4): 2,
+    (True, False, 256, 4): 2,
+    (True, True, 64, 4): 4,
+    (True, True, 128, 4): 2,
+    (True, True, 256, 4): 2,
+    (False, False, 64, 1): 2,
+    (False, False, 128, 1): 2,
+    (False, False, 256, 1): 1,
+    (False, True, 64, 1): 2,
+    (False, True, 128, 1): 2,
+    (False, True, 256, 1): 2,
 }
+ROW_WARPS = (1, 4)
 
 
 def unavailable(reason: str):
@@ -117,63 +126,73 @@ def kernels() -> dict[str, Kernel]:
     return {pretty: mangled[m] for pretty, m in zip(readable, mangled)}
 
 
-def decode_kernels(kernels, family: str) -> dict[tuple, Kernel]:
-    """(query dtype, cache, bucket) -> kernel, for mma_decode_kernel or cuda_core_decode_kernel."""
+def attention_kernels(kernels, family: str) -> dict[tuple, Kernel]:
+    """(query dtype, cache, bucket, warps of rows) -> kernel, for mma_attention_kernel ("mma") or
+    cuda_core_attention_kernel ("core", one warp of rows)."""
     found = {}
     for name, kernel in kernels.items():
         mma = re.search(
-            r"mma_decode_kernel<paged_attention::cuda::(\w+), \(paged_attention::"
-            r"CacheDtype\)(\d), (\d+)>",
+            r"mma_attention_kernel<paged_attention::cuda::(\w+), \(paged_attention::"
+            r"CacheDtype\)(\d), (\d+), (\d+)>",
             name,
         )
         core = re.search(
-            r"cuda_core_decode_kernel<\(paged_attention::CacheDtype\)(\d), (\d+)>", name
+            r"cuda_core_attention_kernel<\(paged_attention::CacheDtype\)(\d), (\d+)>", name
         )
         if family == "mma" and mma:
-            found[(mma.group(1), CACHES[int(mma.group(2))], int(mma.group(3)))] = kernel
+            key = (mma.group(1), CACHES[int(mma.group(2))], int(mma.group(3)), int(mma.group(4)))
+            found[key] = kernel
         if family == "core" and core:
-            found[("Float32", CACHES[int(core.group(1))], int(core.group(2)))] = kernel
+            found[("Float32", CACHES[int(core.group(1))], int(core.group(2)), 1)] = kernel
     return found
 
 
 def test_keys_and_values_arrive_by_cp_async_only(kernels):
-    # The plain global loads of a decode kernel (the query, block ids, seq_lens, ALiBi slopes,
-    # fp8 scales) are few, and as many for every head size: keys and values, whose loads would
-    # grow with the head size, come by cp.async (LDGSTS) alone.
+    # The plain global loads of an attention kernel (the query, seq_lens, query_start_loc, the
+    # work item, one block id per tile, ALiBi slopes, sinks, fp8 scales) are few, and as many
+    # for every head size: keys and values, whose loads would grow with the head size, come by
+    # cp.async (LDGSTS) alone.
     for family in ("mma", "core"):
-        variants = decode_kernels(kernels, family)
-        for (query, cache, bucket), kernel in variants.items():
+        variants = attention_kernels(kernels, family)
+        for (query, cache, bucket, row_warps), kernel in variants.items():
             plain = kernel.count("LDG.")
-            assert plain <= 48, (query, cache, bucket, plain)
-            assert plain == variants[(query, cache, 64)].count("LDG."), (query, cache, bucket)
+            assert plain <= 48, (query, cache, bucket, row_warps, plain)
+            smallest = variants[(query, cache, 64, row_warps)]
+            assert plain == smallest.count("LDG."), (query, cache, bucket, row_warps)
 
 
-def test_every_decode_variant_is_built(kernels):
-    mma = decode_kernels(kernels, "mma")
-    core = decode_kernels(kernels, "core")
+def test_every_attention_variant_is_built(kernels):
+    mma = attention_kernels(kernels, "mma")
+    core = attention_kernels(kernels, "core")
     assert set(mma) == {
-        (q, c, b) for q in ("Float16", "BFloat16") for c in CACHES.values() for b in BUCKETS
+        (q, c, b, w)
+        for q in ("Float16", "BFloat16")
+        for c in CACHES.values()
+        for b in BUCKETS
+        for w in ROW_WARPS
     }
-    assert set(core) == {("Float32", c, b) for c in CACHES.values() for b in BUCKETS}
+    assert set(core) == {("Float32", c, b, 1) for c in CACHES.values() for b in BUCKETS}
     reduces = [n for n in kernels if "reduce_partials_kernel" in n]
-    assert len(reduces) == 6  # per query dtype: fp32 partials (v1) and query-dtype ones (v2)
+    assert len(reduces) == 6  # per query dtype: fp32 partials (v1, varlen) and v2's
+    assert any("schedule_varlen_kernel" in n for n in kernels)
 
 
 def test_fp16_bf16_kernels_run_on_tensor_cores_fed_by_ldmatrix_and_cp_async(kernels):
-    for (query, cache, bucket), kernel in decode_kernels(kernels, "mma").items():
+    for (query, cache, bucket, row_warps), kernel in attention_kernels(kernels, "mma").items():
+        key = (query, cache, bucket, row_warps)
         # fp8 caches are converted to fp16 for the MMA; 16-bit caches keep the query's type.
         bf16 = query == "BFloat16" and cache == "auto"
         hmma = [op for op in kernel.opcodes if op.startswith("HMMA.16816.F32")]
         # Per 16-token tile: head_size / 16 k-steps of Q K^T and head_size / 8 n-blocks of P V,
         # two MMAs each (a 16-row tile of 2 x 8 columns) in the first; P V twice (masked tiles).
-        assert len(hmma) >= bucket // 16 * 2 + bucket // 8 * 2, (query, cache, bucket)
-        assert all(op.endswith(".BF16") == bf16 for op in hmma), (query, cache, bucket)
-        assert kernel.count("LDSM") > 0 and kernel.count("LDGSTS") > 0, (query, cache, bucket)
-        assert kernel.count("DEPBAR") > 0, (query, cache, bucket)  # cp.async.wait_group
+        assert len(hmma) >= bucket // 16 * 2 + bucket // 8 * 2, key
+        assert all(op.endswith(".BF16") == bf16 for op in hmma), key
+        assert kernel.count("LDSM") > 0 and kernel.count("LDGSTS") > 0, key
+        assert kernel.count("DEPBAR") > 0, key  # cp.async.wait_group
 
 
 def test_fp32_kernels_use_cp_async_and_no_tensor_cores(kernels):
-    for key, kernel in decode_kernels(kernels, "core").items():
+    for key, kernel in attention_kernels(kernels, "core").items():
         assert kernel.count("LDGSTS") > 0 and kernel.count("DEPBAR") > 0, key
         assert kernel.count("HMMA") == 0, key  # TF32 would miss fp32's tolerance
 
@@ -186,8 +205,9 @@ def test_no_kernel_spills_to_local_memory(kernels):
 
 
 @pytest.mark.parametrize("family", ["mma", "core"])
-def test_registers_leave_room_for_the_ctas_shared_memory_fits(kernels, family):
-    for (query, cache, bucket), kernel in decode_kernels(kernels, family).items():
-        ctas = COMPILED_CTAS[(family == "mma", cache != "auto", bucket)]
+def test_registers_leave_room_for_the_ctas_they_are_compiled_for(kernels, family):
+    for (query, cache, bucket, row_warps), kernel in attention_kernels(kernels, family).items():
+        ctas = COMPILED_CTAS[(family == "mma", cache != "auto", bucket, row_warps)]
         budget = min(255, 65536 // (128 * ctas) // 8 * 8)  # registers go by 8 per thread
-        assert 0 < kernel.registers <= budget, (query, cache, bucket, kernel.registers, budget)
+        key = (query, cache, bucket, row_warps, kernel.registers, budget)
+        assert 0 < kernel.registers <= budget, key

@@ -1,16 +1,15 @@
-// Decode attention kernels for half queries (one file per query dtype, so they compile in
-// parallel).
+// Attention kernels for half queries (one file per query dtype, so they compile in parallel).
 #include "cuda/attention_kernels.cuh"
 
 namespace paged_attention::cuda {
 
-cudaError_t plan_paged_attention_half(const AttentionParams& p, bool v2, DecodePlan* plan) {
-  return plan_decode_on_device<Float16>(p, v2, plan);
+cudaError_t plan_attention_half(const AttentionParams& p, AttentionOp op, AttentionPlan* plan) {
+  return plan_attention_on_device<Float16>(p, op, plan);
 }
 
-cudaError_t launch_paged_attention_half(const AttentionParams& p, const DecodePlan& plan,
-                                        float* scratch, cudaStream_t stream) {
-  return launch_decode<Float16>(p, plan, scratch, stream);
+cudaError_t launch_attention_half(const AttentionParams& p, const AttentionPlan& plan,
+                                  void* scratch, cudaStream_t stream) {
+  return launch_attention_kernels<Float16>(p, plan, scratch, stream);
 }
 
 }  // namespace paged_attention::cuda

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 #include <optional>
 #include <string>
@@ -68,49 +69,16 @@ void check_fits_int32(int64_t value, const char* name) {
   TORCH_CHECK_VALUE(value <= INT_MAX, name, " (", value, ") is too large for the CUDA kernels");
 }
 
-void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_sums,
-                   const std::optional<at::Tensor>& max_logits,
-                   const std::optional<at::Tensor>& tmp_out, const at::Tensor& query,
-                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                   int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                   const std::optional<at::Tensor>& alibi_slopes,
-                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                   const at::Tensor& v_scale, int64_t sliding_window, double logits_soft_cap) {
-  const bool v2 = exp_sums.has_value();
-  const char* op = v2 ? "paged_attention_v2" : "paged_attention_v1";
-  const AttentionDims dims = check_attention_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-      logits_soft_cap);
-  TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
-  if (v2) check_v2_scratch(*exp_sums, *max_logits, *tmp_out, dims, query);
-  if (debug_checks_enabled()) {
-    check_attention_indices(block_tables, seq_lens, dims, sliding_window);
-  }
-  check_vector_aligned(key_cache, "key_cache");
-  check_vector_aligned(value_cache, "value_cache");
-  check_fits_int32(dims.num_seqs, "num_seqs");
-  check_fits_int32(max_seq_len, "max_seq_len");
-  check_fits_int32(sliding_window, "sliding_window");
-  check_fits_int32(dims.max_blocks_per_seq, "block_tables.size(1)");
-  TORCH_CHECK_VALUE(dims.num_heads <= 65535, "num_heads (", dims.num_heads,
-                    ") must be at most 65535");
-  if (v2) {
-    TORCH_CHECK_VALUE(exp_sums->size(2) <= 65535, "exp_sums.size(2) (", exp_sums->size(2),
-                      ") must be at most 65535 partitions");
-  }
-
-  if (dims.num_seqs == 0 || dims.num_heads == 0) return;
-  const c10::cuda::CUDAGuard guard(query.device());
+// The parameters every attention launch shares, from tensors the checks have accepted.
+AttentionParams attention_params(const at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const AttentionDims& dims, double scale,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                                 const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                 int64_t sliding_window, double logits_soft_cap) {
   AttentionParams p{};
   p.out = out.data_ptr();
-  if (v2) {
-    p.exp_sums = exp_sums->data_ptr<float>();
-    p.max_logits = max_logits->data_ptr<float>();
-    p.tmp_out = tmp_out->data_ptr();
-    p.num_partitions = static_cast<int32_t>(exp_sums->size(2));
-  }
   p.query = query.data_ptr();
   p.query_seq_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
@@ -139,29 +107,89 @@ void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_s
   p.v_scale = fp8 ? v_scale.data_ptr<float>() : nullptr;
   p.scalar = scalar_kind(query.scalar_type());
   p.cache = dims.cache_dtype;
+  return p;
+}
 
-  DecodePlan plan{};
-  check_launch(plan_paged_attention(p, v2, &plan), op);
+// The checks every attention launch shares: 16-byte vectors of the caches, the int32 values
+// of the kernels' parameters.
+void check_attention_launch(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const AttentionDims& dims, int64_t sliding_window) {
+  check_vector_aligned(key_cache, "key_cache");
+  check_vector_aligned(value_cache, "value_cache");
+  check_fits_int32(dims.num_seqs, "num_seqs");
+  check_fits_int32(dims.max_seq_len, "max_seq_len");
+  check_fits_int32(sliding_window, "sliding_window");
+  check_fits_int32(dims.max_blocks_per_seq, "block_tables.size(1)");
+  TORCH_CHECK_VALUE(dims.num_heads <= 65535, "num_heads (", dims.num_heads,
+                    ") must be at most 65535");
+}
+
+// Plans, allocates the plan's scratch from the caching allocator (no host synchronisation;
+// inside a CUDA graph the allocation is part of the capture) and launches.
+void plan_and_launch(const AttentionParams& p, AttentionOp op, const at::Tensor& query,
+                     const AttentionDims& dims, const char* name) {
+  AttentionPlan plan{};
+  check_launch(plan_attention(p, op, &plan), name);
   int device_limit = 0;
   const cudaError_t query_status = cudaDeviceGetAttribute(
       &device_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, query.get_device());
-  TORCH_CHECK(query_status == cudaSuccess, op, ": cannot read the device's shared memory limit: ",
+  TORCH_CHECK(query_status == cudaSuccess, name,
+              ": cannot read the device's shared memory limit: ",
               cudaGetErrorString(query_status));
-  TORCH_CHECK(plan.shape.shared_bytes <= static_cast<uint32_t>(device_limit), op, " needs ",
+  TORCH_CHECK(plan.shape.shared_bytes <= static_cast<uint32_t>(device_limit), name, " needs ",
               plan.shape.shared_bytes, " bytes of shared memory per CTA for head size ",
               dims.head_size, ", more than the device's ", device_limit);
-  TORCH_CHECK_VALUE(plan.grid_z <= 65535, op, ": max_seq_len (", max_seq_len,
+  TORCH_CHECK_VALUE(plan.grid_z <= 65535, name, ": max_seq_len (", dims.max_seq_len,
                     ") needs more than 65535 splits");
-
-  // v1 with several splits per sequence: float32 partial results from the caching allocator
-  // (no host synchronisation; inside a CUDA graph the allocation is part of the capture).
-  const int64_t scratch_floats = decode_scratch_floats(p, plan);
+  const int64_t scratch_bytes = scratch_layout(p, plan).bytes;
   at::Tensor scratch;
-  if (scratch_floats > 0) scratch = at::empty({scratch_floats}, query.options().dtype(at::kFloat));
-  check_launch(launch_paged_attention(p, plan, scratch_floats > 0 ? scratch.data_ptr<float>()
-                                                                  : nullptr,
-                                      current_stream(query)),
-               op);
+  if (scratch_bytes > 0) scratch = at::empty({scratch_bytes}, query.options().dtype(at::kByte));
+  check_launch(launch_attention(p, plan, scratch_bytes > 0 ? scratch.data_ptr() : nullptr,
+                                current_stream(query)),
+               name);
+}
+
+void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_sums,
+                   const std::optional<at::Tensor>& max_logits,
+                   const std::optional<at::Tensor>& tmp_out, const at::Tensor& query,
+                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                   const std::optional<at::Tensor>& alibi_slopes,
+                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                   const at::Tensor& v_scale, int64_t sliding_window, double logits_soft_cap) {
+  const bool v2 = exp_sums.has_value();
+  const char* op = v2 ? "paged_attention_v2" : "paged_attention_v1";
+  const AttentionDims dims = check_attention_args(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
+      logits_soft_cap);
+  TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
+  if (v2) check_v2_scratch(*exp_sums, *max_logits, *tmp_out, dims, query);
+  if (debug_checks_enabled()) {
+    check_attention_indices(block_tables, seq_lens, dims, sliding_window);
+  }
+  check_attention_launch(key_cache, value_cache, dims, sliding_window);
+  if (v2) {
+    TORCH_CHECK_VALUE(exp_sums->size(2) <= 65535, "exp_sums.size(2) (", exp_sums->size(2),
+                      ") must be at most 65535 partitions");
+  }
+
+  if (dims.num_seqs == 0 || dims.num_heads == 0) return;
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttentionParams p =
+      attention_params(out, query, key_cache, value_cache, dims, scale, block_tables, seq_lens,
+                       max_seq_len, alibi_slopes, k_scale, v_scale, sliding_window,
+                       logits_soft_cap);
+  p.num_tokens = p.num_seqs;
+  p.max_query_len = 1;
+  if (v2) {
+    p.exp_sums = exp_sums->data_ptr<float>();
+    p.max_logits = max_logits->data_ptr<float>();
+    p.tmp_out = tmp_out->data_ptr();
+    p.num_partitions = static_cast<int32_t>(exp_sums->size(2));
+  }
+  plan_and_launch(p, v2 ? AttentionOp::kDecodeV2 : AttentionOp::kDecodeV1, query, dims, op);
 }
 
 void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -189,6 +217,45 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   run_attention(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
                 scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
                 kv_cache_dtype, k_scale, v_scale, sliding_window, logits_soft_cap);
+}
+
+// Every query length in one launch (csrc/cuda/attention/plan.h): no host synchronisation, so
+// a step replays in a CUDA graph; max_query_len and max_seq_len (host ints) size the grid, and a
+// launch whose queries are longer than one CTA's tokens lists its work items on the device.
+void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, int64_t max_query_len,
+                            int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                            const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale, int64_t sliding_window,
+                            double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
+  const char* op = "paged_attention_varlen";
+  const VarlenDims dims = check_varlen_args(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+      sliding_window, logits_soft_cap, sinks);
+  TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
+  if (debug_checks_enabled()) {
+    check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window);
+  }
+  check_attention_launch(key_cache, value_cache, dims, sliding_window);
+  check_fits_int32(dims.num_tokens, "num_tokens (query.size(0))");
+
+  if (dims.num_seqs == 0 || dims.num_tokens == 0 || dims.num_heads == 0 || max_query_len == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttentionParams p =
+      attention_params(out, query, key_cache, value_cache, dims, scale, block_tables, seq_lens,
+                       max_seq_len, alibi_slopes, k_scale, v_scale, sliding_window,
+                       logits_soft_cap);
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.num_tokens = static_cast<int32_t>(dims.num_tokens);
+  // No sequence has more rows than the query has.
+  p.max_query_len = static_cast<int32_t>(std::min(max_query_len, dims.num_tokens));
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  plan_and_launch(p, AttentionOp::kVarlen, query, dims, op);
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -354,6 +421,7 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 TORCH_LIBRARY_IMPL(paged_attention, CUDA, m) {
   m.impl("paged_attention_v1", &paged_attention::cuda::paged_attention_v1);
   m.impl("paged_attention_v2", &paged_attention::cuda::paged_attention_v2);
+  m.impl("paged_attention_varlen", &paged_attention::cuda::paged_attention_varlen);
   m.impl("reshape_and_cache", &paged_attention::cuda::reshape_and_cache);
   m.impl("copy_blocks", &paged_attention::cuda::copy_blocks);
   m.impl("swap_blocks", &paged_attention::cuda::swap_blocks);

@@ -12,44 +12,46 @@
 
 namespace paged_attention::cuda {
 
-// Decode attention (csrc/cuda/attention/plan.h has AttentionParams and the plan): one pair of
-// entry points per query dtype (one .cu file each, so they compile in parallel).
+// Attention, decode (v1, v2) and varlen (csrc/cuda/attention/plan.h has AttentionParams,
+// dispatch.h the plan): one pair of entry points per query dtype (one .cu file each, so they
+// compile in parallel).
 //   plan_*:   the kernel variant, its occupancy on the current device and the split of each
-//             sequence (v1: sized to fill whole waves; v2: the op's partitions);
-//   launch_*: the decode kernel, then the reduce kernel when the plan splits. A v1 plan that
-//             splits needs decode_scratch_floats(p, plan) floats of device scratch.
+//             sequence (v1 / varlen: sized to fill whole waves; v2: the op's partitions);
+//   launch_*: the schedule kernel of a varlen launch with long queries, the attention kernel,
+//             then the reduce kernel when the plan splits. `scratch` holds
+//             scratch_layout(p, plan).bytes of device memory (none for most decode plans).
 // No host synchronisation: the same plan is valid inside a CUDA graph.
-cudaError_t plan_paged_attention_float(const AttentionParams& p, bool v2, DecodePlan* plan);
-cudaError_t plan_paged_attention_half(const AttentionParams& p, bool v2, DecodePlan* plan);
-cudaError_t plan_paged_attention_bfloat16(const AttentionParams& p, bool v2, DecodePlan* plan);
-cudaError_t launch_paged_attention_float(const AttentionParams& p, const DecodePlan& plan,
-                                         float* scratch, cudaStream_t stream);
-cudaError_t launch_paged_attention_half(const AttentionParams& p, const DecodePlan& plan,
-                                        float* scratch, cudaStream_t stream);
-cudaError_t launch_paged_attention_bfloat16(const AttentionParams& p, const DecodePlan& plan,
-                                            float* scratch, cudaStream_t stream);
+cudaError_t plan_attention_float(const AttentionParams& p, AttentionOp op, AttentionPlan* plan);
+cudaError_t plan_attention_half(const AttentionParams& p, AttentionOp op, AttentionPlan* plan);
+cudaError_t plan_attention_bfloat16(const AttentionParams& p, AttentionOp op, AttentionPlan* plan);
+cudaError_t launch_attention_float(const AttentionParams& p, const AttentionPlan& plan,
+                                   void* scratch, cudaStream_t stream);
+cudaError_t launch_attention_half(const AttentionParams& p, const AttentionPlan& plan,
+                                  void* scratch, cudaStream_t stream);
+cudaError_t launch_attention_bfloat16(const AttentionParams& p, const AttentionPlan& plan,
+                                      void* scratch, cudaStream_t stream);
 
-inline cudaError_t plan_paged_attention(const AttentionParams& p, bool v2, DecodePlan* plan) {
+inline cudaError_t plan_attention(const AttentionParams& p, AttentionOp op, AttentionPlan* plan) {
   switch (p.scalar) {
     case ScalarKind::kFloat:
-      return plan_paged_attention_float(p, v2, plan);
+      return plan_attention_float(p, op, plan);
     case ScalarKind::kHalf:
-      return plan_paged_attention_half(p, v2, plan);
+      return plan_attention_half(p, op, plan);
     case ScalarKind::kBFloat16:
-      return plan_paged_attention_bfloat16(p, v2, plan);
+      return plan_attention_bfloat16(p, op, plan);
   }
   return cudaErrorInvalidValue;
 }
 
-inline cudaError_t launch_paged_attention(const AttentionParams& p, const DecodePlan& plan,
-                                          float* scratch, cudaStream_t stream) {
+inline cudaError_t launch_attention(const AttentionParams& p, const AttentionPlan& plan,
+                                    void* scratch, cudaStream_t stream) {
   switch (p.scalar) {
     case ScalarKind::kFloat:
-      return launch_paged_attention_float(p, plan, scratch, stream);
+      return launch_attention_float(p, plan, scratch, stream);
     case ScalarKind::kHalf:
-      return launch_paged_attention_half(p, plan, scratch, stream);
+      return launch_attention_half(p, plan, scratch, stream);
     case ScalarKind::kBFloat16:
-      return launch_paged_attention_bfloat16(p, plan, scratch, stream);
+      return launch_attention_bfloat16(p, plan, scratch, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,7 +1,12 @@
-// What a decode-attention launch looks like, in plain C++ (no CUDA or torch headers): the
-// parameters of the kernels, the kernel a (query dtype, cache format, head size, GQA group) runs
-// on, its shared memory, and how many splits of the KV sequence fill the GPU. Shared by the
-// CUDA launchers, the torch glue and the host emulation.
+// What an attention launch looks like, in plain C++ (no CUDA or torch headers): the parameters
+// of the kernels, the kernel a (query dtype, cache format, head size, GQA group, query length)
+// runs on, its shared memory, how its CTAs tile the query rows, and how many splits of the KV
+// sequence fill the GPU. Shared by the CUDA launchers, the torch glue and the host emulation.
+//
+// One kernel design serves decode (v1, v2) and varlen attention: a CTA computes a block of
+// query rows, each row one (query token, query head) pair of one sequence and KV head, packed
+// token-major (row r = token r / heads_per_token, head r % heads_per_token). A decode step is the
+// case of one token per sequence at position seq_len - 1 (query_start_loc = nullptr).
 #pragma once
 
 #include <algorithm>
@@ -14,14 +19,14 @@ namespace paged_attention::cuda {
 enum class ScalarKind { kFloat, kHalf, kBFloat16 };
 
 struct AttentionParams {
-  // v1: `out` only. v2: exp_sums/max_logits/tmp_out hold per-partition results (row stride
-  // num_partitions) and a reduce kernel writes `out`.
-  void* out;  // [num_seqs, num_heads, head_size], contiguous
+  // v1 and varlen: `out` only. v2: exp_sums/max_logits/tmp_out hold per-partition results (row
+  // stride num_partitions) and a reduce kernel writes `out`.
+  void* out;  // [num_tokens, num_heads, head_size], contiguous
   float* exp_sums;
   float* max_logits;
   void* tmp_out;
   const void* query;
-  int64_t query_seq_stride;
+  int64_t query_seq_stride;  // between query tokens (decode: sequences)
   int64_t query_head_stride;
   const void* key_cache;  // [num_blocks, num_kv_heads, head_size / x, block_size, x]
   const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
@@ -33,6 +38,13 @@ struct AttentionParams {
   int64_t block_table_stride;
   int32_t max_blocks_per_seq;
   const int32_t* seq_lens;
+  // Varlen: sequence s owns query rows [query_start_loc[s], query_start_loc[s + 1]) (values
+  // clamped to [0, num_tokens] and q_len to max_query_len, so no input reaches outside `query`
+  // or `out`). nullptr for decode: sequence s owns query row s.
+  const int32_t* query_start_loc;
+  int32_t num_tokens;  // rows of query and out (decode: num_seqs)
+  int32_t max_query_len;  // decode: 1
+  const float* sinks;  // [num_heads] extra softmax logits (varlen), or nullptr
   int32_t num_seqs;
   int32_t num_heads;
   int32_t num_kv_heads;
@@ -50,6 +62,8 @@ struct AttentionParams {
   CacheDtype cache;
 };
 
+enum class AttentionOp { kDecodeV1, kDecodeV2, kVarlen };
+
 constexpr int kWarpSize = 32;
 constexpr int kAttentionThreads = 128;  // four warps per CTA
 constexpr int kAttentionWarps = kAttentionThreads / kWarpSize;
@@ -57,48 +71,57 @@ constexpr int kMaxHeadSize = 256;
 // v2 splits each sequence into partitions of this many tokens (checks.h's kPartitionSize; the
 // glue asserts they agree).
 constexpr int kV2PartitionSize = 512;
-// A CTA never takes more than this many tokens of a sequence (its block ids are staged in
-// shared memory): longer v1 contexts are always split.
-constexpr int kMaxSplitTokens = 8192;
-// Block ids one CTA stages: a split's tokens, widened to whole 16-token tiles at both ends,
-// in blocks of the smallest block size (8), rounded up to 8 ids.
-constexpr int kMaxStagedBlockIds = (kMaxSplitTokens + 32) / 8 + 8;
-// K/V ring: stages per warp, each one tile of tokens; three, or two where a tile is 16 KiB
-// (head size 256 with 16- or 32-bit caches), which keeps the ring within an A100's 163 KiB.
-constexpr int ring_stages(int head_bucket, int cache_element_bytes) {
-  return head_bucket == 256 && cache_element_bytes >= 2 ? 2 : 3;
-}
-// Query heads one CTA serves at most: the 16 rows of an MMA tile (tensor-core kernel), or the
-// 4 heads a lane's registers hold (CUDA-core kernel, fp32 queries). Larger GQA groups are split
-// into balanced chunks, each of which reads the group's K/V once.
+// Query rows of one MMA tile (tensor-core kernel), and of one CTA of the CUDA-core kernel (fp32
+// queries: the 4 rows a lane's registers hold).
 constexpr int kMmaRows = 16;
-constexpr int kCudaCoreHeads = 4;
-// v1 split-KV: a split has at least this many tokens, unless the context is shorter.
+constexpr int kCudaCoreRows = 4;
+// The tensor-core kernel comes in two row tilings (FlashInfer's NUM_WARPS_Q of 1 or 4):
+//   1 warp of rows:  the CTA's 16 rows are shared by the four warps, which split its KV tiles
+//                    (each through its own ring) and merge their softmax states at the end:
+//                    decode and short queries, where the KV bytes are the cost;
+//   4 warps of rows: each warp owns 16 of the CTA's 64 rows and every warp reads every KV tile
+//                    of one CTA-wide ring: long queries, where each KV byte then serves 64 rows.
+constexpr int kNarrowRowWarps = 1;
+constexpr int kWideRowWarps = 4;
+// v1 / varlen split-KV: a split has at least this many tokens, unless the context is shorter.
 constexpr int kMinSplitTokens = 128;
-// The fixed cost of a CTA (block-id staging, ring fill, merge) in 16-token tiles, for choosing
-// the number of splits.
+// The fixed cost of a CTA (query staging, ring fill, merge) in 16-token tiles, for choosing the
+// number of splits.
 constexpr int kCtaOverheadTiles = 8;
 constexpr int kMaxSplits = 1024;
+// Threads of the one CTA that lists a varlen launch's (sequence, query chunk) work items.
+constexpr int kScheduleThreads = 256;
 
 enum class KernelFamily {
-  kTensorCore,  // fp16/bf16 queries: mma.sync, GQA group on the MMA's M dimension
+  kTensorCore,  // fp16/bf16 queries: mma.sync, query rows on the MMA's M dimension
   kCudaCore,    // fp32 queries: FMAs, query in registers
 };
+
+// K/V ring: stages, each one tile of tokens. Per warp with one warp of rows: three, or two
+// where a tile is 16 KiB (head size 256 with 16- or 32-bit caches), which keeps the ring within
+// an A100's 163 KiB. CTA-wide with four warps of rows: four (three for 16 KiB tiles).
+constexpr int ring_stages(int head_bucket, int cache_element_bytes, int row_warps) {
+  const bool large = head_bucket == 256 && cache_element_bytes >= 2;
+  if (row_warps > 1) return large ? 3 : 4;
+  return large ? 2 : 3;
+}
 
 // The kernel a launch runs and its resources.
 struct KernelShape {
   KernelFamily family;
+  int row_warps;  // tensor-core kernel: warps that own distinct query rows (1 or 4)
+  int rows;  // query rows per CTA
   int head_bucket;  // the compiled head size (64, 128 or 256) the actual one is padded to
   int tile_tokens;  // tokens per ring stage
-  int stages;  // ring stages per warp
-  int heads_per_cta;
-  int head_chunks;  // CTAs per KV head (the GQA group split into balanced chunks)
-  uint32_t ring_bytes;  // per CTA: warps x stages x (K tile + V tile)
-  uint32_t merge_bytes;  // per CTA: the warps' softmax states (overlays the ring)
-  uint32_t block_ids_offset;
+  int stages;  // ring stages (per warp with one warp of rows, else per CTA)
+  int heads_per_token;  // query heads of one token a CTA serves (rows = tokens x heads)
+  int head_chunks;  // CTAs per KV head (a GQA group larger than a CTA's rows, split evenly)
+  int tokens_per_cta;  // query tokens per CTA: rows / heads_per_token
+  uint32_t ring_bytes;  // per CTA
+  uint32_t merge_bytes;  // per CTA: the softmax states of the rows (overlays the ring)
   uint32_t probs_offset;  // CUDA-core kernel: per warp, one tile of probabilities
-  uint32_t weights_offset;  // the merge's per-row weights of the warps
-  uint32_t query_offset;  // the served heads' query rows, staged once
+  uint32_t weights_offset;  // the merge's per-row weights
+  uint32_t query_offset;  // the CTA's query rows, staged once
   uint32_t shared_bytes;
 };
 
@@ -115,11 +138,13 @@ constexpr int tile_tokens(KernelFamily family) {
   return family == KernelFamily::kTensorCore ? 16 : 8;
 }
 
-// Rows of one warp's softmax state in the merge buffer, and its row stride in floats (padded
-// so that the rows of one warp's fragment stores fall into different banks).
-constexpr int merge_rows(KernelFamily family) {
-  return family == KernelFamily::kTensorCore ? kMmaRows : kCudaCoreHeads;
+// Softmax states written per row for the final merge: one per warp where the warps split the
+// KV tiles (the CUDA-core kernel and one warp of rows), one where each warp owns its rows.
+constexpr int merge_contributors(int row_warps) {
+  return row_warps > 1 ? 1 : kAttentionWarps;
 }
+// The row stride of the merge buffer in floats (padded so that the rows of one warp's fragment
+// stores fall into different banks).
 constexpr int merge_row_floats(int bucket) { return bucket + 8; }
 // Elements per staged query row: 16-bit rows padded by 16 bytes, so that the eight rows of a
 // fragment read fall into different banks.
@@ -128,53 +153,65 @@ constexpr int query_row_elements(KernelFamily family, int bucket) {
 }
 
 constexpr KernelShape attention_kernel_shape(ScalarKind scalar, CacheDtype cache, int head_size,
-                                          int num_heads, int num_kv_heads) {
+                                             int num_heads, int num_kv_heads, int row_warps) {
   KernelShape k{};
   k.family = scalar == ScalarKind::kFloat ? KernelFamily::kCudaCore : KernelFamily::kTensorCore;
+  k.row_warps = k.family == KernelFamily::kTensorCore ? row_warps : 1;
+  k.rows = k.family == KernelFamily::kTensorCore ? kMmaRows * k.row_warps : kCudaCoreRows;
   k.head_bucket = head_bucket(head_size);
   k.tile_tokens = tile_tokens(k.family);
   const int group = num_kv_heads > 0 ? std::max(1, num_heads / num_kv_heads) : 1;
-  const int most = k.family == KernelFamily::kTensorCore ? kMmaRows : kCudaCoreHeads;
-  k.head_chunks = (group + most - 1) / most;
-  k.heads_per_cta = (group + k.head_chunks - 1) / k.head_chunks;
+  k.head_chunks = (group + k.rows - 1) / k.rows;
+  k.heads_per_token = (group + k.head_chunks - 1) / k.head_chunks;
+  k.tokens_per_cta = k.rows / k.heads_per_token;
   const int element_bytes = cache_element_bytes(scalar, cache);
-  k.stages = ring_stages(k.head_bucket, element_bytes);
+  k.stages = ring_stages(k.head_bucket, element_bytes, k.row_warps);
   const uint32_t tile_bytes = 2u * k.tile_tokens * k.head_bucket * element_bytes;
-  k.ring_bytes = kAttentionWarps * k.stages * tile_bytes;
-  const int rows = merge_rows(k.family);
-  k.merge_bytes = 4u * kAttentionWarps * rows * (merge_row_floats(k.head_bucket) + 2);
-  k.block_ids_offset = (std::max(k.ring_bytes, k.merge_bytes) + 127) / 128 * 128;
-  k.probs_offset = k.block_ids_offset + 4u * kMaxStagedBlockIds;
-  k.weights_offset = k.probs_offset + 4u * kAttentionWarps * kCudaCoreHeads * k.tile_tokens;
-  k.query_offset = k.weights_offset + 4u * (kAttentionWarps + 1) * kMmaRows;
+  k.ring_bytes = (k.row_warps > 1 ? 1 : kAttentionWarps) * k.stages * tile_bytes;
+  const int contributors = merge_contributors(k.row_warps);
+  k.merge_bytes = 4u * contributors * k.rows * (merge_row_floats(k.head_bucket) + 2);
+  k.probs_offset = (std::max(k.ring_bytes, k.merge_bytes) + 127) / 128 * 128;
+  const uint32_t probs_bytes =
+      k.family == KernelFamily::kCudaCore ? 4u * kAttentionWarps * kCudaCoreRows * k.tile_tokens
+                                          : 0u;
+  k.weights_offset = k.probs_offset + probs_bytes;
+  k.query_offset = (k.weights_offset + 4u * (contributors + 1) * k.rows + 15) / 16 * 16;
   const uint32_t query_bytes = k.family == KernelFamily::kTensorCore
-                                   ? 2u * kMmaRows * query_row_elements(k.family, k.head_bucket)
-                                   : 4u * kCudaCoreHeads * k.head_bucket;
+                                   ? 2u * k.rows * query_row_elements(k.family, k.head_bucket)
+                                   : 4u * kCudaCoreRows * k.head_bucket;
   k.shared_bytes = (k.query_offset + query_bytes + 127) / 128 * 128;
   return k;
 }
 
-// How one launch of the decode kernel splits each sequence.
+// The row tiling of a launch: decode keeps the heads of one token, 16 rows; a varlen launch
+// whose longest query has more rows per KV head than one MMA tile takes 64-row CTAs.
+constexpr int launch_row_warps(ScalarKind scalar, AttentionOp op, int num_heads, int num_kv_heads,
+                               int max_query_len) {
+  if (scalar == ScalarKind::kFloat || op != AttentionOp::kVarlen) return kNarrowRowWarps;
+  const int group = num_kv_heads > 0 ? std::max(1, num_heads / num_kv_heads) : 1;
+  return int64_t{max_query_len} * std::min(group, kMmaRows) > kMmaRows ? kWideRowWarps
+                                                                        : kNarrowRowWarps;
+}
+
+// How one launch splits each sequence.
 struct SplitPlan {
-  int splits;  // CTAs per (sequence, KV head chunk)
+  int splits;  // CTAs per (work item, KV head chunk)
   int split_tokens;  // tokens per split (a multiple of 16)
 };
 
-// v1: the number of splits that fills whole waves of `ctas_per_sm * num_sms` CTAs best, by a
-// cost model of ceil(CTAs / slots) waves, each as long as one split's tiles plus a fixed CTA
-// overhead. Depends only on host values (no device sync; the same launch in a CUDA graph).
-inline SplitPlan plan_v1_splits(const KernelShape& k, int num_seqs, int num_kv_heads,
-                                int max_seq_len, int num_sms, int ctas_per_sm) {
-  if (max_seq_len <= 0) return {1, 16};
+// The number of splits that fills whole waves of `ctas_per_sm * num_sms` CTAs best for `work`
+// CTAs without splits, by a cost model of ceil(CTAs / slots) waves, each as long as one split's
+// tiles plus a fixed CTA overhead. Depends only on host values (no device sync; the same launch
+// in a CUDA graph).
+inline SplitPlan plan_splits(int64_t work, int max_seq_len, int num_sms, int ctas_per_sm) {
+  if (max_seq_len <= 0 || work <= 0) return {1, 16};
   const auto round_tiles = [](int64_t tokens) { return (tokens + 15) / 16 * 16; };
-  const int64_t work = int64_t{num_seqs} * num_kv_heads * k.head_chunks;
   const int64_t slots = std::max<int64_t>(1, int64_t{num_sms} * std::max(1, ctas_per_sm));
-  const int64_t fewest = (max_seq_len + kMaxSplitTokens - 1) / kMaxSplitTokens;
   const int64_t most = std::max<int64_t>(
-      fewest, std::min<int64_t>((max_seq_len + kMinSplitTokens - 1) / kMinSplitTokens, kMaxSplits));
+      1, std::min<int64_t>((max_seq_len + kMinSplitTokens - 1) / kMinSplitTokens, kMaxSplits));
   SplitPlan best{0, 0};
   int64_t best_cost = 0;
-  for (int64_t s = fewest; s <= most; ++s) {
+  for (int64_t s = 1; s <= most; ++s) {
     const int64_t tokens = round_tiles((max_seq_len + s - 1) / s);
     const int64_t splits = (max_seq_len + tokens - 1) / tokens;
     const int64_t waves = (work * splits + slots - 1) / slots;
@@ -194,26 +231,42 @@ constexpr int modelled_ctas_per_sm(uint32_t shared_bytes) {
 }
 
 // The resident CTAs per SM a variant is compiled for (the minimum of its __launch_bounds__): as
-// many as its shared memory allows on an H100/H200, at most 4 (tensor-core kernel) or 2
-// (CUDA-core kernel), so that registers never cost a CTA that shared memory would fit, and the
-// register budget this leaves (65536 / (128 x CTAs)) still holds the kernel without spills.
-constexpr int compiled_ctas_per_sm(ScalarKind scalar, CacheDtype cache, int bucket) {
-  const KernelShape k = attention_kernel_shape(scalar, cache, bucket, 1, 1);
-  const int most = k.family == KernelFamily::kTensorCore ? 4 : 2;
+// many as its shared memory allows on an H100/H200, and at most as many as leave each thread
+// the registers (65536 / (128 x CTAs): 128 at 4, 168 at 3, 255 at 2) to hold the kernel
+// without spills. Tensor cores, head size 64: 4 (3 with fp8 caches, whose conversions need
+// more); above it the output accumulators of 128 dims and more take 3 with one warp of rows
+// and a 16-bit cache (2 with fp8), 2 with four warps of rows; CUDA cores: 2. Registers thereby
+// never cost a CTA that shared memory would fit.
+constexpr int compiled_ctas_per_sm(ScalarKind scalar, CacheDtype cache, int bucket,
+                                   int row_warps) {
+  const KernelShape k = attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps);
+  const bool fp8 = cache != CacheDtype::kAuto;
+  int most = 2;
+  if (k.family == KernelFamily::kTensorCore) {
+    if (bucket == 64) {
+      most = fp8 && k.row_warps == 1 ? 3 : 4;
+    } else if (k.row_warps == 1) {
+      most = fp8 ? 2 : 3;
+    }
+  }
   return std::min(modelled_ctas_per_sm(k.shared_bytes), most);
 }
 
-// Everything one launch of the decode kernel needs besides AttentionParams.
-struct DecodeLaunch {
-  int heads_per_cta;
+// Everything one launch of the attention kernel needs besides AttentionParams.
+struct AttentionLaunch {
+  int heads_per_token;
   int head_chunks;
+  int tokens_per_cta;
   int split_tokens;
   int num_splits;  // grid z; the row stride of the partial results
-  bool partial;  // write per-split partial results (v2, or v1 with several splits)
-  bool partial_fp32;  // partial outputs in float32 (v1 scratch) or in the query dtype (v2)
-  float* max_logits;  // [num_seqs, num_heads, num_splits]
+  bool partial;  // write per-split partial results (v2, or v1 / varlen with several splits)
+  bool partial_fp32;  // partial outputs in float32 (v1 / varlen scratch) or query dtype (v2)
+  float* max_logits;  // [num_tokens, num_heads, num_splits]
   float* exp_sums;
-  void* partial_out;  // [num_seqs, num_heads, num_splits, head_size]
+  void* partial_out;  // [num_tokens, num_heads, num_splits, head_size]
+  // Varlen with queries longer than a CTA's tokens: (sequence, query chunk) of CTA x, written
+  // by the schedule kernel; (-1, 0) past the last. nullptr: CTA x serves sequence x (chunk 0).
+  const int32_t* work;
   float inverse_soft_cap;  // 1 / logits_soft_cap (0 without a cap), divided once on the host
 };
 

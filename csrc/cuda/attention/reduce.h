@@ -1,12 +1,13 @@
-// The second pass of split-KV decode: one CTA per (sequence, query head) combines the splits'
-// partial results, out = sum_j w_j * partial_j / sum_j w_j with w_j = exp_sum_j *
-// exp(max_logit_j - max_j max_logit_j). Splits that attended nothing (max -inf, sum 0) weigh 0.
+// The second pass of split-KV attention: one CTA per query row of a main CTA (grid x and y as
+// the main kernel's, z the row) combines the row's split results, out = sum_j w_j * partial_j /
+// (sum_j w_j + e^(sink - M)) with w_j = exp_sum_j * e^(max_logit_j - M), M the largest max_logit
+// (and sink). Splits that attended nothing (max -inf, sum 0) weigh 0.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/attention/decode_common.h"
+#include "cuda/attention/attention_common.h"
 
 namespace paged_attention::cuda {
 
@@ -34,11 +35,14 @@ PA_DEVICE float block_reduce(float v, bool is_max, uint32_t scratch) {
 }
 
 template <typename Scalar, bool kPartialFp32>
-PA_DEVICE void reduce_partials(const AttentionParams& p, const DecodeLaunch& launch) {
+PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& launch) {
   using Partial = typename std::conditional<kPartialFp32, float, typename Scalar::Storage>::type;
   const prim::Index3 block = prim::block_index();
   const int tid = prim::thread_index();
-  const int64_t row = int64_t{block.x} * p.num_heads + block.y;
+  const CtaRows rows = cta_rows(p, launch, block.x, block.y);
+  const int t = block.z / rows.heads_per_token, h = block.z % rows.heads_per_token;
+  if (!rows.valid(t, h)) return;
+  const int64_t row = result_row(p, rows, t, h);
   const int splits = launch.num_splits;
   const float* max_logits = launch.max_logits + row * splits;
   const float* exp_sums = launch.exp_sums + row * splits;
@@ -49,6 +53,9 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const DecodeLaunch& lau
   float local_max = -INFINITY;
   for (int j = tid; j < splits; j += kReduceThreads) local_max = prim::max(local_max, prim::load(max_logits + j));
   float global_max = block_reduce(local_max, true, scratch);
+  const bool has_sink = p.sinks != nullptr;
+  const float sink = has_sink ? prim::load(p.sinks + rows.first_head + h) : -INFINITY;
+  global_max = prim::max(global_max, sink);
   if (global_max == -INFINITY) global_max = 0.0f;  // nothing attended anywhere: all weights 0
 
   float local_total = 0.0f;
@@ -56,8 +63,10 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const DecodeLaunch& lau
     const float sum = prim::load(exp_sums + j);
     if (sum > 0.0f) local_total += sum * prim::exp2((prim::load(max_logits + j) - global_max) * kLog2e);
   }
-  const float total = block_reduce(local_total, false, scratch);
-  // total >= 1 unless nothing was attended (the largest partition's sum is >= 1).
+  float total = block_reduce(local_total, false, scratch);
+  if (has_sink) total += prim::exp2((sink - global_max) * kLog2e);
+  // total >= 1 unless nothing was attended (the largest partition's sum, or the sink, gives
+  // e^0).
   const float inverse = total > 0.0f ? prim::divide(1.0f, total) : 0.0f;
 
   constexpr int kDimsPerThread = (kMaxHeadSize + kReduceThreads - 1) / kReduceThreads;

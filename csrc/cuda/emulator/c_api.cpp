@@ -1,12 +1,12 @@
-// The C interface of the emulation library (libpa_emulator.so) that tests/test_cuda_emulated.py
-// loads with ctypes: the decode ops as the CUDA glue launches them, and self-tests of the
-// primitives.
+// The C interface of the emulation library (libpa_emulator.so) that tests/cuda_emulator.py
+// loads with ctypes: the attention ops (v1, v2, varlen) as the CUDA glue launches them, and
+// self-tests of the primitives.
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "cuda/emulator/decode_entry.h"
+#include "cuda/emulator/attention_entry.h"
 
 using namespace paged_attention;
 using namespace paged_attention::cuda;
@@ -37,7 +37,7 @@ extern "C" {
 
 // All fields 64-bit: pointers, integers, doubles (ctypes mirrors this struct).
 struct PaEmulatedAttention {
-  int64_t version;  // 1 or 2
+  int64_t version;  // 1 or 2 (decode), 3 (varlen)
   int64_t scalar;  // ScalarKind
   int64_t cache;  // CacheDtype
   int64_t num_sms;  // the plan's GPU (v1 splits)
@@ -75,9 +75,18 @@ struct PaEmulatedAttention {
   const float* k_scale;
   const float* v_scale;
   int64_t num_partitions;
+  const int32_t* query_start_loc;  // varlen
+  int64_t num_tokens;
+  int64_t max_query_len;
+  const float* sinks;
 };
 
 struct PaEmulatorReport {
+  int64_t row_warps;
+  int64_t rows_per_cta;
+  int64_t tokens_per_cta;
+  int64_t work_items;  // grid x
+  int64_t scheduled;
   int64_t splits;
   int64_t split_tokens;
   int64_t ctas;
@@ -127,43 +136,57 @@ int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport
   p.num_partitions = static_cast<int32_t>(call->num_partitions);
   p.scalar = static_cast<ScalarKind>(call->scalar);
   p.cache = static_cast<CacheDtype>(call->cache);
-  const bool v2 = call->version == 2;
+  const AttentionOp op = call->version == 3   ? AttentionOp::kVarlen
+                         : call->version == 2 ? AttentionOp::kDecodeV2
+                                              : AttentionOp::kDecodeV1;
+  if (op == AttentionOp::kVarlen) {
+    p.query_start_loc = call->query_start_loc;
+    p.num_tokens = static_cast<int32_t>(call->num_tokens);
+    p.max_query_len = static_cast<int32_t>(call->max_query_len);
+    p.sinks = call->sinks;
+  } else {
+    p.num_tokens = p.num_seqs;
+    p.max_query_len = 1;
+  }
 
-  const KernelShape shape =
-      attention_kernel_shape(p.scalar, p.cache, p.head_size, p.num_heads, p.num_kv_heads);
+  const KernelShape shape = launch_shape(p, op);
   const int ctas_per_sm = call->ctas_per_sm > 0 ? static_cast<int>(call->ctas_per_sm)
                                                 : modelled_ctas_per_sm(shape.shared_bytes);
-  const DecodePlan plan = plan_decode(p, v2, static_cast<int>(call->num_sms), ctas_per_sm);
-  std::vector<float> scratch(static_cast<size_t>(decode_scratch_floats(p, plan)));
-  const DecodeLaunch launch = decode_launch(p, plan, scratch.data());
+  const AttentionPlan plan =
+      make_attention_plan(p, op, static_cast<int>(call->num_sms), ctas_per_sm);
+  // Scratch starts as NaN bytes, as memory from the caching allocator may hold anything.
+  std::vector<unsigned char> scratch(static_cast<size_t>(scratch_layout(p, plan).bytes), 0xff);
 
   const Regions regions(call->regions, call->num_regions);
-  if (!scratch.empty()) {
-    emulator::register_global(scratch.data(), scratch.size() * sizeof(float), true);
-  }
+  if (!scratch.empty()) emulator::register_global(scratch.data(), scratch.size(), true);
   emulator::reset_stats();
   std::string failure;
-  if (p.num_seqs > 0 && p.num_heads > 0) {
+  if (plan.grid_x > 0 && p.num_heads > 0) {
     const int workers = static_cast<int>(std::max<int64_t>(1, call->workers));
     switch (p.scalar) {
       case ScalarKind::kFloat:
-        failure = emulate_decode_float(p, plan, launch, workers);
+        failure = emulate_attention_float(p, plan, scratch.data(), workers);
         break;
       case ScalarKind::kHalf:
-        failure = emulate_decode_half(p, plan, launch, workers);
+        failure = emulate_attention_half(p, plan, scratch.data(), workers);
         break;
       case ScalarKind::kBFloat16:
-        failure = emulate_decode_bfloat16(p, plan, launch, workers);
+        failure = emulate_attention_bfloat16(p, plan, scratch.data(), workers);
         break;
     }
   }
   const emulator::Stats stats = emulator::stats();
+  report->row_warps = shape.row_warps;
+  report->rows_per_cta = shape.rows;
+  report->tokens_per_cta = shape.tokens_per_cta;
+  report->work_items = plan.grid_x;
+  report->scheduled = plan.scheduled;
   report->splits = plan.split.splits;
   report->split_tokens = plan.split.split_tokens;
   report->ctas = static_cast<int64_t>(stats.ctas);
   report->shared_bytes = shape.shared_bytes;
   report->ctas_per_sm = ctas_per_sm;
-  report->heads_per_cta = shape.heads_per_cta;
+  report->heads_per_cta = shape.heads_per_token;
   report->ldmatrix = static_cast<int64_t>(stats.ldmatrix);
   report->ldmatrix_conflicted = static_cast<int64_t>(stats.ldmatrix_conflicted);
   report->ldmatrix_max_ways = stats.ldmatrix_max_ways;
