@@ -222,8 +222,8 @@ class BlockManager:
 
         device.touch(hits)
         fresh = device.take(num_blocks - len(hits))
-        row = tables.add(seq_id, hits + fresh, num_tokens)
-        self._prefixes.start(seq_id, tables, row, hits, chain, tokens)
+        tables.add(seq_id, hits + fresh, num_tokens)
+        self._prefixes.start(seq_id, hits, chain, fresh, tokens)
 
     def append_slots(
         self, seq_id: int, n: int = 1, tokens: Sequence[int] | None = None

@@ -328,14 +328,13 @@ class PrefixChains:
             return [], None
         return self.pool.lookup(tokens)
 
-    def start(self, seq_id: int, tables: BlockTables, row: int, hits, chain, tokens) -> None:
-        """A new sequence holding ``tokens`` (None: a count), whose first blocks are ``hits``."""
+    def start(self, seq_id: int, hits: list[int], chain, blocks: list[int], tokens) -> None:
+        """A new sequence holding ``tokens`` (None: a count): the ``hits``, then ``blocks``."""
         cached = len(hits) * self.pool.block_size
         if hits:
             self.cached_tokens[seq_id] = cached
-        if chain is not None:
+        if chain is not None and self.pool.register(chain, blocks, tokens[cached:]):
             self.chains[seq_id] = chain
-            self.record(seq_id, tables, row, cached, tokens[cached:])
 
     def record(self, seq_id: int, tables: BlockTables, row: int, old_len: int, tokens) -> None:
         """Feed the ids of the tokens after the first ``old_len`` (None: unknown) to the
