@@ -244,7 +244,8 @@ class BlockManager:
         freed = _num_freed([released], device.refs)
         self._check_room(new_blocks + copy, freed, f"appending {n} tokens to sequence {seq_id}")
 
-        self._device.drop(tables.release(row, released))
+        if released.size:
+            device.drop(tables.release(row, released))
         pairs = self._copy_last(np.array([row]), np.array([last])) if copy else []
         tables.extend(row, device.take(new_blocks), old_len + n)
         self._prefixes.record(seq_id, tables, row, old_len, tokens)
@@ -458,10 +459,11 @@ def _as_optional_int(value, name: str) -> int | None:
 
 
 def _checked_window(sliding_window: int | None, enable_prefix_caching: bool) -> int | None:
+    sliding_window = _as_optional_int(sliding_window, "sliding_window")
     if sliding_window is not None and enable_prefix_caching:
         # A cached prefix block may already have been released by its owner.
         raise ValueError("prefix caching and sliding window cannot be combined")
-    return _as_optional_int(sliding_window, "sliding_window")
+    return sliding_window
 
 
 def _checked_watermark(watermark: float) -> float:

@@ -130,7 +130,7 @@ class BlockTables:
             raise ValueError(f"sequence {seq_id} has {length} tokens, cannot keep {num_tokens}")
         if released and max(num_tokens + 1 - window, 0) // self.block_size < released:
             raise ValueError(
-                f"cannot cut sequence {seq_id} to {num_tokens} tokens: the sliding window "
+                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: the sliding window "
                 f"released its first {released} blocks, which the next token would attend; "
                 f"keep at least {released * self.block_size + window - 1} tokens"
             )
