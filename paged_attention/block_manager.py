@@ -218,7 +218,7 @@ class BlockManager:
         tables.check_fits(seq_id, num_blocks)
         hits, chain = self._prefixes.lookup(tokens)
         needed = device.count_to_take(num_blocks, hits)
-        self._check_room(needed, 0, f"allocating sequence {seq_id} ({num_tokens} tokens)")
+        self._check_room(needed, 0, "allocating sequence {} ({} tokens)", seq_id, num_tokens)
 
         device.touch(hits)
         fresh = device.take(num_blocks - len(hits))
@@ -242,7 +242,7 @@ class BlockManager:
         copy = old_len % self.block_size != 0 and device.refs[last] > 1
         released = tables.window_releases(row, old_len + 1, self.sliding_window)
         freed = _num_freed([released], device.refs)
-        self._check_room(new_blocks + copy, freed, f"appending {n} tokens to sequence {seq_id}")
+        self._check_room(new_blocks + copy, freed, "appending {} tokens to sequence {}", n, seq_id)
 
         if released.size:
             device.drop(tables.release(row, released))
@@ -264,9 +264,9 @@ class BlockManager:
         keep = _cdiv(num_tokens, size)
         last = int(tables.table[row, keep - 1]) if num_tokens % size else -1
         cached = last >= 0 and device.is_cached(last)
-        copy = cached and device.refs[last] > 1
+        copy = int(cached and device.refs[last] > 1)  # a block to take
         freed = _num_freed([tables.table[row, keep : tables.num_blocks[row]]], device.refs)
-        self._check_room(int(copy), freed, f"truncating sequence {seq_id} to {num_tokens} tokens")
+        self._check_room(copy, freed, "truncating sequence {} to {} tokens", seq_id, num_tokens)
 
         device.drop(tables.cut(row, keep, num_tokens), cache=cache)
         if cached and not copy:
@@ -333,7 +333,7 @@ class BlockManager:
         """Move swapped sequences back to the device; returns the ``(host, device)`` copies."""
         seq_ids = list(seq_ids)
         rows = self._tables.swap_rows(seq_ids, on_host=True)
-        self._check_room(self._tables.num_distinct_blocks(rows), 0, f"swapping in {seq_ids}")
+        self._check_room(self._tables.num_distinct_blocks(rows), 0, "swapping in {}", seq_ids)
         return self._move(rows, self._host, self._device)
 
     # ------------------------------------------------------------------ step tensors, stats
@@ -376,7 +376,7 @@ class BlockManager:
         refs = _refs_after(device.refs, released)  # a release may unshare a row's last block
         copy_rows, copied = _decode_copies(tables, refs, rows, num_blocks, opens)
         needed, freed = open_rows.size + copy_rows.size, _num_freed(released, device.refs)
-        self._check_room(needed, freed, f"decode step over {rows.size} sequences")
+        self._check_room(needed, freed, "decode step over {} sequences", rows.size)
 
         for row, blocks in zip(releasing, released):
             device.drop(tables.release(row, blocks))
@@ -404,10 +404,11 @@ class BlockManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_room(self, needed: int, freed: int, what: str) -> None:
-        """OutOfBlocksError unless ``needed`` device blocks are free (``freed``: by releases)."""
+    def _check_room(self, needed: int, freed: int, what: str, *args) -> None:
+        """OutOfBlocksError (for ``what.format(*args)``) unless ``needed`` blocks are free."""
         available = self._device.num_free() + freed
         if needed > available:
+            what = what.format(*args)
             raise OutOfBlocksError(f"{what} needs {needed} device blocks, {available} free")
 
     def _move(self, rows: np.ndarray, source: BlockPool, dest: BlockPool) -> list[tuple[int, int]]:
