@@ -218,12 +218,12 @@ class BlockManager:
         tables.check_fits(seq_id, num_blocks)
         hits, chain = self._prefixes.lookup(tokens)
         needed = device.count_to_take(num_blocks, hits)
-        self._check_room(needed, 0, f"allocating sequence {seq_id} ({num_tokens} tokens)")
+        self._check_room(needed, 0, "allocating sequence {} ({} tokens)", seq_id, num_tokens)
 
         device.touch(hits)
         fresh = device.take(num_blocks - len(hits))
-        row = tables.add(seq_id, hits + fresh, num_tokens)
-        self._prefixes.start(seq_id, tables, row, hits, chain, tokens)
+        tables.add(seq_id, hits + fresh, num_tokens)
+        self._prefixes.start(seq_id, hits, chain, fresh, tokens)
 
     def append_slots(
         self, seq_id: int, n: int = 1, tokens: Sequence[int] | None = None
@@ -242,9 +242,10 @@ class BlockManager:
         copy = old_len % self.block_size != 0 and device.refs[last] > 1
         released = tables.window_releases(row, old_len + 1, self.sliding_window)
         freed = _num_freed([released], device.refs)
-        self._check_room(new_blocks + copy, freed, f"appending {n} tokens to sequence {seq_id}")
+        self._check_room(new_blocks + copy, freed, "appending {} tokens to sequence {}", n, seq_id)
 
-        self._device.drop(tables.release(row, released))
+        if released.size:
+            device.drop(tables.release(row, released))
         pairs = self._copy_last(np.array([row]), np.array([last])) if copy else []
         tables.extend(row, device.take(new_blocks), old_len + n)
         self._prefixes.record(seq_id, tables, row, old_len, tokens)
@@ -263,9 +264,9 @@ class BlockManager:
         keep = _cdiv(num_tokens, size)
         last = int(tables.table[row, keep - 1]) if num_tokens % size else -1
         cached = last >= 0 and device.is_cached(last)
-        copy = cached and device.refs[last] > 1
+        copy = int(cached and device.refs[last] > 1)  # a block to take
         freed = _num_freed([tables.table[row, keep : tables.num_blocks[row]]], device.refs)
-        self._check_room(int(copy), freed, f"truncating sequence {seq_id} to {num_tokens} tokens")
+        self._check_room(copy, freed, "truncating sequence {} to {} tokens", seq_id, num_tokens)
 
         device.drop(tables.cut(row, keep, num_tokens), cache=cache)
         if cached and not copy:
@@ -332,7 +333,7 @@ class BlockManager:
         """Move swapped sequences back to the device; returns the ``(host, device)`` copies."""
         seq_ids = list(seq_ids)
         rows = self._tables.swap_rows(seq_ids, on_host=True)
-        self._check_room(self._tables.num_distinct_blocks(rows), 0, f"swapping in {seq_ids}")
+        self._check_room(self._tables.num_distinct_blocks(rows), 0, "swapping in {}", seq_ids)
         return self._move(rows, self._host, self._device)
 
     # ------------------------------------------------------------------ step tensors, stats
@@ -375,7 +376,7 @@ class BlockManager:
         refs = _refs_after(device.refs, released)  # a release may unshare a row's last block
         copy_rows, copied = _decode_copies(tables, refs, rows, num_blocks, opens)
         needed, freed = open_rows.size + copy_rows.size, _num_freed(released, device.refs)
-        self._check_room(needed, freed, f"decode step over {rows.size} sequences")
+        self._check_room(needed, freed, "decode step over {} sequences", rows.size)
 
         for row, blocks in zip(releasing, released):
             device.drop(tables.release(row, blocks))
@@ -403,10 +404,11 @@ class BlockManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_room(self, needed: int, freed: int, what: str) -> None:
-        """OutOfBlocksError unless ``needed`` device blocks are free (``freed``: by releases)."""
+    def _check_room(self, needed: int, freed: int, what: str, *args) -> None:
+        """OutOfBlocksError (for ``what.format(*args)``) unless ``needed`` blocks are free."""
         available = self._device.num_free() + freed
         if needed > available:
+            what = what.format(*args)
             raise OutOfBlocksError(f"{what} needs {needed} device blocks, {available} free")
 
     def _move(self, rows: np.ndarray, source: BlockPool, dest: BlockPool) -> list[tuple[int, int]]:
@@ -458,10 +460,11 @@ def _as_optional_int(value, name: str) -> int | None:
 
 
 def _checked_window(sliding_window: int | None, enable_prefix_caching: bool) -> int | None:
+    sliding_window = _as_optional_int(sliding_window, "sliding_window")
     if sliding_window is not None and enable_prefix_caching:
         # A cached prefix block may already have been released by its owner.
         raise ValueError("prefix caching and sliding window cannot be combined")
-    return _as_optional_int(sliding_window, "sliding_window")
+    return sliding_window
 
 
 def _checked_watermark(watermark: float) -> float:

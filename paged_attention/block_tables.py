@@ -130,7 +130,7 @@ class BlockTables:
             raise ValueError(f"sequence {seq_id} has {length} tokens, cannot keep {num_tokens}")
         if released and max(num_tokens + 1 - window, 0) // self.block_size < released:
             raise ValueError(
-                f"cannot cut sequence {seq_id} to {num_tokens} tokens: the sliding window "
+                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: the sliding window "
                 f"released its first {released} blocks, which the next token would attend; "
                 f"keep at least {released * self.block_size + window - 1} tokens"
             )
@@ -328,14 +328,13 @@ class PrefixChains:
             return [], None
         return self.pool.lookup(tokens)
 
-    def start(self, seq_id: int, tables: BlockTables, row: int, hits, chain, tokens) -> None:
-        """A new sequence holding ``tokens`` (None: a count), whose first blocks are ``hits``."""
+    def start(self, seq_id: int, hits: list[int], chain, blocks: list[int], tokens) -> None:
+        """A new sequence holding ``tokens`` (None: a count): the ``hits``, then ``blocks``."""
         cached = len(hits) * self.pool.block_size
         if hits:
             self.cached_tokens[seq_id] = cached
-        if chain is not None:
+        if chain is not None and self.pool.register(chain, blocks, tokens[cached:]):
             self.chains[seq_id] = chain
-            self.record(seq_id, tables, row, cached, tokens[cached:])
 
     def record(self, seq_id: int, tables: BlockTables, row: int, old_len: int, tokens) -> None:
         """Feed the ids of the tokens after the first ``old_len`` (None: unknown) to the

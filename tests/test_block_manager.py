@@ -390,7 +390,9 @@ def test_truncate_errors_leave_state_unchanged():
     bm.allocate(3, 4)  # the last free block
     bm.fork(1, 4)
     # Cutting sequence 1 into the shared cached block 1 needs a copy; its block 2 is shared too.
-    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.truncate(1, 6), "truncating", "0 free")
+    assert_fails_cleanly(
+        bm, OutOfBlocksError, lambda: bm.truncate(1, 6), "needs 1 device", "0 free"
+    )
     assert bm.truncate(2, 6) != []  # dropping its own last block makes room for the copy
     bm.swap_out([3])
     assert_fails_cleanly(bm, SwapError, lambda: bm.truncate(3, 1), "swapped out")
