@@ -167,6 +167,27 @@ class BlockManager:
         self._tables.row(seq_id)
         return self._prefixes.cached_tokens.get(seq_id, 0)
 
+    def cached_copy_of_last_block(self, seq_id: int) -> tuple[int, int] | None:
+        """``(cached block, last block)`` when the sequence's last block is full and the prefix
+        cache holds a block with the same tokens after the same prefix, else None.
+
+        ``allocate`` never shares the block of a prompt's last token, which the model must
+        compute and write; when that block is cached whole, an engine may copy it into the
+        sequence's own last block instead (``copy_blocks``) and compute only the last token,
+        which rewrites its own slot with the same values. The cached block must have been
+        computed already: one registered by a sequence whose forward pass has not run yet
+        holds no KV."""
+        row = self._tables.device_row(seq_id)
+        chain = self._prefixes.chains.get(seq_id)
+        num_tokens = int(self._tables.seq_lens[row])
+        if chain is None or not chain.links or num_tokens % self.block_size:
+            return None
+        if len(chain.links) * self.block_size != num_tokens:
+            return None
+        cached = self._device.block_of(chain.links[-1])
+        last = int(self._tables.table[row, self._tables.num_blocks[row] - 1])
+        return None if cached is None or cached == last else (cached, last)
+
     def num_free_device_blocks(self) -> int:
         return self._device.num_free()
 

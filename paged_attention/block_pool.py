@@ -172,6 +172,11 @@ class CachingBlockPool(BlockPool):
                 self.uncache(block)
             self._free.extend(unreferenced)
 
+    def block_of(self, entry: CacheEntry) -> int | None:
+        """The block registered under ``entry``, if it is still cached."""
+        block = self._map.get(entry[0])
+        return block if block is not None and self._entries[block] is entry else None
+
     def uncache(self, block: int) -> None:
         """Forget a cached block's entry (its later blocks can no longer be reached)."""
         del self._map[self._entries.pop(block)[0]]

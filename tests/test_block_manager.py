@@ -1256,3 +1256,24 @@ def test_public_names_come_from_the_facade_and_the_package():
             block_manager, name
         )
     assert paged_attention.BlockManager is BlockManager and block_manager.RELEASED == RELEASED
+
+
+def test_cached_copy_of_a_full_last_block():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(100, 112))  # 3 full blocks of 4
+    bm.allocate(0, prompt)
+    assert bm.cached_copy_of_last_block(0) is None  # its last block is the cached one
+    bm.allocate(1, prompt)
+    assert bm.num_cached_tokens(1) == 8  # never the last token's block
+    source, last = bm.cached_copy_of_last_block(1)
+    assert source == bm.block_table(0)[2] and last == bm.block_table(1)[2] != source
+    bm.allocate(2, prompt[:-1] + [7])  # another last token: no such block cached
+    assert bm.cached_copy_of_last_block(2) is None
+    bm.allocate(3, prompt[:10])  # a partly filled last block
+    assert bm.cached_copy_of_last_block(3) is None
+    bm.free(0, cache=False)  # the cached block is forgotten
+    assert bm.cached_copy_of_last_block(1) is None
+    without = BlockManager(16, 4)
+    without.allocate(0, prompt)
+    without.allocate(1, prompt)
+    assert without.cached_copy_of_last_block(1) is None

@@ -403,14 +403,21 @@ def test_a_shared_system_prompt_is_computed_once(model):
     ]
 
 
-def test_a_fully_cached_prompt_recomputes_only_its_last_block(model):
-    prompt = prompts(1, seed=12, low=40, high=41)[0]  # 5 full blocks of 8
+@pytest.mark.parametrize("length", [40, 37])
+def test_a_fully_cached_prompt_recomputes_only_its_last_token(model, length):
+    # 40 tokens: 5 full blocks of 8, the last one copied from the cache; 37: the partly
+    # filled last block is never cached, so its 5 tokens are computed.
+    prompt = prompts(1, seed=12, low=length, high=length + 1)[0]
     engine = Engine(model, num_blocks=64, block_size=BLOCK)
     (first,) = engine.generate([prompt], SamplingParams(6))
     (again,) = engine.generate([prompt], SamplingParams(6))
     assert again.outputs == first.outputs
-    assert again.metrics.num_cached_prompt_tokens == 32  # the last token's block is computed
-    assert again.metrics.num_computed_prompt_tokens == 8
+    computed = 1 if length % BLOCK == 0 else length % BLOCK
+    assert again.metrics.num_cached_prompt_tokens == length - computed
+    assert again.metrics.num_computed_prompt_tokens == computed
+    # The same prompt twice in one step: the second cannot copy a block not computed yet.
+    both = engine.generate([prompt[:-3] + [9, 9, 9]] * 2, SamplingParams(4))
+    assert both[0].outputs == both[1].outputs
 
 
 # -------------------------------------------------------------------------------- chunked prefill
