@@ -20,7 +20,11 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   least-recently-used when a fresh block is needed. A block is registered as soon as its tokens
   are known; its KV is written by the sequence's next forward pass (sequences that hit it in
   the same batch read it after the cache write of each layer). Free a sequence whose forward
-  pass never ran with ``free(seq_id, cache=False)``.
+  pass never ran with ``free(seq_id, cache=False)``. ``allocate`` never shares the block of a
+  prompt's last token, which the model must compute; when that block is cached whole,
+  ``cached_copy_of_last_block`` names it, so that an engine can copy it into the sequence's
+  own last block and compute only the last token (a block registered by a sequence whose
+  forward pass has not run yet holds no KV: do not copy that one).
 * ``truncate(seq_id, n)`` cuts a sequence back to its first ``n`` tokens (the rejected draft
   tokens of speculative decoding, transformers' ``crop``). Blocks wholly past the cut are
   dropped as ``free`` drops them: one another sequence shares stays with it; an unreferenced
@@ -168,25 +172,12 @@ class BlockManager:
         return self._prefixes.cached_tokens.get(seq_id, 0)
 
     def cached_copy_of_last_block(self, seq_id: int) -> tuple[int, int] | None:
-        """``(cached block, last block)`` when the sequence's last block is full and the prefix
-        cache holds a block with the same tokens after the same prefix, else None.
-
-        ``allocate`` never shares the block of a prompt's last token, which the model must
-        compute and write; when that block is cached whole, an engine may copy it into the
-        sequence's own last block instead (``copy_blocks``) and compute only the last token,
-        which rewrites its own slot with the same values. The cached block must have been
-        computed already: one registered by a sequence whose forward pass has not run yet
-        holds no KV."""
+        """``(cached block, last block)``: a cached block with the tokens of the sequence's full
+        last block, to copy instead of computing them (see the module docstring), or None."""
         row = self._tables.device_row(seq_id)
-        chain = self._prefixes.chains.get(seq_id)
-        num_tokens = int(self._tables.seq_lens[row])
-        if chain is None or not chain.links or num_tokens % self.block_size:
-            return None
-        if len(chain.links) * self.block_size != num_tokens:
-            return None
-        cached = self._device.block_of(chain.links[-1])
         last = int(self._tables.table[row, self._tables.num_blocks[row] - 1])
-        return None if cached is None or cached == last else (cached, last)
+        cached = self._prefixes.cached_copy(seq_id, last, int(self._tables.seq_lens[row]))
+        return None if cached is None else (cached, last)
 
     def num_free_device_blocks(self) -> int:
         return self._device.num_free()
@@ -239,7 +230,7 @@ class BlockManager:
         tables.check_fits(seq_id, num_blocks)
         hits, chain = self._prefixes.lookup(tokens)
         needed = device.count_to_take(num_blocks, hits)
-        self._check_room(needed, 0, "allocating sequence {} ({} tokens)", seq_id, num_tokens)
+        self._device.check_room(needed, 0, "allocating sequence {} ({} tokens)", seq_id, num_tokens)
 
         device.touch(hits)
         fresh = device.take(num_blocks - len(hits))
@@ -263,7 +254,9 @@ class BlockManager:
         copy = old_len % self.block_size != 0 and device.refs[last] > 1
         released = tables.window_releases(row, old_len + 1, self.sliding_window)
         freed = _num_freed([released], device.refs)
-        self._check_room(new_blocks + copy, freed, "appending {} tokens to sequence {}", n, seq_id)
+        self._device.check_room(
+            new_blocks + copy, freed, "appending {} tokens to sequence {}", n, seq_id
+        )
 
         if released.size:
             device.drop(tables.release(row, released))
@@ -287,7 +280,9 @@ class BlockManager:
         cached = last >= 0 and device.is_cached(last)
         copy = int(cached and device.refs[last] > 1)  # a block to take
         freed = _num_freed([tables.table[row, keep : tables.num_blocks[row]]], device.refs)
-        self._check_room(copy, freed, "truncating sequence {} to {} tokens", seq_id, num_tokens)
+        self._device.check_room(
+            copy, freed, "truncating sequence {} to {} tokens", seq_id, num_tokens
+        )
 
         device.drop(tables.cut(row, keep, num_tokens), cache=cache)
         if cached and not copy:
@@ -341,7 +336,7 @@ class BlockManager:
                 f"swapping out {seq_ids} needs {needed} host blocks, {free} free"
             )
         self._prefixes.end(seq_ids)  # host copies never enter the prefix cache
-        return self._move(rows, self._device, self._host)
+        return _move(self._tables, rows, self._device, self._host)
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
         rows = self._tables.swap_rows(list(seq_ids), on_host=True)
@@ -354,8 +349,10 @@ class BlockManager:
         """Move swapped sequences back to the device; returns the ``(host, device)`` copies."""
         seq_ids = list(seq_ids)
         rows = self._tables.swap_rows(seq_ids, on_host=True)
-        self._check_room(self._tables.num_distinct_blocks(rows), 0, "swapping in {}", seq_ids)
-        return self._move(rows, self._host, self._device)
+        self._device.check_room(
+            self._tables.num_distinct_blocks(rows), 0, "swapping in {}", seq_ids
+        )
+        return _move(self._tables, rows, self._host, self._device)
 
     # ------------------------------------------------------------------ step tensors, stats
 
@@ -397,7 +394,7 @@ class BlockManager:
         refs = _refs_after(device.refs, released)  # a release may unshare a row's last block
         copy_rows, copied = _decode_copies(tables, refs, rows, num_blocks, opens)
         needed, freed = open_rows.size + copy_rows.size, _num_freed(released, device.refs)
-        self._check_room(needed, freed, "decode step over {} sequences", rows.size)
+        self._device.check_room(needed, freed, "decode step over {} sequences", rows.size)
 
         for row, blocks in zip(releasing, released):
             device.drop(tables.release(row, blocks))
@@ -425,18 +422,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_room(self, needed: int, freed: int, what: str, *args) -> None:
-        """OutOfBlocksError (for ``what.format(*args)``) unless ``needed`` blocks are free."""
-        available = self._device.num_free() + freed
-        if needed > available:
-            what = what.format(*args)
-            raise OutOfBlocksError(f"{what} needs {needed} device blocks, {available} free")
-
-    def _move(self, rows: np.ndarray, source: BlockPool, dest: BlockPool) -> list[tuple[int, int]]:
-        mapping = source.transfer(self._tables.live_entries(rows), dest)
-        self._tables.move_rows(rows, mapping, on_host=dest is self._host)
-        return list(mapping.items())
-
     def _copy_last(self, rows: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
         """Copy-on-write: give ``rows`` fresh blocks for their last ones, ``blocks`` (shared, so
         still referenced after); the ``(src, dst)`` pairs."""
@@ -444,6 +429,13 @@ class BlockManager:
         self._device.add_refs(blocks, -1)
         self._tables.replace_last(rows, copies)
         return list(zip(blocks.tolist(), copies))
+
+
+def _move(tables: BlockTables, rows: np.ndarray, source: BlockPool, dest: BlockPool):
+    """Move ``rows``' blocks from pool ``source`` to pool ``dest``; the ``(from, to)`` pairs."""
+    mapping = source.transfer(tables.live_entries(rows), dest)
+    tables.move_rows(rows, mapping, on_host=not isinstance(dest, CachingBlockPool))
+    return list(mapping.items())
 
 
 # ---------------------------------------------------------------------------- arguments

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from paged_attention.block_errors import OutOfBlocksError
+
 ROOT_HASH = 0
 ROOT_UID = -1
 
@@ -128,6 +130,14 @@ class CachingBlockPool(BlockPool):
 
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
+
+    def check_room(self, needed: int, freed: int, what: str, *args) -> None:
+        """OutOfBlocksError (for ``what.format(*args)``) unless ``needed`` blocks are free,
+        counting ``freed`` more that the caller's change releases first."""
+        available = self.num_free() + freed
+        if needed > available:
+            what = what.format(*args)
+            raise OutOfBlocksError(f"{what} needs {needed} device blocks, {available} free")
 
     def num_evictable(self) -> int:
         return len(self._evictable)

@@ -376,6 +376,19 @@ class PrefixChains:
             self.chains.pop(seq_id, None)
             self.cached_tokens.pop(seq_id, None)
 
+    def cached_copy(self, seq_id: int, last_block: int, num_tokens: int) -> int | None:
+        """Another cached block holding the tokens of the sequence's full last block (the one
+        its chain links to when ``allocate`` found the block already cached), or None."""
+        chain = self.chains.get(seq_id)
+        if (
+            chain is None
+            or not chain.links
+            or len(chain.links) * self.pool.block_size != num_tokens
+        ):
+            return None
+        cached = self.pool.block_of(chain.links[-1])
+        return None if cached in (None, last_block) else cached
+
     def cut(self, seq_id: int, num_tokens: int) -> None:
         """A sequence now holds only its first ``num_tokens`` tokens."""
         if seq_id in self.chains:
