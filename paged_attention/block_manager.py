@@ -67,7 +67,7 @@ a 1-d integer tensor or array, or any other iterable of ints.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +96,7 @@ __all__ = [
     "PoolStats",
     "SwapError",
     "UnknownSequenceError",
+    "reassign",
 ]
 
 
@@ -429,6 +430,38 @@ class BlockManager:
         self._device.add_refs(blocks, -1)
         self._tables.replace_last(rows, copies)
         return list(zip(blocks.tolist(), copies))
+
+
+def reassign(
+    manager: BlockManager,
+    seq_ids: Sequence[int | None],
+    sources: Sequence[int],
+    new_id: Callable[[], int],
+) -> list[int | None]:
+    """Slot ``i`` continues the sequence of old slot ``sources[i]`` (beam search's reordering):
+    the first slot that takes a sequence keeps it, later ones fork it (``new_id()`` names each
+    fork), and the sequences no slot takes are freed, in one ``fork_many`` and one
+    ``free_many``: no block is copied. Slots without a sequence (None) stay so. Returns the new
+    slots' sequence ids."""
+    if any(not 0 <= s < len(seq_ids) for s in sources):
+        raise ValueError(f"sources {list(sources)} out of range for {len(seq_ids)} slots")
+    taken: set[int] = set()
+    new: list[int | None] = []
+    parents, children = [], []
+    for source in sources:
+        seq_id = seq_ids[source]
+        if seq_id is not None and source in taken:
+            parents.append(seq_id)
+            seq_id = new_id()
+            children.append(seq_id)
+        taken.add(source)
+        new.append(seq_id)
+    if parents:
+        manager.fork_many(parents, children)
+    dropped = [s for slot, s in enumerate(seq_ids) if slot not in taken and s is not None]
+    if dropped:
+        manager.free_many(dropped)
+    return new
 
 
 def _move(tables: BlockTables, rows: np.ndarray, source: BlockPool, dest: BlockPool):

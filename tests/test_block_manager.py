@@ -1277,3 +1277,20 @@ def test_cached_copy_of_a_full_last_block():
     without.allocate(0, prompt)
     without.allocate(1, prompt)
     assert without.cached_copy_of_last_block(1) is None
+
+
+def test_reassign_keeps_the_first_taker_forks_later_ones_and_frees_the_rest():
+    from paged_attention.block_manager import reassign
+
+    bm = BlockManager(16, 4)
+    for seq_id in (0, 1, 2):
+        bm.allocate(seq_id, 6)
+    fresh = iter(range(10, 20))
+    new = reassign(bm, [0, 1, 2, None], [1, 1, 3, 0], lambda: next(fresh))
+    assert new == [1, 10, None, 0]  # slot 1 forks sequence 1; sequence 2 is freed
+    assert sorted(bm.seq_ids()) == [0, 1, 10]
+    assert bm.block_table(10) == bm.block_table(1)
+    before = snapshot(bm)
+    with pytest.raises(ValueError, match="out of range"):
+        reassign(bm, [0, 1], [2], lambda: next(fresh))
+    assert snapshot(bm) == before

@@ -298,20 +298,11 @@ class Engine:
             request.done.append(EngineSequence(-1, [*beams[beam].tokens, token], 0, score, reason))
         # A parent's first child keeps its sequence, later children fork it; the beams nobody
         # picked are freed. Copy-on-write of shared last blocks happens in the next step.
-        next_beams, parents, forks, kept = [], [], [], set()
-        for beam, token, score in continuing:
-            parent = beams[beam]
-            if parent.seq_id in kept:
-                child = self.scheduler.new_sequence(parent, token)
-                parents.append(parent)
-                forks.append(child)
-            else:
-                child = EngineSequence(parent.seq_id, [*parent.tokens, token], parent.num_computed)
-                kept.add(parent.seq_id)
-            child.score = score
-            next_beams.append(child)
-        self.scheduler.fork(request, parents, forks)
-        self.scheduler.free([b for b in beams if b.seq_id not in kept])
+        ids = self.scheduler.reassign(beams, [beam for beam, _, _ in continuing])
+        next_beams = [
+            EngineSequence(seq_id, [*beams[beam].tokens, token], beams[beam].num_computed, score)
+            for seq_id, (beam, token, score) in zip(ids, continuing)
+        ]
         request.seqs = next_beams
         request.new_tokens = {b.seq_id: [b.tokens[-1]] for b in next_beams}
         self.stats.generated_tokens += len(next_beams)

@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_attention.block_manager import RELEASED, AllocStatus, BlockManager, OutOfBlocksError
+from paged_attention.block_manager import (
+    RELEASED,
+    AllocStatus,
+    BlockManager,
+    OutOfBlocksError,
+    reassign,
+)
 from paged_attention.engine.request import Request, RequestStatus, Sequence
 
 
@@ -187,6 +193,13 @@ class Scheduler:
     def fork(self, request: Request, parents: list[Sequence], children: list[Sequence]) -> None:
         """``children[i]`` shares every block of ``parents[i]`` (no copy)."""
         self.manager.fork_many([p.seq_id for p in parents], [c.seq_id for c in children])
+
+    def reassign(self, seqs: list[Sequence], sources: list[int]) -> list[int]:
+        """Sequence ids for new slots continuing ``seqs[sources[i]]`` (beam search:
+        ``block_manager.reassign``)."""
+        return reassign(
+            self.manager, [s.seq_id for s in seqs], sources, lambda: next(self._seq_ids)
+        )
 
     def free(self, seqs: list[Sequence]) -> None:
         self.manager.free_many(s.seq_id for s in seqs)
