@@ -52,6 +52,7 @@ import torch
 
 import paged_attention
 from paged_attention.cache import advise_huge_pages
+from paged_attention.testing import make_paged_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,25 +131,27 @@ def allocate(shape, dtype, device, huge_pages: bool) -> torch.Tensor:
 
 
 def build_case(device, dtype, batch, context, shape=Shape(), seed=0, huge_pages=False):
-    """Random paged cache in the DESIGN.md layout, scattered block tables, and a query."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    blocks_per_seq = math.ceil(context / shape.block_size)
-    num_blocks = batch * blocks_per_seq
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    key_shape = (num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x)
-    key_cache = allocate(key_shape, dtype, device, huge_pages).normal_()
-    value_shape = (num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size)
-    value_cache = allocate(value_shape, dtype, device, huge_pages).normal_()
-    pool = torch.randperm(num_blocks, generator=generator).to(torch.int32)
-    block_tables = pool.reshape(batch, blocks_per_seq).to(device)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    """Random paged cache in the layout of docs/design.md (paged_attention.testing), scattered
+    block tables, and a query."""
+    kv = make_paged_kv(
+        batch,
+        context,
+        shape.num_kv_heads,
+        shape.head_size,
+        shape.block_size,
+        dtype,
+        device=device,
+        seed=seed,
+        tokens=False,
+        allocate=lambda shape_, dtype_, device_: allocate(shape_, dtype_, device_, huge_pages),
+    )
     query = torch.randn(batch, shape.num_heads, shape.head_size, dtype=dtype, device=device)
     return dict(
         query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
+        key_cache=kv.key_cache,
+        value_cache=kv.value_cache,
+        block_tables=kv.block_tables,
+        seq_lens=kv.seq_lens,
         context=context,
         shape=shape,
     )

@@ -137,7 +137,12 @@ def run(args: argparse.Namespace) -> dict:
     budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
 
     try:
-        engine = Engine(model, num_blocks=budget, block_size=args.block_size)
+        engine = Engine(
+            model,
+            num_blocks=budget,
+            block_size=args.block_size,
+            cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs,
+        )
     except ValueError as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {model_name}: {error}") from error
     ids = [engine.add_request(prompt, params) for prompt, params in workload]
@@ -170,6 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": model_name,
         "device": str(device),
+        "cuda_graphs": engine.runner.graphs is not None,
         "requests": len(outputs),
         "rejected": len(rejected),
         "first_rejection": rejected[0] if rejected else None,
@@ -278,7 +284,11 @@ def print_table(report: dict) -> None:
         greedy = "yes" if report["greedy_matches_transformers"] else "NO"
         greedy += f" ({report['greedy_matching']}/{report['greedy_requests']})"
     rows = [
-        ("model", f"{report['model']} on {report['device']}"),
+        (
+            "model",
+            f"{report['model']} on {report['device']}"
+            + (" (decode steps in CUDA graphs)" if report["cuda_graphs"] else ""),
+        ),
         (
             "requests",
             f"{report['requests']} ({report['parallel_sampling_requests']} parallel sampling, "
@@ -351,6 +361,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="with --device cuda: run decode steps eagerly instead of replaying CUDA graphs",
+    )
     parser.add_argument(
         "--threads",
         type=positive_int,

@@ -1,0 +1,134 @@
+"""Random paged KV caches laid out the way a block manager leaves them, for the tests and the
+benchmarks (one builder for both)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from paged_attention import reference
+from paged_attention.supported import is_fp8
+
+# Bit pattern that is NaN in both fp8 formats (float8_e4m3fn and float8_e5m2).
+FP8_NAN_BITS = 0xFF
+
+
+def make_paged_kv(
+    num_seqs: int,
+    seq_lens: int | list[int],
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    num_blocks: int | None = None,
+    nan_fill: bool = True,
+    seed: int = 0,
+    *,
+    tokens: bool = True,
+    allocate=None,
+) -> SimpleNamespace:
+    """A random paged cache holding ``num_seqs`` sequences of ``seq_lens`` tokens (an int: all
+    the same length).
+
+    Each sequence's blocks are drawn from a random permutation of a pool of ``num_blocks`` blocks
+    (default: the blocks needed plus a few spare), so block order is scattered; every block table
+    row has at least one unused trailing entry holding an out-of-range id that must never be read.
+    With ``nan_fill`` every cache slot that holds no token (spare blocks, the tail of each last
+    block) is NaN, so a kernel that lets one into its result fails loudly.
+
+    ``dtype`` is the model dtype of the keys/values; fp8 caches (``kv_cache_dtype`` "fp8",
+    "fp8_e4m3", "fp8_e5m2") are uint8 tensors quantised with ``k_scale``/``v_scale``.
+
+    ``tokens=False`` (the benchmarks, whose caches take gigabytes): every slot holds random
+    values drawn on ``device`` instead of stored tokens, and there are no spare blocks and no
+    unused table entries unless ``num_blocks`` asks for spares. ``allocate(shape, dtype,
+    device)`` makes the two cache tensors (e.g. advised to use huge pages).
+
+    Returns a namespace with ``key_cache``, ``value_cache``, ``block_tables`` (int32),
+    ``seq_lens`` (int32 tensor), ``max_seq_len``, ``k_scale``, ``v_scale`` (1-element float32),
+    ``kv_cache_dtype``, ``block_size``, ``num_kv_heads``, ``head_size``, ``num_blocks``.
+    """
+    device = torch.device(device)
+    lens = [seq_lens] * num_seqs if isinstance(seq_lens, int) else list(seq_lens)
+    if len(lens) != num_seqs:
+        raise ValueError(f"seq_lens has {len(lens)} entries for {num_seqs} sequences")
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+    needed = sum(blocks_per_seq)
+    if num_blocks is None:
+        num_blocks = needed + (max(4, num_seqs) if tokens else 0)
+    if num_blocks < needed:
+        raise ValueError(f"num_blocks={num_blocks} is fewer than the {needed} blocks needed")
+
+    fp8 = is_fp8(kv_cache_dtype)
+    cache_dtype = torch.uint8 if fp8 else dtype
+    x = 16 // torch.empty((), dtype=cache_dtype).element_size()
+    if allocate is None:
+
+        def allocate(shape, dtype, device):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    key_cache = allocate(key_shape, cache_dtype, device)
+    value_cache = allocate((num_blocks, num_kv_heads, head_size, block_size), cache_dtype, device)
+    # Scales that use most of the e4m3 range for standard-normal data.
+    k_scale = torch.tensor([0.02 if fp8 else 1.0], dtype=torch.float32, device=device)
+    v_scale = torch.tensor([0.015 if fp8 else 1.0], dtype=torch.float32, device=device)
+
+    pool = torch.randperm(num_blocks, generator=generator)
+    width = max(blocks_per_seq, default=0) + (1 if tokens else 0)
+    block_tables = torch.full((num_seqs, width), num_blocks + 1000, dtype=torch.int32)
+    slots = []
+    used = 0
+    for s, n_blocks in enumerate(blocks_per_seq):
+        blocks = pool[used : used + n_blocks]
+        used += n_blocks
+        block_tables[s, :n_blocks] = blocks.to(torch.int32)
+        positions = torch.arange(lens[s])
+        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
+
+    if tokens:
+        empty = FP8_NAN_BITS if fp8 else math.nan
+        if not nan_fill:
+            empty = 0
+        key_cache.fill_(empty)
+        value_cache.fill_(empty)
+        slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
+        num_tokens = slot_mapping.numel()
+        key = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
+        value = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
+        reference.reshape_and_cache(
+            key.to(device),
+            value.to(device),
+            key_cache,
+            value_cache,
+            slot_mapping.to(device),
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+        )
+    elif not fp8:
+        key_cache.normal_()
+        value_cache.normal_()
+    else:
+        for cache in (key_cache, value_cache):
+            values = torch.randn(cache.shape, device=device)
+            cache.copy_(reference.quantize(values, kv_cache_dtype, 1.0))
+    return SimpleNamespace(
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        max_seq_len=max(lens, default=0),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        num_blocks=num_blocks,
+    )
