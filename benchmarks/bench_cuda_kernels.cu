@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
       // The targets of the varlen kernel: speculative decoding (bandwidth) and a prompt chunk
       // after a cached context (tensor-core rate).
       {"bf16 varlen q4 32x4096", Dtype::kBFloat16, kVarlen, 32, 4096, 4},
-      {"bf16 varlen q512 4x2560", Dtype::kBFloat16, kVarlen, 4, 2560, 512},
+      {"bf16 varlen q512 4x2048", Dtype::kBFloat16, kVarlen, 4, 2048, 512},
   };
   cudaDeviceProp device{};
   CHECK_CUDA(cudaGetDeviceProperties(&device, 0));

@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# One-GPU check of the CUDA kernels, made for the H200 machine (16 cores, torch + nvcc, no
-# network), within 8 minutes. Stages, each with its own timeout (a failing one does not stop the
-# later ones); the budgets add up to 470 s:
-#   build      130 s  the extension for sm_90 with 16 jobs
-#   tests      100 s  tests/test_cuda_ops.py, test_cache_ops.py, test_cuda_sass.py (pytest-xdist if
-#                     there)
-#   memcheck    40 s  compute-sanitizer --tool memcheck on small cases of every op
-#   racecheck   45 s  compute-sanitizer --tool racecheck (shared-memory hazards) on the same
-#   bench       70 s  benchmarks/bench_decode.py --device cuda: v1, v2, gather+SDPA and FlashInfer
-#                     (tensor-core and CUDA-core decode) on the same cache values, bf16/fp16/fp32
-#   ncu         45 s  Nsight Compute, --launch-count 1, on our v1 decode kernel and FlashInfer's
+# One-GPU check of the CUDA kernels and the engine on them, made for the H200 machine (16 cores,
+# torch + nvcc, no network), within 8 minutes. Stages, each with its own timeout (a failing one
+# does not stop the later ones); the default stages' budgets add up to 470 s:
+#   build      120 s  the extension for sm_90 with 16 jobs
+#   tests      100 s  tests/test_cuda_ops.py, test_cache_ops.py, test_cuda_sass.py,
+#                     test_cuda_varlen.py, and the emulated kernels of the varlen op
+#                     (test_cuda_emulated_varlen.py, on the CPUs), with 8 pytest-xdist workers
+#   memcheck    35 s  compute-sanitizer --tool memcheck on small cases of every op (the varlen
+#                     op in each row tiling, scheduled, split and on CUDA cores)
+#   racecheck   35 s  compute-sanitizer --tool racecheck (shared-memory hazards) on the same
+#   bench       35 s  benchmarks/bench_decode.py --device cuda: v1, v2, gather+SDPA and FlashInfer
+#                     (tensor-core and CUDA-core decode) on the same cache values, bf16/fp16/fp32,
+#                     batch 8 and 64 x 4096
+#   prefill     35 s  varlen rows (the rows of bench_prefill.py: a 4 new tokens over 32 x 4096, b a
+#                     512-token chunk of 4 x 2048, c a 4096-token prompt, d decode over 32 x 4096):
+#                     ours, gather + SDPA and FlashInfer's paged prefill (the bundle's tensor-core
+#                     module: BatchPrefillWithPagedKVCacheWrapper, fa2, bf16, head size 128),
+#                     beside the streaming-read limit (a, d) and a bf16 matmul's rate (b, c)
+#   ncu         30 s  Nsight Compute, --launch-count 1, on our decode kernel and FlashInfer's
 #                     tensor-core decode (bf16, batch 64 x 4096): dram throughput, achieved
 #                     occupancy, issue activity, instructions executed, tensor-pipe utilisation,
 #                     warp stall reasons
-#   kernels     40 s  benchmarks/bench_cuda_kernels.cu: the decode kernels timed without torch
+#   serving     80 s  the engine on the GPU: python -m paged_attention demo --device cuda (CUDA
+#                     graphs), the same with --no-cuda-graphs (20 s each), and
+#                     benchmarks/bench_serving.py --device cuda --workloads B --modes offline (40 s)
 # Optional stages (GPU_CHECK_STAGES=...): smoke (every op against reference.py without pytest),
-# demo (the serving demo on the GPU), flex (v1/v2 against compiled FlexAttention).
+# flex (v1/v2 against compiled FlexAttention), kernels (benchmarks/bench_cuda_kernels.cu: the
+# decode and varlen kernels timed without torch; its build compiles every variant, about a
+# minute).
 #
 # FlashInfer cannot be pip-installed there (no network): the bundle of ../shared/peers/flashinfer
 # (FlashInfer 0.7.2.post1 prebuilt for sm_90a, bf16 head size 128; see its README) travels in a
@@ -25,8 +37,9 @@
 # and name `.peers` in the device call's `carry`. Without it the FlashInfer rows say why.
 #
 # Usage: [GPU_CHECK_STAGES=tests,bench,...] benchmarks/gpu_check.sh OUTDIR
-# OUTDIR receives at most 8 files: summary.txt build.log tests.log (pytest, sanitizers, smoke,
-# demo) bench.log bench_decode_cuda.json bench_decode_cuda.png bench_cuda_kernels.json ncu.log
+# OUTDIR receives at most 8 files (what a device call brings back): summary.txt build.log
+# tests.log (pytest, sanitizers, smoke, demos) bench.log (every benchmark's table, ncu excepted)
+# bench_decode_cuda.json bench_prefill_cuda.json bench_serving_cuda.json ncu.log
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -48,8 +61,8 @@ SCRIPT_START=$(date +%s)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-ALL_STAGES="smoke,tests,memcheck,racecheck,bench,flex,ncu,kernels,demo"
-DEFAULT_STAGES="tests,memcheck,racecheck,bench,ncu,kernels"
+ALL_STAGES="smoke,tests,memcheck,racecheck,bench,prefill,flex,ncu,kernels,serving"
+DEFAULT_STAGES="tests,memcheck,racecheck,bench,prefill,ncu,serving"
 STAGES=",${GPU_CHECK_STAGES:-$DEFAULT_STAGES},"
 want() { [[ $STAGES == *",$1,"* ]]; }
 for stage in ${STAGES//,/ }; do
@@ -98,7 +111,7 @@ export PAGED_ATTENTION_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 # another build of GCC 13.3, and an extension it builds (even a one-op repro without flags)
 # segfaults as soon as an op formats a number into its error message; built by /usr/bin/g++, the
 # same repro raises normally.
-run_stage build 130 "$OUT/build.log" env -u CXX -u CC $PY setup.py build_ext --inplace
+run_stage build 120 "$OUT/build.log" env -u CXX -u CC $PY setup.py build_ext --inplace
 BUILD_RC=$?
 unset PAGED_ATTENTION_CUDA MAX_JOBS
 
@@ -202,6 +215,44 @@ for dtype, kv, head_size, block_size in cases:
         ops.paged_attention_v2(got2, sums, maxes, tmp, *common)
         check(name.replace("v1", "v2"), *close(got2, want, tol))
 
+# paged_attention_varlen, (new query rows, cached context) per sequence: short queries (16-row
+# CTAs), long ones (64-row CTAs listed by the schedule kernel), one long context (split, reduce),
+# fp32 on CUDA cores; plain, and with a window, soft-cap, ALiBi and sinks
+batches = [[(1, 40), (4, 30), (0, 5)], [(1, 60), (0, 5), (70, 20), (200, 0)], [(8, 3000)]]
+if not tiny:
+    batches = [[(1, 600), (4, 1000), (0, 9)], [(1, 600), (37, 20), (130, 150), (700, 0)],
+               [(40, 9000)]]
+for dtype, kv, head_size, block_size in cases:
+    num_heads, num_kv_heads = 8, 2
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for batch in batches:
+        q_lens = [q for q, _ in batch]
+        lens_list = [q + c for q, c in batch]
+        max_len = max(lens_list)
+        max_blocks = math.ceil(max_len / block_size)
+        num_blocks = len(batch) * max_blocks + 3
+        key_cache, value_cache, scale = make_cache(
+            dtype, kv, num_blocks, num_kv_heads, head_size, block_size)
+        tables = torch.randperm(num_blocks, generator=gen)[: len(batch) * max_blocks]
+        tables = tables.view(len(batch), max_blocks).to(torch.int32).to(dev)
+        lens = torch.tensor(lens_list, dtype=torch.int32, device=dev)
+        starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                              device=dev)
+        query = torch.randn(sum(q_lens) + 2, num_heads, head_size, generator=gen).to(dev, dtype)
+        slopes = torch.linspace(0.01, 0.2, num_heads, device=dev)
+        sinks = torch.linspace(-1.0, 2.0, num_heads, device=dev)
+        for window, cap, alibi, sink in [(0, 0.0, None, None), (100, 15.0, slopes, sinks)]:
+            args = (query, key_cache, value_cache, num_kv_heads, head_size**-0.5, tables, lens,
+                    starts, max(q_lens), max_len, alibi, kv, scale, scale, window, cap, sink)
+            want = torch.full_like(query, 7.0)
+            if not tiny:
+                reference.paged_attention_varlen(want, *args)
+            got = torch.full_like(query, 7.0)
+            ops.paged_attention_varlen(got, *args)
+            name = (f"varlen {dtype} {kv} d{head_size} b{block_size} q{max(q_lens)} "
+                    f"ctx{max_len} w{window}")
+            check(name, *close(got, want, tol))
+
 # reshape_and_cache: bit-exact, fp8 included, strided key/value, negative slots skipped
 for dtype, kv in [(torch.bfloat16, "auto"), (torch.float16, "fp8_e4m3"),
                   (torch.float32, "fp8_e5m2")]:
@@ -263,13 +314,16 @@ fi
 if ! want tests; then
   :
 elif $PY -c 'import pytest' 2>/dev/null; then
-  echo "== pytest tests/test_cuda_ops.py tests/test_cache_ops.py tests/test_cuda_sass.py ==" \
-    >> "$OUT/tests.log"
+  TEST_FILES="tests/test_cuda_ops.py tests/test_cache_ops.py tests/test_cuda_sass.py
+    tests/test_cuda_varlen.py tests/test_cuda_emulated_varlen.py"
+  echo "== pytest $TEST_FILES ==" >> "$OUT/tests.log"
   # Eight workers when pytest-xdist is there: the tests are many small launches plus reference.py.
+  # The emulated kernels' library (tests/cuda_emulator.py) is built once first, by the system
+  # compiler (see the build stage), instead of by every worker.
   WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
-  run_stage tests 100 "$OUT/tests.log" $PY -m pytest tests/test_cuda_ops.py \
-    tests/test_cache_ops.py tests/test_cuda_sass.py -q -rfE -p no:cacheprovider --durations=10 \
-    $WORKERS
+  run_stage tests 100 "$OUT/tests.log" env -u CXX -u CC bash -c "
+    $PY -c 'import sys; sys.path.insert(0, \"tests\"); import cuda_emulator; cuda_emulator.library()' &&
+    $PY -m pytest $TEST_FILES -q -rfE -p no:cacheprovider --durations=10 $WORKERS"
   grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
     | sed 's/^/  pytest: /' >> "$SUMMARY"
   grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | cut -c1-300 | sed 's/^/    /' >> "$SUMMARY"
@@ -297,7 +351,7 @@ for tool in memcheck racecheck; do
   # Without the caching allocator every tensor is its own allocation, so an out-of-bounds access
   # cannot hide inside a pooled segment.
   echo "== compute-sanitizer --tool $tool ==" >> "$OUT/tests.log"
-  limit=$([ $tool = memcheck ] && echo 40 || echo 45)
+  limit=35
   run_stage $tool $limit "$OUT/tests.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" \
     --tool $tool --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tests.log" | tail -1 \
@@ -306,10 +360,10 @@ done
 
 # ---- 4. decode benchmark: ours, gather + SDPA and FlashInfer on the same cache values --------
 if want bench; then
-  run_stage bench 70 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
-    --batches 8,64 --contexts 2048,4096,8192 --dtypes bfloat16,float16,float32 \
+  run_stage bench 35 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 8,64 --contexts 4096 --dtypes bfloat16,float16,float32 \
     --methods v1,v2,gather+sdpa --cuda-methods flashinfer,flashinfer-cc \
-    --json "$OUT/bench_decode_cuda.json" --plot "$OUT/bench_decode_cuda.png"
+    --json "$OUT/bench_decode_cuda.json" --plot "$WORK/bench_decode_cuda.png"
 fi
 if want flex; then
   echo "== v1 and v2 against compiled FlexAttention ==" >> "$OUT/bench.log"
@@ -317,28 +371,180 @@ if want flex; then
     --batches 64 --contexts 4096 --dtypes bfloat16,float32 --methods v1,v2,flex \
     --json "$WORK/bench_decode_cuda_flex.json"
 fi
+
+# ---- 5. varlen benchmark: ours, gather + SDPA and FlashInfer's paged prefill --------------------
+cat > "$WORK/bench_varlen.py" <<'PYEOF'
+"""The rows of benchmarks/bench_prefill.py on the GPU: paged_attention_varlen (ours), per-sequence
+gather + SDPA (PagedAttention's prefill path before the varlen op) and FlashInfer's paged prefill
+(BatchPrefillWithPagedKVCacheWrapper, fa2 backend: the bundle's prebuilt tensor-core module, bf16,
+head size 128, causal) on the same cache values; beside the limit of the row's bound: a streaming
+read of its K and V bytes (bandwidth rows), a bf16 8192^3 matmul's FLOP rate (compute rows).
+Prints a table and writes JSON (argv[1])."""
+import dataclasses
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+from bench_decode import (  # noqa: E402
+    FLASHINFER_WORKSPACE_BYTES, Shape, best_time, build_case, flashinfer_inputs, machine_info,
+    streaming_limit,
+)
+
+import paged_attention  # noqa: E402
+
+dev = torch.device("cuda")
+shape = Shape()
+# name, batch, context (tokens per sequence, the new ones included), new rows, bound
+ROWS = [("a", 32, 4096, 4, "bandwidth"), ("b", 4, 2048, 512, "compute"),
+        ("c", 1, 4096, 4096, "compute"), ("d", 32, 4096, 1, "bandwidth")]
+REPS = 10
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-3}  # largest |difference| from ours
+
+
+def flops(batch, context, q_len):
+    pairs = q_len * (context - q_len) + q_len * (q_len + 1) / 2
+    return 4 * shape.head_size * shape.num_heads * batch * pairs
+
+
+def methods(case, query, batch, context, q_len):
+    starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
+    out = torch.empty_like(query)
+
+    def ours():
+        return paged_attention.paged_attention_varlen(
+            query, case["key_cache"], case["value_cache"], case["block_tables"],
+            case["seq_lens"], starts, max_query_len=q_len, max_seq_len=context, out=out)
+
+    blocks = -(-context // shape.block_size)
+    keys_rows = torch.arange(context, device=dev)
+    mask = keys_rows[None] <= (context - q_len + torch.arange(q_len, device=dev))[:, None]
+
+    def gather_sdpa():
+        result = torch.empty_like(query)
+        for s in range(batch):
+            table = case["block_tables"][s, :blocks].long()
+            k = case["key_cache"][table].permute(0, 3, 1, 2, 4).reshape(-1, shape.num_kv_heads,
+                                                                      shape.head_size)
+            v = case["value_cache"][table].permute(0, 3, 1, 2).reshape(-1, shape.num_kv_heads,
+                                                                     shape.head_size)
+            rows = slice(s * q_len, (s + 1) * q_len)
+            result[rows] = torch.nn.functional.scaled_dot_product_attention(
+                query[rows].transpose(0, 1), k[:context].transpose(0, 1),
+                v[:context].transpose(0, 1), attn_mask=mask, enable_gqa=True).transpose(0, 1)
+        return result
+
+    made = {"ours": ours, "gather+sdpa": gather_sdpa}
+    if query.dtype == torch.bfloat16:
+        try:
+            import flashinfer
+
+            k_pages, v_pages, indptr, indices, last = flashinfer_inputs(case)
+            workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, kv_layout="HND", backend="fa2")
+            wrapper.plan(starts, indptr, indices, last, shape.num_heads, shape.num_kv_heads,
+                         shape.head_size, shape.block_size, causal=True,
+                         pos_encoding_mode="NONE", sm_scale=shape.head_size ** -0.5,
+                         q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+            def flashinfer_prefill():
+                return wrapper.run(query, (k_pages, v_pages))
+
+            made["flashinfer"] = flashinfer_prefill
+        except Exception as error:  # reported instead of a number
+            made["flashinfer"] = error
+    return made
+
+
+matmul = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+matmul_s = best_time(lambda: matmul @ matmul, dev, REPS)
+peak_flops = 2 * 8192**3 / matmul_s
+entries, disagreements = [], []
+print(f"{'dtype':9} {'row':3} {'batch':>5} {'ctx':>5} {'q':>5} {'method':12} {'us':>10} "
+      f"{'TB/s':>7} {'TFLOP/s':>8} {'% limit':>8} {'vs ours':>8}")
+for dtype in (torch.bfloat16, torch.float32):
+    for name, batch, context, q_len, bound in ROWS:
+        case = build_case(dev, dtype, batch, context, shape)
+        query = torch.randn(batch * q_len, shape.num_heads, shape.head_size, device=dev,
+                            dtype=dtype)
+        kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * query.itemsize
+        row = dict(dtype=str(dtype).removeprefix("torch."), row=name, batch=batch,
+                   context=context, query_len=q_len, bound=bound, kv_bytes=kv_bytes,
+                   flops=flops(batch, context, q_len))
+        made = methods(case, query, batch, context, q_len)
+        expected = made["ours"]().float()
+        limit_s = (streaming_limit(kv_bytes, dev, REPS) if bound == "bandwidth"
+                   else row["flops"] / peak_flops)
+        times = {}
+        for method, fn in made.items():
+            entry = dict(row, method=method)
+            if isinstance(fn, Exception):
+                entry.update(time_s=None, error=f"{type(fn).__name__}: {str(fn)[:200]}")
+            else:
+                err = (fn().float() - expected).abs().max().item()
+                entry.update(time_s=best_time(fn, dev, REPS), max_abs_diff_vs_ours=err)
+                times[method] = entry["time_s"]
+                if not err <= TOLERANCE[dtype]:
+                    disagreements.append(f"{method} {row['dtype']} row {name}: {err:.3g}")
+            entries.append(entry)
+        entries.append(dict(row, method="limit", time_s=limit_s))
+        for entry in entries[-len(made) - 1:]:
+            t = entry["time_s"]
+            if t is None:
+                print(f"{row['dtype']:9} {name:3} {batch:5} {context:5} {q_len:5} "
+                      f"{entry['method']:12} {entry['error']}")
+                continue
+            entry.update(bytes_per_s=kv_bytes / t, flops_per_s=row["flops"] / t,
+                         fraction_of_limit=limit_s / t, speed_vs_ours=times["ours"] / t)
+            print(f"{row['dtype']:9} {name:3} {batch:5} {context:5} {q_len:5} "
+                  f"{entry['method']:12} {t * 1e6:10.1f} {kv_bytes / t / 1e12:7.2f} "
+                  f"{row['flops'] / t / 1e12:8.1f} {100 * limit_s / t:7.1f}% "
+                  f"{times['ours'] / t:8.2f}")
+result = dict(device="cuda", machine=machine_info(dev), shape=dataclasses.asdict(shape),
+              bf16_matmul_flops_per_s=peak_flops, rows=entries)
+with open(sys.argv[1], "w") as f:
+    json.dump(result, f, indent=1)
+if disagreements:
+    sys.exit("results differ from ours: " + "; ".join(disagreements))
+PYEOF
+if want prefill; then
+  echo "== varlen rows: ours, gather + SDPA, FlashInfer's paged prefill ==" >> "$OUT/bench.log"
+  run_stage prefill 35 "$OUT/bench.log" $PY "$WORK/bench_varlen.py" \
+    "$OUT/bench_prefill_cuda.json"
+fi
 if want kernels; then
-  echo "== the decode kernels without torch (benchmarks/bench_cuda_kernels.cu) ==" \
+  echo "== the attention kernels without torch (benchmarks/bench_cuda_kernels.cu) ==" \
     >> "$OUT/bench.log"
-  run_stage kernels-build 25 "$OUT/bench.log" "$NVCC" -O3 -std=c++20 --expt-relaxed-constexpr \
+  run_stage kernels-build 90 "$OUT/bench.log" "$NVCC" -O3 -std=c++20 --expt-relaxed-constexpr \
     -gencode=arch=compute_90,code=sm_90 -Icsrc benchmarks/bench_cuda_kernels.cu \
     -o "$WORK/bench_cuda_kernels" \
-    && run_stage kernels 15 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
-      --json "$OUT/bench_cuda_kernels.json"
+    && run_stage kernels 20 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
+      --json "$WORK/bench_cuda_kernels.json"
 fi
-if want bench || want flex || want kernels; then
+if want bench || want prefill || want flex || want kernels; then
   echo "  bench (last lines of bench.log):" >> "$SUMMARY"
-  tail -n 60 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
+  tail -n 70 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
 fi
 
-# ---- 5. the serving demo on the GPU (engine, PagedCache, transformers adapter, checked against
-# transformers' own generate()) -----------------------------------------------------------------
-if want demo; then
+# ---- 6. the engine on the GPU: the demo (PagedCache, transformers adapter, greedy outputs checked
+# against transformers' own generate()) with and without CUDA graphs, and the serving benchmark ---
+if want serving; then
   echo "== python -m paged_attention demo --device cuda ==" >> "$OUT/tests.log"
-  run_stage demo 50 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
+  run_stage demo 20 "$OUT/tests.log" $PY -m paged_attention demo --device cuda
+  echo "== python -m paged_attention demo --device cuda --no-cuda-graphs ==" >> "$OUT/tests.log"
+  run_stage demo-eager 20 "$OUT/tests.log" $PY -m paged_attention demo --device cuda \
+    --no-cuda-graphs
+  echo "== benchmarks/bench_serving.py --device cuda --workloads B --modes offline ==" \
+    >> "$OUT/bench.log"
+  run_stage serving-bench 40 "$OUT/bench.log" $PY benchmarks/bench_serving.py --device cuda \
+    --workloads B --modes offline --json "$OUT/bench_serving_cuda.json" \
+    --plot "$WORK/bench_serving_cuda.png"
+  tail -n 20 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
 fi
 
-# ---- 6. Nsight Compute: one launch of our decode kernel and one of FlashInfer's ---------------
+# ---- 7. Nsight Compute: one launch of our decode kernel and one of FlashInfer's ---------------
 # Batch 64 x 4096 tokens, bf16, 32/8 heads, d128 (the target row). The metrics say where the time
 # goes: dram throughput against its peak, achieved occupancy, issue-slot activity, instructions
 # executed, tensor-pipe (HMMA) activity, and the warp stall reasons (WarpStateStats).
@@ -373,11 +579,11 @@ PYEOF
     echo "== ncu: $method, bf16 64 x 4096 ==" >> "$OUT/ncu.log"
     ncu_args=(--clock-control none --kernel-name "${target#*:}" --launch-skip 1 --launch-count 1
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats)
-    if ! run_stage ncu-$method 22 "$OUT/ncu.log" "$NCU" "${ncu_args[@]}" \
+    if ! run_stage ncu-$method 15 "$OUT/ncu.log" "$NCU" "${ncu_args[@]}" \
         --metrics "$NCU_METRICS" $PY "$WORK/profile_decode.py" "$method" \
         && grep -q "Failed to find metric" "$OUT/ncu.log"; then
       # A metric this ncu does not know: the sections alone (their own metric names).
-      run_stage ncu-$method-sections 22 "$OUT/ncu.log" "$NCU" "${ncu_args[@]}" \
+      run_stage ncu-$method-sections 15 "$OUT/ncu.log" "$NCU" "${ncu_args[@]}" \
         $PY "$WORK/profile_decode.py" "$method"
     fi
   done
