@@ -128,6 +128,14 @@ def test_long_queries_are_chunked_across_ctas():
     assert report.work_items >= 13 + 1
 
 
+def test_the_schedule_spans_several_rounds_of_sequences():
+    # The schedule kernel scans 256 sequences per round: 300 short ones around a long one.
+    seqs = [(i % 3, 5) for i in range(300)]
+    seqs[150] = (40, 10)
+    report = run_case(seqs, num_heads=2, num_kv_heads=1, head_size=64, spare_rows=1)
+    assert report.scheduled and report.tokens_per_cta == 32
+
+
 def test_no_rows_at_all():
     report = run_case([(0, 5), (0, 0)])
     assert report.ctas == 0

@@ -12,7 +12,7 @@
 
 namespace paged_attention::cuda {
 
-constexpr uint32_t kScheduleSharedBytes = 4u * kScheduleThreads;
+constexpr uint32_t kScheduleSharedBytes = 8u * kScheduleThreads;
 
 PA_DEVICE void schedule_varlen_work(const AttentionParams& p, int tokens_per_cta, int32_t* work,
                                     int num_items) {
@@ -20,23 +20,36 @@ PA_DEVICE void schedule_varlen_work(const AttentionParams& p, int tokens_per_cta
   int64_t carry = 0;  // items of the sequences before this round
   for (int base = 0; base < p.num_seqs; base += kScheduleThreads) {
     const int seq = base + tid;
-    int chunks = 0;
+    int64_t chunks = 0;
     if (seq < p.num_seqs) chunks = (query_rows(p, seq).len + tokens_per_cta - 1) / tokens_per_cta;
     // Inclusive scan of the round's chunk counts (Hillis-Steele in shared memory).
-    *prim::shared<int>(4u * tid) = chunks;
+    const auto count = [](int j) { return prim::shared<int64_t>(8u * j); };
+    *count(tid) = chunks;
     prim::syncthreads();
     for (int offset = 1; offset < kScheduleThreads; offset *= 2) {
-      const int before = tid >= offset ? *prim::shared<int>(4u * (tid - offset)) : 0;
+      const int64_t before = tid >= offset ? *count(tid - offset) : 0;
       prim::syncthreads();
-      *prim::shared<int>(4u * tid) += before;
+      *count(tid) += before;
       prim::syncthreads();
     }
-    const int64_t first = carry + *prim::shared<int>(4u * tid) - chunks;
-    for (int k = 0; k < chunks && first + k < num_items; ++k) {
-      prim::store(work + 2 * (first + k), static_cast<int32_t>(seq));
-      prim::store(work + 2 * (first + k) + 1, static_cast<int32_t>(k));
+    // The round's items, spread over all threads (one long query has many): item i belongs to
+    // the round's first sequence whose inclusive count exceeds i.
+    const int64_t round_items = *count(kScheduleThreads - 1);
+    for (int64_t i = tid; i < round_items && carry + i < num_items; i += kScheduleThreads) {
+      int lo = 0, hi = kScheduleThreads - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (*count(mid) > i) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      const int64_t before = lo > 0 ? *count(lo - 1) : 0;
+      prim::store(work + 2 * (carry + i), static_cast<int32_t>(base + lo));
+      prim::store(work + 2 * (carry + i) + 1, static_cast<int32_t>(i - before));
     }
-    carry += *prim::shared<int>(4u * (kScheduleThreads - 1));
+    carry += round_items;
     prim::syncthreads();  // the scan buffer is rewritten by the next round
   }
   for (int64_t x = carry + tid; x < num_items; x += kScheduleThreads) {
