@@ -345,9 +345,10 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
   }
   // A fragments of Q (ldmatrix_x4 of the 16 x 16 block of k-step ks of the warp's rows):
   // registers 0-3 are rows 0-7 / 8-15 of columns 0-7, then of columns 8-15. Kept in registers
-  // up to head size 128; for 256 they would not fit next to the output accumulators and are
-  // reloaded per tile.
-  constexpr bool kQueryInRegisters = kD <= 128;
+  // up to head size 128 with one warp of rows (64 with four, whose CTAs are compute-bound and
+  // take a third CTA per SM for the registers, as FlashInfer's prefill reloads Q per tile); above
+  // that they would not fit next to the output accumulators and are reloaded per tile.
+  constexpr bool kQueryInRegisters = kD <= (kWide ? 64 : 128);
   const uint32_t query_lane =
       shape.query_offset +
       2u * ((warp_row0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kQueryRow + 8 * (lane >> 4));

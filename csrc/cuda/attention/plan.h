@@ -233,10 +233,10 @@ constexpr int modelled_ctas_per_sm(uint32_t shared_bytes) {
 // The resident CTAs per SM a variant is compiled for (the minimum of its __launch_bounds__): as
 // many as its shared memory allows on an H100/H200, and at most as many as leave each thread
 // the registers (65536 / (128 x CTAs): 128 at 4, 168 at 3, 255 at 2) to hold the kernel
-// without spills. Tensor cores, head size 64: 4 (3 with fp8 caches, whose conversions need
-// more); above it the output accumulators of 128 dims and more take 3 with one warp of rows
-// and a 16-bit cache (2 with fp8), 2 with four warps of rows; CUDA cores: 2. Registers thereby
-// never cost a CTA that shared memory would fit.
+// without spills. Tensor cores, head size 64: 4 (3 with one warp of rows and an fp8 cache,
+// whose conversions need more); 128: 3 (2 with one warp of rows and an fp8 cache; with four
+// warps of rows the query fragments are reloaded per tile to fit); 256: 2; CUDA cores: 2.
+// Registers thereby never cost a CTA that shared memory would fit.
 constexpr int compiled_ctas_per_sm(ScalarKind scalar, CacheDtype cache, int bucket,
                                    int row_warps) {
   const KernelShape k = attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps);
@@ -245,8 +245,8 @@ constexpr int compiled_ctas_per_sm(ScalarKind scalar, CacheDtype cache, int buck
   if (k.family == KernelFamily::kTensorCore) {
     if (bucket == 64) {
       most = fp8 && k.row_warps == 1 ? 3 : 4;
-    } else if (k.row_warps == 1) {
-      most = fp8 ? 2 : 3;
+    } else if (bucket == 128) {
+      most = fp8 && k.row_warps == 1 ? 2 : 3;
     }
   }
   return std::min(modelled_ctas_per_sm(k.shared_bytes), most);
