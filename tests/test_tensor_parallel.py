@@ -137,3 +137,37 @@ def test_kv_heads_that_do_not_split_get_a_clear_error(ranks):
         assert result["odd_kv_heads"].startswith(
             "the model has 3 KV heads and a tensor-parallel size of 2: they do not divide"
         )
+
+
+TIMING = {"tokens_per_s", "seconds", "wall_seconds", "ttft_p50_ms", "ttft_p99_ms"}
+TIMING |= {"itl_p50_ms", "itl_p99_ms"}
+PER_RANK = {"tensor_parallel_ranks", "kv_bytes_per_block", "kv_bytes_per_rank"}
+
+
+def test_demo_on_two_ranks_reports_what_one_process_does(tmp_path, capsys):
+    from paged_attention.__main__ import main
+
+    args = ["demo", "--json", "--requests", "8", "--kv-budget", "16"]
+    assert main([*args, "--plot", str(tmp_path / "one.png")]) == 0
+    single = json.loads(capsys.readouterr().out)
+    done = torchrun(["-m", "paged_attention", *args, "--tp", "--plot", str(tmp_path / "tp.png")])
+    split = json.loads(done.stdout)  # rank 0 alone prints
+    assert single["swaps_out"] > 0 and single["greedy_matches_transformers"] is True
+    assert {k: v for k, v in split.items() if k not in TIMING | PER_RANK | {"plot"}} == {
+        k: v for k, v in single.items() if k not in TIMING | PER_RANK | {"plot"}
+    }
+    assert split["tensor_parallel_ranks"] == RANKS and single["tensor_parallel_ranks"] == 1
+    assert split["kv_bytes_per_rank"] * RANKS == single["kv_bytes_per_rank"]
+    assert (tmp_path / "tp.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_demo_tp_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
+    from paged_attention.__main__ import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--tp"])
+    assert exit_info.value.code == 2
+    assert "--tp runs as one rank of a torchrun job: torchrun --nproc-per-node" in (
+        capsys.readouterr().err
+    )
