@@ -6,6 +6,7 @@ error on every rank."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -171,3 +172,19 @@ def test_demo_tp_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
     assert "--tp runs as one rank of a torchrun job: torchrun --nproc-per-node" in (
         capsys.readouterr().err
     )
+
+
+def test_example_on_two_ranks_prints_the_tokens_of_one_process(monkeypatch, capsys):
+    example = REPO / "examples" / "tp_generate.py"
+    spec = importlib.util.spec_from_file_location("tp_generate", example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", [str(example)])
+    module.main()
+    single = capsys.readouterr().out.splitlines()
+    split = torchrun([str(example)]).stdout.splitlines()
+    assert single[0] == "ranks: 1" and split[0] == f"ranks: {RANKS}"
+    assert split[1:-2] == single[1:-2] and len(single) == 7  # generate() and 3 requests
+    assert single[-2:] == ["KV heads per rank: 2", "KV cache bytes per rank: 1048576"]
+    assert split[-2:] == ["KV heads per rank: 1", "KV cache bytes per rank: 524288"]
