@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from paged_attention import cache as cache_module
 from paged_attention.demo import default_workload
 from paged_attention.engine import Engine, SamplingParams
 from paged_attention.integrations.transformers import (
@@ -32,6 +33,7 @@ from paged_attention.integrations.transformers import (
 BLOCK = 16
 ENGINE_BLOCKS = 20  # too few for the workload at once: requests are preempted
 MEMORY_BUDGET = 1 << 20  # bytes, for the cache sized by memory
+HOST_AVAILABLE = 64 << 20  # bytes, the host memory the CPU default takes a quarter of
 
 
 def _generate(model, cache_blocks: int, **kwargs) -> list[list[int]]:
@@ -73,10 +75,17 @@ def scenarios(model) -> dict:
         num_return_sequences=3,
     )
     sized = PagedCache(model, block_size=BLOCK, max_memory=MEMORY_BUDGET)
+    available = cache_module._host_available_bytes
+    cache_module._host_available_bytes = lambda: HOST_AVAILABLE  # the CPU default's base
+    try:
+        default = PagedCache(model, block_size=BLOCK)
+    finally:
+        cache_module._host_available_bytes = available
     results["kv"] = {
         "bytes_per_block": sized.kv.bytes_per_block,
         "blocks_for_budget": sized.kv.num_blocks,
         "kv_heads": sized.kv.num_kv_heads,
+        "default_device_bytes": default.kv.device_bytes,
     }
 
     workload = default_workload(10, model.config.vocab_size, seed=5)
@@ -137,6 +146,9 @@ def main(checkpoints: str, out_dir: str) -> None:
     engine = Engine(model, num_blocks=ENGINE_BLOCKS, block_size=BLOCK)
     engine.add_request([5, 6, 7 + rank], SamplingParams(4))
     results["diverged_requests"] = _error(engine.step)
+    # Budgets that differ between the ranks: every rank takes the smaller one's blocks.
+    budget = PagedCache(model, block_size=BLOCK, max_memory=MEMORY_BUDGET * (1 + rank))
+    results["blocks_for_rank_dependent_budget"] = budget.kv.num_blocks
     results["different_num_blocks"] = _error(
         lambda: PagedCache(model, block_size=BLOCK, num_blocks=8 + rank)
     )

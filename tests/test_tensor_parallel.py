@@ -25,7 +25,7 @@ pytest.importorskip(
 if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
     pytest.skip("this torch build has no torch.distributed gloo backend", allow_module_level=True)
 
-from tensor_parallel_worker import scenarios  # noqa: E402
+from tensor_parallel_worker import HOST_AVAILABLE, scenarios  # noqa: E402
 
 from paged_attention.demo import tiny_llama_config  # noqa: E402
 
@@ -114,10 +114,16 @@ def test_each_rank_holds_half_the_kv_heads_and_bytes(ranks, one_process):
         assert result["kv"]["bytes_per_block"] * RANKS == single["bytes_per_block"]
         # a budget in bytes (per rank) holds twice the blocks of half the size
         assert result["kv"]["blocks_for_budget"] == RANKS * single["blocks_for_budget"]
-        assert (
-            result["engine_swap"]["device_bytes"] * RANKS
-            == (one_process["engine_swap"]["device_bytes"])
-        )
+        engine_bytes = one_process["engine_swap"]["device_bytes"]
+        assert result["engine_swap"]["device_bytes"] * RANKS == engine_bytes
+        # the ranks share the host: the CPU default gives each half the bytes, as many blocks
+        assert result["kv"]["default_device_bytes"] * RANKS == single["default_device_bytes"]
+        assert single["default_device_bytes"] == HOST_AVAILABLE // 4  # below the 4 GiB cap
+
+
+def test_ranks_with_different_budgets_take_the_same_blocks(ranks, one_process):
+    fewest = RANKS * one_process["kv"]["blocks_for_budget"]  # rank 0's budget
+    assert [r["blocks_for_rank_dependent_budget"] for r in ranks] == [fewest] * RANKS
 
 
 def test_ranks_that_disagree_raise_on_every_rank(ranks):
