@@ -130,17 +130,25 @@ def main(checkpoints: str, out_dir: str) -> None:
     split = ModelGeometry.of(model).tensor_parallel
     rank = split.rank
 
-    checks = 0
+    checks: dict[str, int] = {}
     check = TensorParallel.check_same_on_every_rank
 
     def counted(self, what, tensors):
-        nonlocal checks
-        checks += 1
+        checks[what] = checks.get(what, 0) + 1
         return check(self, what, tensors)
 
     TensorParallel.check_same_on_every_rank = counted
     results = scenarios(model)
-    results["tensor_parallel"] = {"size": split.size, "rank": rank, "step_checks": checks}
+    results["tensor_parallel"] = {"size": split.size, "rank": rank, "checks": checks}
+
+    # Ranks that pad the same prompt differently: their slot mappings differ (the model's own
+    # collectives would fail on inputs of different shapes, before the check).
+    mask = torch.tensor([[rank == 0, 1, 1, 1]])
+    results["diverged_padding"] = _error(
+        lambda: _generate(
+            model, 8, input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=mask, max_new_tokens=2
+        )
+    )
 
     # A rank that receives a request the other does not: the debug check stops both.
     engine = Engine(model, num_blocks=ENGINE_BLOCKS, block_size=BLOCK)

@@ -86,7 +86,9 @@ def test_the_model_is_split_and_every_step_was_compared(ranks):
     for rank, result in enumerate(ranks):
         assert result["tensor_parallel"]["size"] == RANKS
         assert result["tensor_parallel"]["rank"] == rank
-        assert result["tensor_parallel"]["step_checks"] > 100
+        checks = result["tensor_parallel"]["checks"]
+        assert checks["the step's block tables, seq lens and slot mapping"] > 100
+        assert checks["the engine step's plan"] > 100
 
 
 @pytest.mark.parametrize("scenario", ["greedy", "beam_search", "sampling"])
@@ -127,10 +129,11 @@ def test_ranks_with_different_budgets_take_the_same_blocks(ranks, one_process):
 
 
 def test_ranks_that_disagree_raise_on_every_rank(ranks):
+    disagree = "tensor-parallel ranks disagree on "
     for result in ranks:
-        assert (
-            "tensor-parallel ranks disagree on the engine step's plan"
-            in (result["diverged_requests"])
+        assert result["diverged_requests"].startswith(disagree + "the engine step's plan")
+        assert result["diverged_padding"].startswith(
+            disagree + "the step's block tables, seq lens and slot mapping"
         )
         assert "different cache sizes (num_blocks 8..9" in result["different_num_blocks"]
 

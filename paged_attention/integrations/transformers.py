@@ -543,16 +543,7 @@ class PagedCacheBase(Cache):
     ) -> torch.Tensor:
         """PagedAttention over packed ``[tokens, heads, dim]`` rows described by ``metadata``."""
         if self._checks_steps and metadata is not self._checked_metadata:
-            self._checked_metadata = metadata  # once per forward pass: its layers share it
-            self.tensor_parallel.check_same_on_every_rank(
-                "the step's block tables, seq lens and slot mapping",
-                [
-                    metadata.block_tables,
-                    metadata.seq_lens_tensor,
-                    metadata.query_start_loc,
-                    metadata.slot_mapping,
-                ],
-            )
+            self._check_step_on_every_rank(metadata)
         module = self._modules.get(layer_idx)
         num_heads = query.shape[1]
         if (
@@ -580,6 +571,24 @@ class PagedCacheBase(Cache):
             metadata,
             k_scale=self.kv.k_scale,
             v_scale=self.kv.v_scale,
+        )
+
+    def _check_step_on_every_rank(self, metadata: AttentionMetadata) -> None:
+        """Tensor parallel, under PAGED_ATTENTION_DEBUG_CHECKS=1: every rank's forward pass
+        uses the same tables and slots. Once per forward pass (its layers share the metadata),
+        and not while a CUDA graph is captured, which cannot hold the host copy (the engine's
+        per-step check of its plan still runs)."""
+        if self.kv.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self._checked_metadata = metadata
+        self.tensor_parallel.check_same_on_every_rank(
+            "the step's block tables, seq lens and slot mapping",
+            [
+                metadata.block_tables,
+                metadata.seq_lens_tensor,
+                metadata.query_start_loc,
+                metadata.slot_mapping,
+            ],
         )
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
