@@ -7,16 +7,21 @@ large enough that attention and the KV cache matter. Workloads:
 * A: 64 requests sharing a 512-token system prompt, each with its own 32-256-token question,
   128 new tokens each, greedy;
 * B: the demo's mix (``paged_attention.demo.default_workload``: prompts of 8-96 tokens, half with
-  a 48-token system prompt, greedy, parallel sampling and beam search).
+  a 48-token system prompt, greedy, parallel sampling and beam search);
+* C: the demo's prompts, every request greedy with 64 new tokens.
 
 Each runs offline (every request at time 0) and with Poisson arrivals at a fixed rate. Reported
 per run: generated tokens per second (wall time from the first arrival to the last token), time
 to first token and inter-token latency p50/p99, prompt tokens computed (the rest came from the
 prefix cache), peak KV blocks. Every engine run generates exactly ``max_new_tokens`` per
-sequence (no EOS), so throughputs compare like for like; ``generate_batch()`` runs workload A
-offline only (it takes neither arrival times nor per-request sampling parameters).
+sequence (no EOS), so throughputs compare like for like. transformers' ``generate_batch()`` and
+a padded ``generate()`` run the all-greedy workloads (A, C) offline only (they take neither arrival
+times nor per-request sampling parameters), and every offline engine run of those workloads is
+checked token for token against ``generate()``. ``--device cuda`` adds a row with CUDA graphs
+off (they are on by default there).
 
-    python benchmarks/bench_serving.py [--quick] [--workloads A,B] [--modes offline,poisson]
+    python benchmarks/bench_serving.py [--quick] [--device cpu|cuda] [--workloads A,B,C]
+        [--modes offline,poisson] [--configs ...]
         [--json results/bench_serving.json] [--plot results/bench_serving.png]
 
 (with the package installed, or ``PYTHONPATH=.`` from the repository root).
@@ -32,6 +37,7 @@ import time
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from paged_attention.demo import default_workload, tiny_llama_config
 from paged_attention.engine import Engine, SamplingParams
@@ -56,7 +62,12 @@ CONFIGS = {
     "chunked prefill": dict(enable_prefix_caching=False, chunked=True),
     "neither": dict(enable_prefix_caching=False, chunked=False),
 }
+# On CUDA, decode steps replay CUDA graphs by default; this row runs them eagerly.
+NO_GRAPHS = "prefix cache + chunked prefill, no CUDA graphs"
+CUDA_CONFIGS = {NO_GRAPHS: dict(enable_prefix_caching=True, chunked=True, cuda_graphs=False)}
 GENERATE_BATCH = "transformers generate_batch()"
+GENERATE = "transformers generate(), padded batch"
+BASELINES = (GENERATE_BATCH, GENERATE)
 
 
 def build_model(quick: bool) -> torch.nn.Module:
@@ -79,6 +90,19 @@ def workload_a(vocab: int, quick: bool) -> list[tuple[list[int], SamplingParams]
 
 def workload_b(vocab: int, quick: bool) -> list[tuple[list[int], SamplingParams]]:
     return default_workload(8 if quick else 32, vocab, seed=0)
+
+
+def workload_c(vocab: int, quick: bool) -> list[tuple[list[int], SamplingParams]]:
+    """The demo's prompts, every request greedy with the same 64 new tokens (16 with
+    ``--quick``): a workload transformers' own batching runs as well."""
+    new = 16 if quick else 64
+    return [(prompt, SamplingParams(new)) for prompt, _ in workload_b(vocab, quick)]
+
+
+def is_uniform_greedy(work) -> bool:
+    """Every request greedy with one sample and the same max_new_tokens."""
+    params = {p for _, p in work}
+    return len(params) == 1 and all(p.temperature == 0 and p.num_seqs == 1 for p in params)
 
 
 def poisson_arrivals(count: int, rate: float, seed: int = 2) -> list[float]:
@@ -114,6 +138,11 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
+def synchronize(model) -> None:
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
 def run_engine(model, work, arrivals, name, config) -> dict:
     engine = Engine(
         model,
@@ -123,6 +152,7 @@ def run_engine(model, work, arrivals, name, config) -> dict:
         max_num_batched_tokens=CHUNK_TOKENS if config["chunked"] else None,
         enable_prefix_caching=config["enable_prefix_caching"],
         eos_token_id=[],
+        cuda_graphs=config.get("cuda_graphs"),
     )
     engine.generate([work[0][0][:8]], SamplingParams(2))  # warm up allocations and threads
     engine.stats.__init__()
@@ -138,6 +168,7 @@ def run_engine(model, work, arrivals, name, config) -> dict:
             time.sleep(max(0.0, arrivals[added] - (time.perf_counter() - start)))
             continue
         outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    synchronize(model)
     elapsed = time.perf_counter() - start
     served = [o for o in outputs.values() if o.rejected is None]
     stats = engine.stats
@@ -159,8 +190,20 @@ def run_engine(model, work, arrivals, name, config) -> dict:
             "peak_blocks": stats.peak_blocks,
             "preemptions": stats.swaps_out + stats.preemptions_by_recompute,
             "itl_timeline": timeline,
+            "outputs": [
+                outputs[i].outputs[0] if outputs[i].outputs else [] for i in sorted(outputs)
+            ],
         },
     )
+
+
+def check_greedy_outputs(rows: list[dict]) -> None:
+    """For every engine run of a workload that generate() also ran: how many outputs equal."""
+    reference = {r["workload"]: r["outputs"] for r in rows if r["config"] == GENERATE}
+    for row in rows:
+        want = reference.get(row["workload"])
+        if want is not None and row["config"] not in BASELINES and row["arrivals"] == "offline":
+            row["greedy_matching"] = sum(a == b for a, b in zip(row["outputs"], want))
 
 
 def _itl_points(times: list[float]):
@@ -173,12 +216,25 @@ def run_generate_batch(model, work) -> dict:
     config = GenerationConfig(
         max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
+    # The engine's KV budget and block size (unsized, it infers them from free memory).
+    batching = ContinuousBatchingConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     model.set_attn_implementation("sdpa")
-    model.generate_batch(inputs=[prompts[0][:8]], generation_config=config, progress_bar=False)
+    model.generate_batch(
+        inputs=[prompts[0][:8]],
+        generation_config=config,
+        continuous_batching_config=batching,
+        progress_bar=False,
+    )
+    synchronize(model)
     start = time.perf_counter()
     results = model.generate_batch(
-        inputs=prompts, generation_config=config, record_timestamps=True, progress_bar=False
+        inputs=prompts,
+        generation_config=config,
+        continuous_batching_config=batching,
+        record_timestamps=True,
+        progress_bar=False,
     )
+    synchronize(model)
     elapsed = time.perf_counter() - start
     outputs = list(results.values())
     ttfts = [o.timestamps[0] - o.created_time for o in outputs if o.timestamps]
@@ -191,6 +247,40 @@ def run_generate_batch(model, work) -> dict:
         ttfts,
         itls,
         {"prompt_tokens": sum(len(p) for p in prompts)},
+    )
+
+
+def run_generate(model, work) -> dict:
+    """transformers' generate() on the whole batch at once, left-padded, greedy, with its
+    default cache: the reference the engine's greedy outputs must equal."""
+    prompts = [p for p, _ in work]
+    new = work[0][1].max_new_tokens
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    model.set_attn_implementation("sdpa")
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids[:1, -8:].to(device), max_new_tokens=2, **kwargs)  # warm up
+    synchronize(model)
+    start = time.perf_counter()
+    out = model.generate(
+        ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, **kwargs
+    )
+    synchronize(model)
+    elapsed = time.perf_counter() - start
+    generated = out[:, width:].tolist()
+    return summarize(
+        GENERATE,
+        work,
+        elapsed,
+        sum(len(g) for g in generated),
+        [],
+        [],
+        {"prompt_tokens": sum(len(p) for p in prompts), "outputs": generated},
     )
 
 
@@ -249,9 +339,15 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and workloads")
-    parser.add_argument("--workloads", default="A,B")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--workloads", default="A,B,C")
     parser.add_argument("--modes", default="offline,poisson")
-    parser.add_argument("--configs", default=",".join([*CONFIGS, GENERATE_BATCH]))
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated, of {[*CONFIGS, *CUDA_CONFIGS, *BASELINES]} "
+        "(default: all that apply to the device)",
+    )
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default="results/bench_serving.json")
@@ -259,13 +355,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.quick)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    model = build_model(args.quick).to(args.device)
     vocab = model.config.vocab_size
-    builders = {"A": workload_a, "B": workload_b}
-    configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS and c != GENERATE_BATCH]
+    builders = {"A": workload_a, "B": workload_b, "C": workload_c}
+    engine_configs = {**CONFIGS, **(CUDA_CONFIGS if args.device == "cuda" else {})}
+    known = [*engine_configs, *BASELINES]
+    configs = known if args.configs is None else [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in known]
     if unknown:
-        parser.error(f"unknown --configs {unknown}; known: {[*CONFIGS, GENERATE_BATCH]}")
+        parser.error(f"unknown --configs {unknown} for --device {args.device}; known: {known}")
+    bad_workloads = [w for w in args.workloads.split(",") if w not in builders]
+    if bad_workloads:
+        parser.error(f"unknown --workloads {bad_workloads}; known: {list(builders)}")
     rows = []
     for workload in args.workloads.split(","):
         work = builders[workload](vocab, args.quick)
@@ -274,18 +377,31 @@ def main() -> None:
             arrivals = [0.0] * len(work) if mode == "offline" else poisson_arrivals(len(work), rate)
             label = "offline" if mode == "offline" else f"Poisson {rate:g}/s"
             for name in configs:
-                if name == GENERATE_BATCH:
-                    if workload != "A" or mode != "offline":
+                if name in BASELINES:
+                    # transformers' batching takes neither arrival times nor per-request params
+                    if mode != "offline" or not is_uniform_greedy(work):
                         continue
-                    row = run_generate_batch(model, work)
+                    run = run_generate_batch if name == GENERATE_BATCH else run_generate
+                    row = run(model, work)
                 else:
-                    row = run_engine(model, work, arrivals, name, CONFIGS[name])
+                    row = run_engine(model, work, arrivals, name, engine_configs[name])
                 row.update(workload=workload, arrivals=label)
                 rows.append(row)
                 print(f"  done: {workload} {label} {name}", flush=True)
+    check_greedy_outputs(rows)
     print_table(rows)
+    for row in rows:
+        if "greedy_matching" in row:
+            print(
+                f"workload {row['workload']}, {row['config']}: greedy outputs equal "
+                f"generate(): {row['greedy_matching']}/{row['requests']}"
+            )
     result = {
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        },
         "model": QUICK_MODEL if args.quick else MODEL,
         "block_size": BLOCK_SIZE,
         "num_blocks": NUM_BLOCKS,

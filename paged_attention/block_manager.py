@@ -20,7 +20,11 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   least-recently-used when a fresh block is needed. A block is registered as soon as its tokens
   are known; its KV is written by the sequence's next forward pass (sequences that hit it in
   the same batch read it after the cache write of each layer). Free a sequence whose forward
-  pass never ran with ``free(seq_id, cache=False)``.
+  pass never ran with ``free(seq_id, cache=False)``. ``allocate`` never shares the block of a
+  prompt's last token, which the model must compute; when that block is cached whole,
+  ``cached_copy_of_last_block`` names it, so that an engine can copy it into the sequence's
+  own last block and compute only the last token (a block registered by a sequence whose
+  forward pass has not run yet holds no KV: do not copy that one).
 * ``truncate(seq_id, n)`` cuts a sequence back to its first ``n`` tokens (the rejected draft
   tokens of speculative decoding, transformers' ``crop``). Blocks wholly past the cut are
   dropped as ``free`` drops them: one another sequence shares stays with it; an unreferenced
@@ -63,7 +67,7 @@ a 1-d integer tensor or array, or any other iterable of ints.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +96,7 @@ __all__ = [
     "PoolStats",
     "SwapError",
     "UnknownSequenceError",
+    "reassign",
 ]
 
 
@@ -167,6 +172,14 @@ class BlockManager:
         self._tables.row(seq_id)
         return self._prefixes.cached_tokens.get(seq_id, 0)
 
+    def cached_copy_of_last_block(self, seq_id: int) -> tuple[int, int] | None:
+        """``(cached block, last block)``: a cached block with the tokens of the sequence's full
+        last block, to copy instead of computing them (see the module docstring), or None."""
+        row = self._tables.device_row(seq_id)
+        last = int(self._tables.table[row, self._tables.num_blocks[row] - 1])
+        cached = self._prefixes.cached_copy(seq_id, last, int(self._tables.seq_lens[row]))
+        return None if cached is None else (cached, last)
+
     def num_free_device_blocks(self) -> int:
         return self._device.num_free()
 
@@ -218,12 +231,12 @@ class BlockManager:
         tables.check_fits(seq_id, num_blocks)
         hits, chain = self._prefixes.lookup(tokens)
         needed = device.count_to_take(num_blocks, hits)
-        self._check_room(needed, 0, f"allocating sequence {seq_id} ({num_tokens} tokens)")
+        self._device.check_room(needed, 0, "allocating sequence {} ({} tokens)", seq_id, num_tokens)
 
         device.touch(hits)
         fresh = device.take(num_blocks - len(hits))
-        row = tables.add(seq_id, hits + fresh, num_tokens)
-        self._prefixes.start(seq_id, tables, row, hits, chain, tokens)
+        tables.add(seq_id, hits + fresh, num_tokens)
+        self._prefixes.start(seq_id, hits, chain, fresh, tokens)
 
     def append_slots(
         self, seq_id: int, n: int = 1, tokens: Sequence[int] | None = None
@@ -242,9 +255,12 @@ class BlockManager:
         copy = old_len % self.block_size != 0 and device.refs[last] > 1
         released = tables.window_releases(row, old_len + 1, self.sliding_window)
         freed = _num_freed([released], device.refs)
-        self._check_room(new_blocks + copy, freed, f"appending {n} tokens to sequence {seq_id}")
+        self._device.check_room(
+            new_blocks + copy, freed, "appending {} tokens to sequence {}", n, seq_id
+        )
 
-        self._device.drop(tables.release(row, released))
+        if released.size:
+            device.drop(tables.release(row, released))
         pairs = self._copy_last(np.array([row]), np.array([last])) if copy else []
         tables.extend(row, device.take(new_blocks), old_len + n)
         self._prefixes.record(seq_id, tables, row, old_len, tokens)
@@ -263,9 +279,11 @@ class BlockManager:
         keep = _cdiv(num_tokens, size)
         last = int(tables.table[row, keep - 1]) if num_tokens % size else -1
         cached = last >= 0 and device.is_cached(last)
-        copy = cached and device.refs[last] > 1
+        copy = int(cached and device.refs[last] > 1)  # a block to take
         freed = _num_freed([tables.table[row, keep : tables.num_blocks[row]]], device.refs)
-        self._check_room(int(copy), freed, f"truncating sequence {seq_id} to {num_tokens} tokens")
+        self._device.check_room(
+            copy, freed, "truncating sequence {} to {} tokens", seq_id, num_tokens
+        )
 
         device.drop(tables.cut(row, keep, num_tokens), cache=cache)
         if cached and not copy:
@@ -319,7 +337,7 @@ class BlockManager:
                 f"swapping out {seq_ids} needs {needed} host blocks, {free} free"
             )
         self._prefixes.end(seq_ids)  # host copies never enter the prefix cache
-        return self._move(rows, self._device, self._host)
+        return _move(self._tables, rows, self._device, self._host)
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
         rows = self._tables.swap_rows(list(seq_ids), on_host=True)
@@ -332,8 +350,10 @@ class BlockManager:
         """Move swapped sequences back to the device; returns the ``(host, device)`` copies."""
         seq_ids = list(seq_ids)
         rows = self._tables.swap_rows(seq_ids, on_host=True)
-        self._check_room(self._tables.num_distinct_blocks(rows), 0, f"swapping in {seq_ids}")
-        return self._move(rows, self._host, self._device)
+        self._device.check_room(
+            self._tables.num_distinct_blocks(rows), 0, "swapping in {}", seq_ids
+        )
+        return _move(self._tables, rows, self._host, self._device)
 
     # ------------------------------------------------------------------ step tensors, stats
 
@@ -375,7 +395,7 @@ class BlockManager:
         refs = _refs_after(device.refs, released)  # a release may unshare a row's last block
         copy_rows, copied = _decode_copies(tables, refs, rows, num_blocks, opens)
         needed, freed = open_rows.size + copy_rows.size, _num_freed(released, device.refs)
-        self._check_room(needed, freed, f"decode step over {rows.size} sequences")
+        self._device.check_room(needed, freed, "decode step over {} sequences", rows.size)
 
         for row, blocks in zip(releasing, released):
             device.drop(tables.release(row, blocks))
@@ -403,17 +423,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_room(self, needed: int, freed: int, what: str) -> None:
-        """OutOfBlocksError unless ``needed`` device blocks are free (``freed``: by releases)."""
-        available = self._device.num_free() + freed
-        if needed > available:
-            raise OutOfBlocksError(f"{what} needs {needed} device blocks, {available} free")
-
-    def _move(self, rows: np.ndarray, source: BlockPool, dest: BlockPool) -> list[tuple[int, int]]:
-        mapping = source.transfer(self._tables.live_entries(rows), dest)
-        self._tables.move_rows(rows, mapping, on_host=dest is self._host)
-        return list(mapping.items())
-
     def _copy_last(self, rows: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
         """Copy-on-write: give ``rows`` fresh blocks for their last ones, ``blocks`` (shared, so
         still referenced after); the ``(src, dst)`` pairs."""
@@ -421,6 +430,45 @@ class BlockManager:
         self._device.add_refs(blocks, -1)
         self._tables.replace_last(rows, copies)
         return list(zip(blocks.tolist(), copies))
+
+
+def reassign(
+    manager: BlockManager,
+    seq_ids: Sequence[int | None],
+    sources: Sequence[int],
+    new_id: Callable[[], int],
+) -> list[int | None]:
+    """Slot ``i`` continues the sequence of old slot ``sources[i]`` (beam search's reordering):
+    the first slot that takes a sequence keeps it, later ones fork it (``new_id()`` names each
+    fork), and the sequences no slot takes are freed, in one ``fork_many`` and one
+    ``free_many``: no block is copied. Slots without a sequence (None) stay so. Returns the new
+    slots' sequence ids."""
+    if any(not 0 <= s < len(seq_ids) for s in sources):
+        raise ValueError(f"sources {list(sources)} out of range for {len(seq_ids)} slots")
+    taken: set[int] = set()
+    new: list[int | None] = []
+    parents, children = [], []
+    for source in sources:
+        seq_id = seq_ids[source]
+        if seq_id is not None and source in taken:
+            parents.append(seq_id)
+            seq_id = new_id()
+            children.append(seq_id)
+        taken.add(source)
+        new.append(seq_id)
+    if parents:
+        manager.fork_many(parents, children)
+    dropped = [s for slot, s in enumerate(seq_ids) if slot not in taken and s is not None]
+    if dropped:
+        manager.free_many(dropped)
+    return new
+
+
+def _move(tables: BlockTables, rows: np.ndarray, source: BlockPool, dest: BlockPool):
+    """Move ``rows``' blocks from pool ``source`` to pool ``dest``; the ``(from, to)`` pairs."""
+    mapping = source.transfer(tables.live_entries(rows), dest)
+    tables.move_rows(rows, mapping, on_host=not isinstance(dest, CachingBlockPool))
+    return list(mapping.items())
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -458,10 +506,11 @@ def _as_optional_int(value, name: str) -> int | None:
 
 
 def _checked_window(sliding_window: int | None, enable_prefix_caching: bool) -> int | None:
+    sliding_window = _as_optional_int(sliding_window, "sliding_window")
     if sliding_window is not None and enable_prefix_caching:
         # A cached prefix block may already have been released by its owner.
         raise ValueError("prefix caching and sliding window cannot be combined")
-    return _as_optional_int(sliding_window, "sliding_window")
+    return sliding_window
 
 
 def _checked_watermark(watermark: float) -> float:

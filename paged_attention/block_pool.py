@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from paged_attention.block_errors import OutOfBlocksError
+
 ROOT_HASH = 0
 ROOT_UID = -1
 
@@ -129,6 +131,14 @@ class CachingBlockPool(BlockPool):
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
 
+    def check_room(self, needed: int, freed: int, what: str, *args) -> None:
+        """OutOfBlocksError (for ``what.format(*args)``) unless ``needed`` blocks are free,
+        counting ``freed`` more that the caller's change releases first."""
+        available = self.num_free() + freed
+        if needed > available:
+            what = what.format(*args)
+            raise OutOfBlocksError(f"{what} needs {needed} device blocks, {available} free")
+
     def num_evictable(self) -> int:
         return len(self._evictable)
 
@@ -171,6 +181,11 @@ class CachingBlockPool(BlockPool):
             for block in cached:
                 self.uncache(block)
             self._free.extend(unreferenced)
+
+    def block_of(self, entry: CacheEntry) -> int | None:
+        """The block registered under ``entry``, if it is still cached."""
+        block = self._map.get(entry[0])
+        return block if block is not None and self._entries[block] is entry else None
 
     def uncache(self, block: int) -> None:
         """Forget a cached block's entry (its later blocks can no longer be reached)."""

@@ -130,7 +130,7 @@ class BlockTables:
             raise ValueError(f"sequence {seq_id} has {length} tokens, cannot keep {num_tokens}")
         if released and max(num_tokens + 1 - window, 0) // self.block_size < released:
             raise ValueError(
-                f"cannot cut sequence {seq_id} to {num_tokens} tokens: the sliding window "
+                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: the sliding window "
                 f"released its first {released} blocks, which the next token would attend; "
                 f"keep at least {released * self.block_size + window - 1} tokens"
             )
@@ -328,14 +328,13 @@ class PrefixChains:
             return [], None
         return self.pool.lookup(tokens)
 
-    def start(self, seq_id: int, tables: BlockTables, row: int, hits, chain, tokens) -> None:
-        """A new sequence holding ``tokens`` (None: a count), whose first blocks are ``hits``."""
+    def start(self, seq_id: int, hits: list[int], chain, blocks: list[int], tokens) -> None:
+        """A new sequence holding ``tokens`` (None: a count): the ``hits``, then ``blocks``."""
         cached = len(hits) * self.pool.block_size
         if hits:
             self.cached_tokens[seq_id] = cached
-        if chain is not None:
+        if chain is not None and self.pool.register(chain, blocks, tokens[cached:]):
             self.chains[seq_id] = chain
-            self.record(seq_id, tables, row, cached, tokens[cached:])
 
     def record(self, seq_id: int, tables: BlockTables, row: int, old_len: int, tokens) -> None:
         """Feed the ids of the tokens after the first ``old_len`` (None: unknown) to the
@@ -376,6 +375,19 @@ class PrefixChains:
         for seq_id in seq_ids:
             self.chains.pop(seq_id, None)
             self.cached_tokens.pop(seq_id, None)
+
+    def cached_copy(self, seq_id: int, last_block: int, num_tokens: int) -> int | None:
+        """Another cached block holding the tokens of the sequence's full last block (the one
+        its chain links to when ``allocate`` found the block already cached), or None."""
+        chain = self.chains.get(seq_id)
+        if (
+            chain is None
+            or not chain.links
+            or len(chain.links) * self.pool.block_size != num_tokens
+        ):
+            return None
+        cached = self.pool.block_of(chain.links[-1])
+        return None if cached in (None, last_block) else cached
 
     def cut(self, seq_id: int, num_tokens: int) -> None:
         """A sequence now holds only its first ``num_tokens`` tokens."""

@@ -6,9 +6,9 @@ for: copy-on-write copies (``copy_blocks``, all layers in one call) and swaps be
 and host (``swap_blocks``). One block id addresses the same block in every layer, so
 :attr:`PagedKVCache.bytes_per_block` counts keys and values of all layers.
 
-Layout (DESIGN.md): per layer ``key_cache [num_blocks, num_kv_heads, head_size // x, block_size,
-x]`` with ``x = 16 // element_size`` and ``value_cache [num_blocks, num_kv_heads, head_size,
-block_size]``. An fp8 cache stores ``uint8`` and carries ``k_scale``/``v_scale``.
+Layout (docs/design.md): per layer ``key_cache [num_blocks, num_kv_heads, head_size // x,
+block_size, x]`` with ``x = 16 // element_size`` and ``value_cache [num_blocks, num_kv_heads,
+head_size, block_size]``. An fp8 cache stores ``uint8`` and carries ``k_scale``/``v_scale``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     memory is first written. Returns whether the advice was given (Linux, CPU, a tensor spanning
     at least one aligned 2 MiB page).
 
-    A decode step reads blocks scattered over the whole cache, each in a different 4 KiB page;
-    with 2 MiB pages the CPU kernels ran 5-19% faster on 0.25-2 GiB caches (README, "Decode
-    attention on the CPU"; ``benchmarks/bench_decode.py --huge-pages``). Whether the pages are
-    huge is up to the kernel: the advice takes effect when
-    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``.
+    A decode step reads blocks scattered over the whole cache, each in a different 4 KiB page:
+    with 2 MiB pages fewer of those reads miss the TLB (measured: README, "Decode attention on
+    the CPU", huge pages). Whether the pages are huge is up to the kernel: the advice takes
+    effect when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``.
     """
     if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
         return False
@@ -210,10 +209,6 @@ class PagedKVCache:
     @property
     def device_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
-
-    @property
-    def host_bytes(self) -> int:
-        return self.num_host_blocks * self.bytes_per_block
 
     def make_manager(self, **kwargs) -> BlockManager:
         """A :class:`BlockManager` over exactly this cache's device and host blocks."""

@@ -169,7 +169,12 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
     budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
 
     try:
-        engine = Engine(model, num_blocks=budget, block_size=args.block_size)
+        engine = Engine(
+            model,
+            num_blocks=budget,
+            block_size=args.block_size,
+            cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs,
+        )
     except ValueError as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {model_name}: {error}") from error
     ids = [engine.add_request(prompt, params) for prompt, params in workload]
@@ -208,6 +213,7 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         "model": model_name,
         "device": str(device),
         "tensor_parallel_ranks": ranks,
+        "cuda_graphs": engine.runner.graphs is not None,
         "requests": len(outputs),
         "rejected": len(rejected),
         "first_rejection": rejected[0] if rejected else None,
@@ -328,7 +334,11 @@ def print_table(report: dict) -> None:
     split = f", tensor parallel over {ranks} ranks" if ranks > 1 else ""
     per_rank = f" per rank, {ranks} ranks" if ranks > 1 else ""
     rows = [
-        ("model", f"{report['model']} on {report['device']}{split}"),
+        (
+            "model",
+            f"{report['model']} on {report['device']}{split}"
+            + (" (decode steps in CUDA graphs)" if report["cuda_graphs"] else ""),
+        ),
         (
             "requests",
             f"{report['requests']} ({report['parallel_sampling_requests']} parallel sampling, "
@@ -407,6 +417,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="with --device cuda: run decode steps eagerly instead of replaying CUDA graphs",
+    )
     parser.add_argument(
         "--threads",
         type=positive_int,

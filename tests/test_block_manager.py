@@ -390,7 +390,9 @@ def test_truncate_errors_leave_state_unchanged():
     bm.allocate(3, 4)  # the last free block
     bm.fork(1, 4)
     # Cutting sequence 1 into the shared cached block 1 needs a copy; its block 2 is shared too.
-    assert_fails_cleanly(bm, OutOfBlocksError, lambda: bm.truncate(1, 6), "truncating", "0 free")
+    assert_fails_cleanly(
+        bm, OutOfBlocksError, lambda: bm.truncate(1, 6), "needs 1 device", "0 free"
+    )
     assert bm.truncate(2, 6) != []  # dropping its own last block makes room for the copy
     bm.swap_out([3])
     assert_fails_cleanly(bm, SwapError, lambda: bm.truncate(3, 1), "swapped out")
@@ -1254,3 +1256,41 @@ def test_public_names_come_from_the_facade_and_the_package():
             block_manager, name
         )
     assert paged_attention.BlockManager is BlockManager and block_manager.RELEASED == RELEASED
+
+
+def test_cached_copy_of_a_full_last_block():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(100, 112))  # 3 full blocks of 4
+    bm.allocate(0, prompt)
+    assert bm.cached_copy_of_last_block(0) is None  # its last block is the cached one
+    bm.allocate(1, prompt)
+    assert bm.num_cached_tokens(1) == 8  # never the last token's block
+    source, last = bm.cached_copy_of_last_block(1)
+    assert source == bm.block_table(0)[2] and last == bm.block_table(1)[2] != source
+    bm.allocate(2, prompt[:-1] + [7])  # another last token: no such block cached
+    assert bm.cached_copy_of_last_block(2) is None
+    bm.allocate(3, prompt[:10])  # a partly filled last block
+    assert bm.cached_copy_of_last_block(3) is None
+    bm.free(0, cache=False)  # the cached block is forgotten
+    assert bm.cached_copy_of_last_block(1) is None
+    without = BlockManager(16, 4)
+    without.allocate(0, prompt)
+    without.allocate(1, prompt)
+    assert without.cached_copy_of_last_block(1) is None
+
+
+def test_reassign_keeps_the_first_taker_forks_later_ones_and_frees_the_rest():
+    from paged_attention.block_manager import reassign
+
+    bm = BlockManager(16, 4)
+    for seq_id in (0, 1, 2):
+        bm.allocate(seq_id, 6)
+    fresh = iter(range(10, 20))
+    new = reassign(bm, [0, 1, 2, None], [1, 1, 3, 0], lambda: next(fresh))
+    assert new == [1, 10, None, 0]  # slot 1 forks sequence 1; sequence 2 is freed
+    assert sorted(bm.seq_ids()) == [0, 1, 10]
+    assert bm.block_table(10) == bm.block_table(1)
+    before = snapshot(bm)
+    with pytest.raises(ValueError, match="out of range"):
+        reassign(bm, [0, 1], [2], lambda: next(fresh))
+    assert snapshot(bm) == before

@@ -161,15 +161,16 @@ def test_prefix_chains_follow_known_tokens_and_end_on_unknown_ones():
     hits, chain = chains.lookup([1, 2, 3])
     blocks = pool.take(2)
     row = tables.add(1, blocks, 3)
-    chains.start(1, tables, row, hits, chain, [1, 2, 3])
+    chains.start(1, hits, chain, blocks, [1, 2, 3])
     assert 1 in chains.chains and chains.chains[1].pending == [3] and blocks[0] in pool._entries
     tables.extend(row, [], 4)
     chains.record(1, tables, row, 3, [4])
     assert blocks[1] in pool._entries and chains.chains[1].pending == []
     hits, chain = chains.lookup([1, 2, 3, 4, 5])
     assert hits == blocks
-    row = tables.add(2, hits + pool.take(1), 5)
-    chains.start(2, tables, row, hits, chain, [1, 2, 3, 4, 5])
+    fresh = pool.take(1)
+    tables.add(2, hits + fresh, 5)
+    chains.start(2, hits, chain, fresh, [1, 2, 3, 4, 5])
     assert chains.cached_tokens == {2: 4}
     chains.fork([2, 1], [3, 4])
     assert chains.cached_tokens == {2: 4, 3: 4}

@@ -403,14 +403,21 @@ def test_a_shared_system_prompt_is_computed_once(model):
     ]
 
 
-def test_a_fully_cached_prompt_recomputes_only_its_last_block(model):
-    prompt = prompts(1, seed=12, low=40, high=41)[0]  # 5 full blocks of 8
+@pytest.mark.parametrize("length", [40, 37])
+def test_a_fully_cached_prompt_recomputes_only_its_last_token(model, length):
+    # 40 tokens: 5 full blocks of 8, the last one copied from the cache; 37: the partly
+    # filled last block is never cached, so its 5 tokens are computed.
+    prompt = prompts(1, seed=12, low=length, high=length + 1)[0]
     engine = Engine(model, num_blocks=64, block_size=BLOCK)
     (first,) = engine.generate([prompt], SamplingParams(6))
     (again,) = engine.generate([prompt], SamplingParams(6))
     assert again.outputs == first.outputs
-    assert again.metrics.num_cached_prompt_tokens == 32  # the last token's block is computed
-    assert again.metrics.num_computed_prompt_tokens == 8
+    computed = 1 if length % BLOCK == 0 else length % BLOCK
+    assert again.metrics.num_cached_prompt_tokens == length - computed
+    assert again.metrics.num_computed_prompt_tokens == computed
+    # The same prompt twice in one step: the second cannot copy a block not computed yet.
+    both = engine.generate([prompt[:-3] + [9, 9, 9]] * 2, SamplingParams(4))
+    assert both[0].outputs == both[1].outputs
 
 
 # -------------------------------------------------------------------------------- chunked prefill
@@ -508,3 +515,32 @@ def test_request_metrics(model):
     assert len(metrics.inter_token_latencies) == 6
     assert all(latency > 0 for latency in metrics.inter_token_latencies)
     assert metrics.finished_time >= metrics.first_token_time >= metrics.arrival_time
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_and_device_sampling_change_no_output(model):
+    gpu_model = transformers.LlamaForCausalLM(model.config).eval().cuda()
+    gpu_model.load_state_dict(model.state_dict())
+    work = mixed_workload()
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(gpu_model, num_blocks=64, block_size=BLOCK, cuda_graphs=graphs)
+        runs[graphs] = engine.generate([p for p, _ in work], [s for _, s in work])
+        assert bool(engine.runner.graphs and engine.runner.graphs._graphs) == graphs
+        assert_all_freed(engine)
+    assert [o.outputs for o in runs[True]] == [o.outputs for o in runs[False]]
+    greedy = [(p, s) for p, s in work if s.temperature == 0 and s.beam_width == 1]
+    gpu_model.set_attn_implementation("sdpa")
+    for (prompt, params), out in zip(work, runs[True]):
+        if (prompt, params) in greedy:
+            ids = torch.tensor([prompt], device="cuda")
+            want = gpu_model.generate(
+                ids,
+                max_new_tokens=params.max_new_tokens,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=0,
+                attention_mask=torch.ones_like(ids),
+            )[0, len(prompt) :].tolist()
+            assert out.outputs == [want]

@@ -120,3 +120,36 @@ def test_step_cache_needs_the_steps_metadata():
                 past_key_values=runner.cache,
             )
     model.set_attn_implementation("sdpa")
+
+
+def test_a_padded_decode_step_on_the_static_buffers_equals_the_eager_step():
+    # What a CUDA graph captures is DecodeGraphs.forward over the padded static buffers; on the
+    # CPU it runs eagerly, so the padding (seq_len 0, slot -1 rows) is checked here.
+    from paged_attention.engine import Engine, SamplingParams
+    from paged_attention.engine.model_runner import DecodeGraphs
+
+    model = build("qwen2")  # a sliding window on one layer, full attention on the other
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, max_num_seqs=8)
+    for i, prompt in enumerate([[5, 6, 7, 8, 9], list(range(10, 33)), [40, 41]]):
+        engine.add_request(prompt, SamplingParams(20, temperature=1.0, n=1 + i % 2, seed=i))
+    engine.step()  # the prompts; decode steps from here on
+    graphs = DecodeGraphs(engine.runner, max_batch=8, max_seq_len=256, window=None)
+    for _ in range(3):
+        out = engine.scheduler.schedule()
+        assert out.decode and not out.prefill and graphs.fits(out)
+        engine.runner.execute_block_ops(out.block_ops)
+        eager = engine.runner.run(out, engine.manager)
+        size = graphs.fill(out)
+        assert size == 4 and len(out.decode) == 4
+        padded = graphs.forward(size).float()
+        torch.testing.assert_close(padded[: len(out.decode)], eager, atol=1e-5, rtol=1e-5)
+        engine.scheduler.rollback(out)
+        engine.step()
+    model.set_attn_implementation("sdpa")
+
+
+def test_cuda_graphs_need_a_cuda_model():
+    from paged_attention.engine import Engine
+
+    with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
+        Engine(build("llama"), num_blocks=16, block_size=BLOCK, cuda_graphs=True)

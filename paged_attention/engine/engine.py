@@ -25,7 +25,7 @@ from paged_attention.engine.request import (
     SamplingParams,
 )
 from paged_attention.engine.request import Sequence as EngineSequence
-from paged_attention.engine.sampler import beam_candidates, sample
+from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, ModelGeometry
 
@@ -69,8 +69,10 @@ class Engine:
     ``enable_prefix_caching`` (default on): a prompt whose leading full blocks are cached, by an
     earlier request or a running one, computes only the rest. ``max_num_batched_tokens`` (default
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
-    longer prompts are prefilled in chunks over several steps. Switches ``model`` to the
-    ``"paged_attention"`` attention implementation.
+    longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
+    a model on a CUDA device): decode steps replay CUDA graphs captured per padded batch size.
+    Logits stay on the model's device; only sampled token ids come back to the host. Switches
+    ``model`` to the ``"paged_attention"`` attention implementation.
     """
 
     def __init__(
@@ -84,8 +86,11 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         eos_token_id: int | Sequence[int] | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         geometry = ModelGeometry.of(model)
+        if cuda_graphs is None:
+            cuda_graphs = geometry.device.type == "cuda"
         self.kv = geometry.kv_cache(
             block_size,
             num_blocks,
@@ -100,7 +105,14 @@ class Engine:
         )
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
-        self.runner = ModelRunner(model, geometry, self.kv)
+        self.runner = ModelRunner(
+            model,
+            geometry,
+            self.kv,
+            decode_graphs=cuda_graphs,
+            max_num_seqs=max_num_seqs,
+            sliding_window=self.manager.sliding_window,
+        )
         self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -232,6 +244,8 @@ class Engine:
             if chunk.samples:
                 rows.setdefault(id(chunk.request), (chunk.request, []))[1].append(row)
                 row += 1
+        sampled = [(r, rows) for r, rows in rows.values() if not r.params.is_beam_search]
+        drawn = dict(zip((id(r) for r, _ in sampled), draw(logits, sampled)))
         now = time.perf_counter()
         outputs = []
         for request, request_rows in rows.values():
@@ -239,7 +253,7 @@ class Engine:
             if request.params.is_beam_search:
                 self._beam_step(request, logits[request_rows])
             else:
-                self._sample_step(request, logits[request_rows])
+                self._sample_step(request, drawn[id(request)])
             metrics = request.metrics
             metrics.token_times.append(now)
             if metrics.first_token_time is None:
@@ -255,13 +269,10 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample_step(self, request: Request, logits: torch.Tensor) -> None:
+    def _sample_step(self, request: Request, tokens: list[int]) -> None:
         params = request.params
         first = len(request.seqs) == 1 and not request.seqs[0].tokens
-        if first and params.n > 1:  # one prompt row: every sample draws from it
-            logits = logits.expand(params.n, -1)
-        tokens = sample(logits, params, request.generator)
-        if first and params.n > 1:
+        if first and params.n > 1:  # the samples fork from the prompt
             parent = request.seqs[0]
             children = [self.scheduler.new_sequence(parent) for _ in range(params.n - 1)]
             self.scheduler.fork(request, [parent] * len(children), children)
@@ -290,20 +301,11 @@ class Engine:
             request.done.append(EngineSequence(-1, [*beams[beam].tokens, token], 0, score, reason))
         # A parent's first child keeps its sequence, later children fork it; the beams nobody
         # picked are freed. Copy-on-write of shared last blocks happens in the next step.
-        next_beams, parents, forks, kept = [], [], [], set()
-        for beam, token, score in continuing:
-            parent = beams[beam]
-            if parent.seq_id in kept:
-                child = self.scheduler.new_sequence(parent, token)
-                parents.append(parent)
-                forks.append(child)
-            else:
-                child = EngineSequence(parent.seq_id, [*parent.tokens, token], parent.num_computed)
-                kept.add(parent.seq_id)
-            child.score = score
-            next_beams.append(child)
-        self.scheduler.fork(request, parents, forks)
-        self.scheduler.free([b for b in beams if b.seq_id not in kept])
+        ids = self.scheduler.reassign(beams, [beam for beam, _, _ in continuing])
+        next_beams = [
+            EngineSequence(seq_id, [*beams[beam].tokens, token], beams[beam].num_computed, score)
+            for seq_id, (beam, token, score) in zip(ids, continuing)
+        ]
         request.seqs = next_beams
         request.new_tokens = {b.seq_id: [b.tokens[-1]] for b in next_beams}
         self.stats.generated_tokens += len(next_beams)
@@ -364,7 +366,7 @@ class Engine:
             request_id=next(self._request_ids),
             prompt=tokens,
             params=params,
-            generator=torch.Generator().manual_seed(params.seed),
+            generator=torch.Generator(device=self.runner.device).manual_seed(params.seed),
             metrics=RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
         )
 

@@ -12,6 +12,8 @@ reserved them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from paged_attention.attention import AttentionMetadata
@@ -61,14 +63,31 @@ class StepCache(PagedCacheBase):
 
 class ModelRunner:
     """Runs ``model`` (switched to the ``"paged_attention"`` implementation by the caller) over
-    the paged cache ``kv``, one scheduler step at a time."""
+    the paged cache ``kv``, one scheduler step at a time. With ``decode_graphs`` (CUDA), decode
+    steps of up to ``max_num_seqs`` sequences replay CUDA graphs instead (:class:`DecodeGraphs`)."""
 
-    def __init__(self, model: torch.nn.Module, geometry: ModelGeometry, kv: PagedKVCache) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        geometry: ModelGeometry,
+        kv: PagedKVCache,
+        *,
+        decode_graphs: bool = False,
+        max_num_seqs: int = 64,
+        sliding_window: int | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = geometry.device
         self.cache = StepCache(model, geometry, kv)
         self._cache_argument = cache_argument_name(model)
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
+            positions = getattr(model.config, "max_position_embeddings", None) or math.inf
+            max_seq_len = int(min(positions, kv.num_blocks * kv.block_size))
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, sliding_window)
 
     def execute_block_ops(self, block_ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """The copies and swaps the manager planned, in the order it planned them (a block a
@@ -111,9 +130,27 @@ class ModelRunner:
             query_lens, seq_lens.tolist(), tables, slots, self.device, seq_lens, window
         )
 
+    def forward(self, input_ids, position_ids, metadata: AttentionMetadata, keep) -> torch.Tensor:
+        """One packed forward pass (batch 1) through :class:`StepCache`; the logits of the rows
+        ``keep`` (a tensor of row indices, or 0 for all)."""
+        self.cache.metadata = metadata
+        try:
+            with torch.inference_mode():
+                return self.model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                    **{self._cache_argument: self.cache},
+                ).logits[0]
+        finally:
+            self.cache.metadata = None
+
     def run(self, out: SchedulerOutput, manager: BlockManager) -> torch.Tensor:
-        """The forward pass of the step's chunks; float32 CPU logits, one row per chunk that
-        samples (in chunk order)."""
+        """The forward pass of the step's chunks; float32 logits on the model's device, one row
+        per chunk that samples (in chunk order)."""
+        if self.graphs is not None and self.graphs.fits(out):
+            return self.graphs.run(out)
         tokens: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -122,16 +159,102 @@ class ModelRunner:
             positions += range(chunk.start, chunk.end)
             if chunk.samples:
                 sample_rows.append(len(tokens) - 1)
-        self.cache.metadata = self.metadata(out, manager)
-        try:
-            with torch.inference_mode():
-                logits = self.model(
-                    input_ids=torch.tensor([tokens], device=self.device),
-                    position_ids=torch.tensor([positions], device=self.device),
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-                    **{self._cache_argument: self.cache},
-                ).logits[0]
-        finally:
-            self.cache.metadata = None
-        return logits.float().cpu()
+        logits = self.forward(
+            torch.tensor([tokens], device=self.device),
+            torch.tensor([positions], device=self.device),
+            self.metadata(out, manager),
+            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+        )
+        return logits.float()
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode steps (every sequence adds one token), one per padded batch size,
+    as vLLM and nano-vllm capture them: a replay runs the model's kernels without Python or
+    launch overhead. The step is copied into static buffers first; padding rows have seq_len 0
+    and slot -1, so they store and attend nothing (their logits are dropped). Every graph is
+    captured with ``max_seq_len`` (the longest context the cache and the model allow) and block
+    tables that wide, so it serves every step of its batch size; a step that does not fit runs
+    eagerly. A size is captured at its first step: warmed up on a side stream, then captured."""
+
+    def __init__(
+        self, runner: ModelRunner, max_batch: int, max_seq_len: int, window: int | None
+    ) -> None:
+        device = runner.device
+        self.runner = runner
+        self.max_seq_len = max_seq_len
+        self.window = window
+        self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if s < max_batch]
+        self.sizes.append(max_batch)
+        self.max_blocks = -(-max_seq_len // runner.kv.block_size)
+        self.input_ids = torch.zeros(1, max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, max_batch, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(
+            max_batch, self.max_blocks, dtype=torch.int32, device=device
+        )
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        if out.prefill or not out.decode or len(out.decode) > self.sizes[-1]:
+            return False
+        tables, seq_lens, _ = out.decode_tensors
+        return tables.shape[1] <= self.max_blocks and int(seq_lens.max()) <= self.max_seq_len
+
+    def fill(self, out: SchedulerOutput) -> int:
+        """Copy the decode step into the static buffers; returns its padded batch size."""
+        batch = len(out.decode)
+        size = next(s for s in self.sizes if s >= batch)
+        tables, seq_lens, slots = out.decode_tensors
+        tokens = torch.tensor([c.seq.tokens[-1] for c in out.decode])
+        positions = torch.tensor([c.start for c in out.decode])
+        self.input_ids[0, :batch].copy_(tokens, non_blocking=True)
+        self.input_ids[0, batch:size] = 0
+        self.positions[0, :batch].copy_(positions, non_blocking=True)
+        self.positions[0, batch:size] = 0
+        self.block_tables[:size].zero_()
+        self.block_tables[:batch, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        self.seq_lens[batch:size] = 0
+        self.slots[:batch].copy_(slots, non_blocking=True)
+        self.slots[batch:size] = -1
+        return size
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` rows of the static buffers (what a graph captures;
+        eager, it serves the warm-up, and the CPU tests of the padding)."""
+        metadata = AttentionMetadata(
+            query_lens=[1] * size,
+            seq_lens=[self.max_seq_len] * size,
+            block_tables=self.block_tables[:size],
+            seq_lens_tensor=self.seq_lens[:size],
+            slot_mapping=self.slots[:size],
+            max_seq_len=self.max_seq_len,
+            query_start_loc=self.query_start_loc[: size + 1],
+            max_query_len=1,
+            manager_window=self.window,
+        )
+        return self.runner.forward(self.input_ids[:, :size], self.positions[:, :size], metadata, 0)
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        size = self.fill(out)
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(size)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[: len(out.decode)].float()
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(size)  # rewrites this step's keys and values: the same values
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(size)
+        self._pool = graph.pool()
+        return graph, logits

@@ -25,9 +25,10 @@ forward pass, ``rollback`` releases what the step reserved if the forward pass f
 scheduler is then as it was before the step (preemptions and swaps done by it stand; they are
 consistent states of their own).
 
-With prefix caching, an admitted prompt skips the leading tokens whose blocks the cache holds;
-the rest is allocated and appended chunk by chunk, so that a block is registered in the prefix
-cache only in the step that computes its tokens.
+With prefix caching, an admitted prompt skips the leading tokens whose blocks the cache holds
+(and when even its last block is cached, that block is copied and only the last token is
+computed); the rest is allocated and appended chunk by chunk, so that a block is registered in
+the prefix cache only in the step that computes its tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_attention.block_manager import RELEASED, AllocStatus, BlockManager, OutOfBlocksError
+from paged_attention.block_manager import (
+    RELEASED,
+    AllocStatus,
+    BlockManager,
+    OutOfBlocksError,
+    reassign,
+)
 from paged_attention.engine.request import Request, RequestStatus, Sequence
 
 
@@ -77,6 +84,8 @@ class SchedulerOutput:
     block_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     rejected: list[tuple[Request, str]] = field(default_factory=list)
+    # Blocks whose KV this step's prompt chunks compute (not written yet while it is planned).
+    blocks_computed: set[int] = field(default_factory=set)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -184,6 +193,13 @@ class Scheduler:
     def fork(self, request: Request, parents: list[Sequence], children: list[Sequence]) -> None:
         """``children[i]`` shares every block of ``parents[i]`` (no copy)."""
         self.manager.fork_many([p.seq_id for p in parents], [c.seq_id for c in children])
+
+    def reassign(self, seqs: list[Sequence], sources: list[int]) -> list[int]:
+        """Sequence ids for new slots continuing ``seqs[sources[i]]`` (beam search:
+        ``block_manager.reassign``)."""
+        return reassign(
+            self.manager, [s.seq_id for s in seqs], sources, lambda: next(self._seq_ids)
+        )
 
     def free(self, seqs: list[Sequence]) -> None:
         self.manager.free_many(s.seq_id for s in seqs)
@@ -400,10 +416,15 @@ class Scheduler:
                         raise OutOfBlocksError("the pool keeps its watermark for running sequences")
                     manager.allocate(seq.seq_id, tokens)
                     reserved.append(chunk)
+                    if chunk.end == target and chunk.end - chunk.start == manager.block_size:
+                        pairs += self._copy_cached_last_block(chunk, out)
                 else:
                     pairs += manager.append_slots(seq.seq_id, count, tokens[start:])
                     reserved.append(chunk)
-                budget -= count
+                size = manager.block_size
+                table = manager.block_table(seq.seq_id)
+                out.blocks_computed.update(table[chunk.start // size : -(-chunk.end // size)])
+                budget -= chunk.count
         except OutOfBlocksError:
             pairs += self._release(reserved)
             if pairs:
@@ -415,6 +436,17 @@ class Scheduler:
         out.prefill += [c for c in reserved if c.count]
         out.forked += [c for c in reserved if not c.count]
         return reserved
+
+    def _copy_cached_last_block(
+        self, chunk: ScheduledChunk, out: SchedulerOutput
+    ) -> list[tuple[int, int]]:
+        """A prompt cached to its last token computes only that token: its block's other tokens
+        are copied from the cache (when that block was computed before this step)."""
+        pair = self.manager.cached_copy_of_last_block(chunk.seq.seq_id)
+        if pair is None or pair[0] in out.blocks_computed:
+            return []
+        chunk.start, chunk.count = chunk.end - 1, 1
+        return [pair]
 
     def _release(self, chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
         """Undo the reservations of ``chunks``, last first; their tokens were never computed,

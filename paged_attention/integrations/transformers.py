@@ -43,7 +43,7 @@ import torch
 
 from paged_attention import cache as _cache_module
 from paged_attention.attention import AttentionMetadata, PagedAttention, _debug_checks_enabled
-from paged_attention.block_manager import BlockManager, OutOfBlocksError
+from paged_attention.block_manager import BlockManager, OutOfBlocksError, reassign
 from paged_attention.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 
 try:
@@ -922,29 +922,10 @@ class PagedCache(PagedCacheBase):
         self._fed_ids = input_ids
 
     def _remap_rows(self, sources: list[int]) -> None:
-        """New row ``i`` continues old row ``sources[i]``: the first taker keeps the sequence,
-        later ones fork it, and rows nobody takes are freed."""
+        """New row ``i`` continues old row ``sources[i]`` (``block_manager.reassign``)."""
         if not self._rows:
             return
-        if any(not 0 <= s < len(self._rows) for s in sources):
-            raise ValueError(f"row indices {sources} out of range for {len(self._rows)} rows")
-        taken: set[int] = set()
-        rows: list[int | None] = []
-        parents, children = [], []
-        for source in sources:
-            seq_id = self._rows[source]
-            if seq_id is not None and source in taken:
-                parents.append(seq_id)
-                seq_id = next(self._ids)
-                children.append(seq_id)
-            taken.add(source)
-            rows.append(seq_id)
-        if parents:
-            self.manager.fork_many(parents, children)
-        dropped = [s for row, s in enumerate(self._rows) if row not in taken and s is not None]
-        if dropped:
-            self.manager.free_many(dropped)
-        self._rows = rows
+        self._rows = reassign(self.manager, self._rows, sources, lambda: next(self._ids))
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
