@@ -175,7 +175,9 @@ class TensorParallel:
     group: object = field(default=None, compare=False)  # the torch.distributed ProcessGroup
 
     @classmethod
-    def of(cls, model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_size: int):
+    def of(
+        cls, model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_size: int
+    ) -> TensorParallel:
         """The split of ``model``: transformers' ``model.tp_size`` (set by ``from_pretrained``
         with a ``tp_plan`` or ``DistributedConfig``), else the device mesh of its attention
         weights (DTensors). Raises ValueError for a split PagedCache cannot serve."""
