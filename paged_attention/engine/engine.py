@@ -113,6 +113,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             sliding_window=self.manager.sliding_window,
         )
+        self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         embeddings = model.get_input_embeddings()
@@ -207,6 +208,8 @@ class Engine:
         started = time.perf_counter()
         outputs, self._unclaimed = self._unclaimed, []
         out = self.scheduler.schedule()
+        if self.tensor_parallel.checks_steps:
+            self._check_plan_on_every_rank(out)
         for request, reason in out.rejected:
             outputs.append(self._rejection(request, reason))
         logits = None
@@ -329,6 +332,18 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ helpers
+
+    def _check_plan_on_every_rank(self, out: SchedulerOutput) -> None:
+        """Tensor parallel, under PAGED_ATTENTION_DEBUG_CHECKS=1: every rank's scheduler chose
+        the same rejections, chunks (with the tokens they feed), copies and swaps."""
+        plan = [torch.tensor([request.request_id for request, _ in out.rejected])]
+        for chunk in out.chunks:
+            tokens = chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
+            plan.append(torch.tensor([chunk.seq.seq_id, chunk.start, chunk.count, *tokens]))
+        for kind, pairs in out.block_ops:
+            code = ("copy", "swap_out", "swap_in").index(kind)
+            plan.append(torch.tensor([code, *itertools.chain.from_iterable(pairs)]))
+        self.tensor_parallel.check_same_on_every_rank("the engine step's plan", plan)
 
     def _new_request(self, prompt, params, arrival_time: float | None) -> Request:
         if not isinstance(params, SamplingParams):
