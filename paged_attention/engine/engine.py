@@ -70,7 +70,8 @@ class Engine:
     earlier request or a running one, computes only the rest. ``max_num_batched_tokens`` (default
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
     longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
-    a model on a CUDA device): decode steps replay CUDA graphs captured per padded batch size.
+    a model on one CUDA device, off for a tensor-parallel one): decode steps replay CUDA graphs
+    captured per padded batch size.
     Logits stay on the model's device; only sampled token ids come back to the host. Switches
     ``model`` to the ``"paged_attention"`` attention implementation.
     """
@@ -89,8 +90,8 @@ class Engine:
         cuda_graphs: bool | None = None,
     ) -> None:
         geometry = ModelGeometry.of(model)
-        if cuda_graphs is None:
-            cuda_graphs = geometry.device.type == "cuda"
+        if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
+            cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
         self.kv = geometry.kv_cache(
             block_size,
             num_blocks,

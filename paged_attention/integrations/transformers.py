@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention import cache as _cache_module
-from paged_attention.attention import AttentionMetadata, PagedAttention, _debug_checks_enabled
+from paged_attention.attention import AttentionMetadata, PagedAttention, debug_checks_enabled
 from paged_attention.block_manager import BlockManager, OutOfBlocksError, reassign
 from paged_attention.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 
@@ -226,7 +226,7 @@ class TensorParallel:
     @property
     def checks_steps(self) -> bool:
         """Whether every step is compared across the ranks (``PAGED_ATTENTION_DEBUG_CHECKS=1``)."""
-        return self.size > 1 and _debug_checks_enabled()
+        return self.size > 1 and debug_checks_enabled()
 
     def min_max(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
         """The smallest and the largest of each integer over the ranks: one all-reduce, which
