@@ -34,7 +34,7 @@ from paged_attention import _ops
 from paged_attention.supported import FP8_FORMATS, check_head_size, is_fp8
 
 
-def _debug_checks_enabled() -> bool:
+def debug_checks_enabled() -> bool:
     """The switch of the ops' content checks on CUDA (README, "Install from source")."""
     return os.environ.get("PAGED_ATTENTION_DEBUG_CHECKS") == "1"
 
@@ -389,7 +389,7 @@ class PagedAttention(nn.Module):
                     f"({width} blocks of {block_size} tokens)"
                 )
         tables = metadata.block_tables
-        if tables.device.type != "cpu" and not _debug_checks_enabled():
+        if tables.device.type != "cpu" and not debug_checks_enabled():
             return
         tables = tables.cpu()
         for i, (n, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):

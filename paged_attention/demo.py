@@ -5,11 +5,17 @@ against transformers' own ``generate()``.
 The default model needs no download: a small Llama built from a fixed config with seeded
 random weights. Random weights make meaningless text but real attention, so the greedy check
 is a real test of the cache, the kernels and the scheduler.
+
+``torchrun --nproc-per-node N -m paged_attention demo --tp`` runs the same workload on a model
+split over N processes with transformers' tensor-parallel plan: every rank runs the engine on its
+own heads (SPMD) and rank 0 prints the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -57,6 +63,19 @@ def default_model(seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+
+
+def tensor_parallel_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` split over the ranks of the initialised ``torch.distributed`` world with its
+    tensor-parallel plan (``tp_plan="auto"``): every rank calls it with the same model and keeps
+    its shard."""
+    from transformers import DistributedConfig
+
+    split = DistributedConfig(tp_size=torch.distributed.get_world_size())
+    shard = type(model).from_pretrained(
+        None, config=model.config, state_dict=model.state_dict(), distributed_config=split
+    )
+    return shard.eval()
 
 
 SYSTEM_PROMPT_TOKENS = 48
@@ -120,19 +139,32 @@ def transformers_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> l
     return output[0, len(prompt) :].tolist()
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, reporting: bool = True) -> dict:
+    """Serve the workload and check it; with ``reporting`` False (a tensor-parallel rank but
+    the first) no progress is shown and no plot written."""
     from tqdm import tqdm
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    ranks = torch.distributed.get_world_size() if args.tp else 1
     if args.model:
-        model = load_model(args.model)
+        model = load_model(args.model, tensor_parallel=args.tp)
         model_name = args.model
     else:
         model = default_model(args.seed)
         model_name = "embedded Llama (2 layers, hidden 256, 8/2 heads, vocab 1000, random)"
-    model.to(device)
+        if args.tp:
+            model = tensor_parallel_copy(model)
+    if args.tp:  # transformers placed each rank's shard on its local device
+        placed = next(model.parameters()).device
+        if placed.type != device.type:
+            raise UsageError(
+                f"--tp placed the model's shards on {placed}, not on --device {device}"
+            )
+        device = placed
+    else:
+        model.to(device)
     workload = default_workload(args.requests, model.config.vocab_size, args.seed)
     budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
 
@@ -147,7 +179,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--model {model_name}: {error}") from error
     ids = [engine.add_request(prompt, params) for prompt, params in workload]
     results: dict[int, RequestOutput] = {}
-    with tqdm(total=len(ids), desc="serving", unit="req", file=sys.stderr) as bar:
+    with tqdm(
+        total=len(ids), desc="serving", unit="req", file=sys.stderr, disable=not reporting
+    ) as bar:
         while engine.has_unfinished():
             ended = engine.step()
             results.update((r.request_id, r) for r in ended)
@@ -167,14 +201,18 @@ def run(args: argparse.Namespace) -> dict:
     eos = sorted(engine.eos_token_ids)
     matches = 0
     model.set_attn_implementation("sdpa")
-    for prompt, params, out in tqdm(greedy, desc="checking", unit="req", file=sys.stderr):
+    checking = tqdm(greedy, desc="checking", unit="req", file=sys.stderr, disable=not reporting)
+    for prompt, params, out in checking:
         expected = transformers_greedy(model, prompt, params.max_new_tokens, eos)
         matches += out.outputs[0] == expected
 
-    plot_timeline(stats.timeline, budget, args.plot)
+    if reporting:
+        plot_timeline(stats.timeline, budget, args.plot)
+    tokens = json.dumps([[out.outputs, out.rejected] for out in outputs]).encode()
     return {
         "model": model_name,
         "device": str(device),
+        "tensor_parallel_ranks": ranks,
         "cuda_graphs": engine.runner.graphs is not None,
         "requests": len(outputs),
         "rejected": len(rejected),
@@ -187,6 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         "steps": stats.steps,
         "block_size": args.block_size,
         "kv_budget_blocks": budget,
+        "kv_bytes_per_block": engine.kv.bytes_per_block,
+        "kv_bytes_per_rank": engine.kv.device_bytes,
         "peak_blocks": stats.peak_blocks,
         "contiguous_blocks": stats.peak_contiguous_blocks,
         "blocks_saved_by_sharing": stats.peak_blocks_saved_by_sharing,
@@ -206,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
         "greedy_requests": len(greedy),
         "greedy_matching": matches,
         "greedy_matches_transformers": matches == len(greedy),
+        "outputs_sha256": hashlib.sha256(tokens).hexdigest(),
         "plot": args.plot,
     }
 
@@ -221,13 +262,19 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
-def load_model(path: str) -> torch.nn.Module:
-    """A local transformers checkpoint, or a UsageError that says in one line why not."""
+def load_model(path: str, tensor_parallel: bool = False) -> torch.nn.Module:
+    """A local transformers checkpoint (with ``tensor_parallel``: this rank's shard of it), or
+    a UsageError that says in one line why not."""
     check_model_path(path)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
+    options = {}
+    if tensor_parallel:
+        options["distributed_config"] = DistributedConfig(
+            tp_size=torch.distributed.get_world_size()
+        )
     try:
-        return AutoModelForCausalLM.from_pretrained(path).eval()
+        return AutoModelForCausalLM.from_pretrained(path, **options).eval()
     except (OSError, ValueError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         raise UsageError(f"--model {path}: cannot load it: {first_line}") from error
@@ -283,10 +330,13 @@ def print_table(report: dict) -> None:
     else:
         greedy = "yes" if report["greedy_matches_transformers"] else "NO"
         greedy += f" ({report['greedy_matching']}/{report['greedy_requests']})"
+    ranks = report["tensor_parallel_ranks"]
+    split = f", tensor parallel over {ranks} ranks" if ranks > 1 else ""
+    per_rank = f" per rank, {ranks} ranks" if ranks > 1 else ""
     rows = [
         (
             "model",
-            f"{report['model']} on {report['device']}"
+            f"{report['model']} on {report['device']}{split}"
             + (" (decode steps in CUDA graphs)" if report["cuda_graphs"] else ""),
         ),
         (
@@ -304,6 +354,11 @@ def print_table(report: dict) -> None:
         (
             "KV budget",
             f"{report['kv_budget_blocks']} blocks of {report['block_size']} tokens",
+        ),
+        (
+            "KV cache bytes",
+            f"{report['kv_bytes_per_rank'] / 2**20:.2f} MiB{per_rank} ({report['kv_budget_blocks']}"
+            f" blocks of {report['kv_bytes_per_block']} bytes)",
         ),
         ("peak KV blocks in use (paged)", f"{report['peak_blocks']}"),
         (
@@ -332,6 +387,7 @@ def print_table(report: dict) -> None:
             f"{report['preemptions_by_recompute']} recomputed)",
         ),
         ("greedy outputs == transformers generate()", greedy),
+        ("outputs (sha256 of every token)", report["outputs_sha256"][:16]),
         ("KV memory plot", report["plot"]),
     ]
     width = max(len(name) for name, _ in rows)
@@ -375,6 +431,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
+        "--tp",
+        action="store_true",
+        help="tensor parallel: run as one rank under torchrun (torchrun --nproc-per-node N -m "
+        "paged_attention demo --tp), the model split over the N ranks by transformers' "
+        "tensor-parallel plan (needs accelerate); rank 0 reports",
+    )
+    parser.add_argument(
         "--plot",
         default=DEFAULT_PLOT,
         help="PNG of KV memory over time: a .png path, or a directory to write "
@@ -388,23 +451,57 @@ def main(args: argparse.Namespace) -> int:
     args.plot = resolve_plot_path(args.plot)
     if args.model:
         check_model_path(args.model)
+    started_group = args.tp and start_process_group(args.device)
+    reporting = not args.tp or torch.distributed.get_rank() == 0
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or (previous_threads if args.model else 1))
     started = time.perf_counter()
     try:
-        report = run(args)
+        report = run(args, reporting)
     finally:
         torch.set_num_threads(previous_threads)
+        if started_group:
+            torch.distributed.destroy_process_group()
     report["wall_seconds"] = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    if report["rejected"]:
-        print(
-            f"demo: {report['rejected']} of {report['requests']} requests were rejected "
-            f"(the first: {report['first_rejection']}); raise --kv-budget",
-            file=sys.stderr,
+    if reporting:
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print_table(report)
+    return exit_status(report, reporting)
+
+
+def start_process_group(device: str) -> bool:
+    """Join the torchrun job this process is a rank of (gloo on the CPU, NCCL on CUDA); False
+    when the process group was already initialised."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise UsageError(
+            "--tp: transformers loads tensor-parallel models only with accelerate installed: "
+            "pip install 'paged_attention[tp]'"
         )
+    if "WORLD_SIZE" not in os.environ:
+        raise UsageError(
+            "--tp runs as one rank of a torchrun job: torchrun --nproc-per-node 2 -m "
+            "paged_attention demo --tp"
+        )
+    if torch.distributed.is_initialized():
+        return False
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA device is available")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo")
+    return True
+
+
+def exit_status(report: dict, reporting: bool) -> int:
+    """0, or 1 (with the reason on stderr when ``reporting``); see EXIT_STATUS."""
+    if report["rejected"]:
+        if reporting:
+            print(
+                f"demo: {report['rejected']} of {report['requests']} requests were rejected "
+                f"(the first: {report['first_rejection']}); raise --kv-budget",
+                file=sys.stderr,
+            )
         return 1
     return 0 if report["greedy_matches_transformers"] else 1

@@ -70,7 +70,8 @@ class Engine:
     earlier request or a running one, computes only the rest. ``max_num_batched_tokens`` (default
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
     longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
-    a model on a CUDA device): decode steps replay CUDA graphs captured per padded batch size.
+    a model on one CUDA device, off for a tensor-parallel one): decode steps replay CUDA graphs
+    captured per padded batch size.
     Logits stay on the model's device; only sampled token ids come back to the host. Switches
     ``model`` to the ``"paged_attention"`` attention implementation.
     """
@@ -89,8 +90,8 @@ class Engine:
         cuda_graphs: bool | None = None,
     ) -> None:
         geometry = ModelGeometry.of(model)
-        if cuda_graphs is None:
-            cuda_graphs = geometry.device.type == "cuda"
+        if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
+            cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
         self.kv = geometry.kv_cache(
             block_size,
             num_blocks,
@@ -113,6 +114,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             sliding_window=self.manager.sliding_window,
         )
+        self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         embeddings = model.get_input_embeddings()
@@ -207,6 +209,8 @@ class Engine:
         started = time.perf_counter()
         outputs, self._unclaimed = self._unclaimed, []
         out = self.scheduler.schedule()
+        if self.tensor_parallel.checks_steps:
+            self._check_plan_on_every_rank(out)
         for request, reason in out.rejected:
             outputs.append(self._rejection(request, reason))
         logits = None
@@ -329,6 +333,18 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ helpers
+
+    def _check_plan_on_every_rank(self, out: SchedulerOutput) -> None:
+        """Tensor parallel, under PAGED_ATTENTION_DEBUG_CHECKS=1: every rank's scheduler chose
+        the same rejections, chunks (with the tokens they feed), copies and swaps."""
+        plan = [torch.tensor([request.request_id for request, _ in out.rejected])]
+        for chunk in out.chunks:
+            tokens = chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
+            plan.append(torch.tensor([chunk.seq.seq_id, chunk.start, chunk.count, *tokens]))
+        for kind, pairs in out.block_ops:
+            code = ("copy", "swap_out", "swap_in").index(kind)
+            plan.append(torch.tensor([code, *itertools.chain.from_iterable(pairs)]))
+        self.tensor_parallel.check_same_on_every_rank("the engine step's plan", plan)
 
     def _new_request(self, prompt, params, arrival_time: float | None) -> Request:
         if not isinstance(params, SamplingParams):

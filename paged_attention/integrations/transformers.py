@@ -32,17 +32,19 @@ packed steps (``paged_attention.engine.model_runner.StepCache``) subclass it too
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import itertools
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from paged_attention import cache as _cache_module
-from paged_attention.attention import AttentionMetadata, PagedAttention
+from paged_attention.attention import AttentionMetadata, PagedAttention, debug_checks_enabled
 from paged_attention.block_manager import BlockManager, OutOfBlocksError, reassign
-from paged_attention.cache import PagedKVCache
+from paged_attention.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 
 try:
     import transformers
@@ -152,12 +154,165 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)
 
 
 # ------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a model's attention is split over a ``torch.distributed`` process group: ``size``
+    ranks, rank ``r`` holding query heads ``[r * H / size, (r + 1) * H / size)`` and the KV heads
+    they read (transformers' ``"colwise"`` q/k/v projections; Megatron-LM's split). ``size`` 1:
+    one process holds every head.
+
+    Each rank keeps a cache of its own heads with its own block manager, and the managers agree
+    because every rank makes the same calls in the same order (docs/design.md, "Tensor
+    parallelism"): no block table travels between ranks. :meth:`min_max` checks the cache sizes
+    at construction; under ``PAGED_ATTENTION_DEBUG_CHECKS=1`` every step's tables and plan are
+    compared too (:meth:`check_same_on_every_rank`)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = field(default=None, compare=False)  # the torch.distributed ProcessGroup
+
+    @classmethod
+    def of(
+        cls, model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_size: int
+    ) -> TensorParallel:
+        """The split of ``model``: transformers' ``model.tp_size`` (set by ``from_pretrained``
+        with a ``tp_plan`` or ``DistributedConfig``), else the device mesh of its attention
+        weights (DTensors). Raises ValueError for a split PagedCache cannot serve."""
+        declared = getattr(model, "tp_size", None)
+        if not declared:
+            distributed = getattr(model.config, "distributed_config", None)
+            declared = getattr(distributed, "tp_size", None)
+        attention = next(
+            (m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj")), None
+        )
+        weights = [] if attention is None else [attention.q_proj.weight, attention.k_proj.weight]
+        mesh = next((w.device_mesh for w in weights if hasattr(w, "device_mesh")), None)
+        size = int(declared or (mesh.size() if mesh is not None else 1))
+        if size == 1:
+            return cls()
+        if num_heads % size:
+            raise ValueError(
+                f"the model's {num_heads} attention heads do not divide over a tensor-parallel "
+                f"size of {size}: shard it over a number of ranks that divides {num_heads}"
+            )
+        if num_kv_heads % size:
+            reason = (
+                "each rank would need a replica of a KV head (vLLM replicates KV heads when "
+                "the tensor-parallel size exceeds them), which PagedCache does not support"
+                if num_kv_heads < size
+                else "they do not divide over the ranks"
+            )
+            heads = f"{num_kv_heads} KV head" + ("s" if num_kv_heads > 1 else "")
+            raise ValueError(
+                f"the model has {heads} and a tensor-parallel size of {size}: {reason}; shard "
+                f"it over a number of ranks that divides {num_kv_heads}"
+            )
+        group = _process_group(mesh, size)
+        rank = torch.distributed.get_rank(group)
+        local = [_local_rows(w) // head_size for w in weights]
+        expected = [num_heads // size, num_kv_heads // size]
+        if weights and local != expected:
+            raise ValueError(
+                f"tensor-parallel rank {rank} of {size} holds {local[0]} query heads and "
+                f"{local[1]} KV heads, not {expected[0]} and {expected[1]}: PagedCache serves "
+                "plans that split the q, k and v projections by whole heads (transformers' "
+                '"colwise", as tp_plan="auto" does)'
+            )
+        return cls(size, rank, group)
+
+    @property
+    def checks_steps(self) -> bool:
+        """Whether every step is compared across the ranks (``PAGED_ATTENTION_DEBUG_CHECKS=1``)."""
+        return self.size > 1 and debug_checks_enabled()
+
+    def min_max(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The smallest and the largest of each integer over the ranks: one all-reduce, which
+        every rank must call with as many values."""
+        values = [int(v) for v in values]
+        if self.size == 1:
+            return values, values
+        backend = str(torch.distributed.get_backend(self.group))
+        on_gpu = "nccl" in backend and "gloo" not in backend  # NCCL reduces only GPU tensors
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
+        both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MAX, group=self.group)
+        both = both.tolist()
+        return [-v for v in both[len(values) :]], both[: len(values)]
+
+    def all_ranks(self, flags: Sequence[bool]) -> list[bool]:
+        """Each flag and-ed over the ranks."""
+        return [bool(v) for v in self.min_max([bool(f) for f in flags])[0]]
+
+    def check_same_on_every_rank(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise RuntimeError on every rank unless every rank holds the same integer tensors
+        (compared by a digest, one all-reduce of two integers)."""
+        digest = _digest(tensors)
+        (low,), (high,) = self.min_max([digest])
+        if low != high:
+            raise RuntimeError(
+                f"tensor-parallel ranks disagree on {what} (rank {self.rank} of {self.size}: "
+                f"digest {digest:#x}, the ranks' {low:#x}..{high:#x}): every rank must make the "
+                "same calls with the same arguments, the same requests in the same order, with "
+                'the same sampling seeds (docs/design.md, "Tensor parallelism")'
+            )
+
+
+def _process_group(mesh, size: int):
+    """The process group of a tensor-parallel split over ``size`` ranks: the ``"tp"`` dimension
+    of the weights' device mesh, else the default group."""
+    if mesh is not None:
+        if mesh.ndim > 1:
+            if "tp" not in (mesh.mesh_dim_names or ()):
+                raise ValueError(
+                    f"the model's attention weights live on a {mesh.ndim}-dimensional device "
+                    "mesh without a 'tp' dimension: PagedCache cannot tell its tensor-parallel "
+                    "group"
+                )
+            mesh = mesh["tp"]
+        group = mesh.get_group()
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        group = torch.distributed.group.WORLD
+    else:
+        raise ValueError(
+            f"the model is split over {size} tensor-parallel ranks but torch.distributed is not "
+            "initialized in this process"
+        )
+    if torch.distributed.get_world_size(group) != size:
+        raise ValueError(
+            f"the model is split over {size} tensor-parallel ranks, its process group has "
+            f"{torch.distributed.get_world_size(group)}"
+        )
+    return group
+
+
+def _local_rows(weight: torch.Tensor) -> int:
+    """Output features of this rank's shard of a (possibly DTensor) linear weight."""
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return local.shape[0]
+
+
+def _digest(tensors: Sequence[torch.Tensor]) -> int:
+    """A 56-bit digest of integer tensors' shapes and values (its negation fits in int64)."""
+    digest = hashlib.blake2b(digest_size=7)
+    for tensor in tensors:
+        tensor = tensor.detach().to(device="cpu", dtype=torch.int64).contiguous()
+        digest.update(repr(tuple(tensor.shape)).encode())
+        digest.update(tensor.numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+# ------------------------------------------------------------------------------------------
 # What a model's KV cache must hold
 
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """The shape of a decoder-only model's KV cache, read from its config."""
+    """The shape of a decoder-only model's KV cache, read from its config. On a
+    tensor-parallel model (``tensor_parallel.size > 1``) ``num_heads`` and ``num_kv_heads``
+    count this rank's heads, the ones its cache holds."""
 
     num_layers: int
     num_heads: int
@@ -166,6 +321,7 @@ class ModelGeometry:
     layer_windows: tuple[int, ...]  # sliding window of each layer (0 = full attention)
     dtype: torch.dtype
     device: torch.device
+    tensor_parallel: TensorParallel = TensorParallel()
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelGeometry:
@@ -178,14 +334,18 @@ class ModelGeometry:
             )
         parameter = next(model.parameters())
         num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        split = TensorParallel.of(model, num_heads, num_kv_heads, head_size)
         return cls(
             num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_size=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            num_heads=num_heads // split.size,
+            num_kv_heads=num_kv_heads // split.size,
+            head_size=head_size,
             layer_windows=tuple(_layer_windows(config)),
             dtype=parameter.dtype,
             device=parameter.device,
+            tensor_parallel=split,
         )
 
     @property
@@ -206,7 +366,14 @@ class ModelGeometry:
     ) -> PagedKVCache:
         """The model's :class:`PagedKVCache`: ``num_blocks``, or as many as ``max_memory``
         allows (bytes, or a fraction of free CUDA / available host memory), or by default 90% of
-        free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB."""
+        free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB.
+
+        Tensor parallel: the cache holds this rank's KV heads, so a block takes ``1 / size`` of
+        the bytes and a budget (``max_memory`` is per rank) holds ``size`` times the blocks. The
+        CPU default is shared by the ranks (they run on one host). Every rank gets the same
+        number of blocks, the smallest any rank's budget allows, so that their block managers
+        decide alike; ranks given different explicit sizes raise ValueError."""
+        split = self.tensor_parallel
         memory_budget = memory_fraction = None
         if isinstance(max_memory, float):
             memory_fraction = max_memory
@@ -218,6 +385,21 @@ class ModelGeometry:
             else:
                 available = _cache_module._host_available_bytes()
                 memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
+                memory_budget //= split.size
+        if split.size > 1 and num_blocks is None:
+            num_blocks = self._blocks_for_budget_on_every_rank(
+                block_size, kv_cache_dtype, memory_budget, memory_fraction
+            )
+            memory_budget = memory_fraction = None
+        if split.size > 1:
+            low, high = split.min_max([num_blocks, num_host_blocks, block_size])
+            if low != high:
+                raise ValueError(
+                    "the tensor-parallel ranks were given different cache sizes (num_blocks "
+                    f"{low[0]}..{high[0]}, num_host_blocks {low[1]}..{high[1]}, block_size "
+                    f"{low[2]}..{high[2]}): every rank must build its cache with the same "
+                    "arguments"
+                )
         return PagedKVCache(
             self.num_layers,
             self.num_kv_heads,
@@ -231,6 +413,30 @@ class ModelGeometry:
             memory_budget=memory_budget,
             memory_fraction=memory_fraction,
         )
+
+    def _blocks_for_budget_on_every_rank(
+        self, block_size, kv_cache_dtype, memory_budget, memory_fraction
+    ) -> int:
+        """The most blocks every tensor-parallel rank's budget holds (one all-reduce)."""
+        error, count = None, 0
+        try:
+            block_bytes = bytes_per_block(
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_size,
+                block_size,
+                self.dtype,
+                kv_cache_dtype,
+            )
+            count = num_blocks_for_budget(block_bytes, self.device, memory_budget, memory_fraction)
+        except ValueError as raised:  # raised after the all-reduce, so on every rank
+            error = raised
+        (fewest,), _ = self.tensor_parallel.min_max([count])
+        if fewest <= 0:
+            raise error or ValueError(
+                "another tensor-parallel rank's memory budget holds no KV block"
+            )
+        return fewest
 
     def block_manager(self, kv: PagedKVCache, enable_prefix_caching: bool) -> BlockManager:
         """A manager over ``kv``'s blocks. When every layer slides over the same window it
@@ -276,8 +482,11 @@ class PagedCacheBase(Cache):
         self.head_size = geometry.head_size
         self.layer_windows = list(geometry.layer_windows)
         self.kv = kv
+        self.tensor_parallel = geometry.tensor_parallel
         self._model_config = model.config
         self._modules: dict[int, PagedAttention] = {}
+        self._checks_steps = geometry.tensor_parallel.checks_steps
+        self._checked_metadata: AttentionMetadata | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
@@ -335,6 +544,8 @@ class PagedCacheBase(Cache):
         self, layer_idx, query, key, value, metadata: AttentionMetadata, scale, window, cap
     ) -> torch.Tensor:
         """PagedAttention over packed ``[tokens, heads, dim]`` rows described by ``metadata``."""
+        if self._checks_steps and metadata is not self._checked_metadata:
+            self._check_step_on_every_rank(metadata)
         module = self._modules.get(layer_idx)
         num_heads = query.shape[1]
         if (
@@ -362,6 +573,24 @@ class PagedCacheBase(Cache):
             metadata,
             k_scale=self.kv.k_scale,
             v_scale=self.kv.v_scale,
+        )
+
+    def _check_step_on_every_rank(self, metadata: AttentionMetadata) -> None:
+        """Tensor parallel, under PAGED_ATTENTION_DEBUG_CHECKS=1: every rank's forward pass
+        uses the same tables and slots. Once per forward pass (its layers share the metadata),
+        and not while a CUDA graph is captured, which cannot hold the host copy (the engine's
+        per-step check of its plan still runs)."""
+        if self.kv.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self._checked_metadata = metadata
+        self.tensor_parallel.check_same_on_every_rank(
+            "the step's block tables, seq lens and slot mapping",
+            [
+                metadata.block_tables,
+                metadata.seq_lens_tensor,
+                metadata.query_start_loc,
+                metadata.slot_mapping,
+            ],
         )
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -554,7 +783,8 @@ class PagedCache(PagedCacheBase):
         counts = [q_len] * batch if real is None else real.sum(dim=1).tolist()
         if not self._rows:
             self._rows = [None] * batch
-            duplicates = self._duplicate_rows(key, value, real)
+            # Each rank compares its own heads; and-ed, every rank forks the same rows.
+            duplicates = self.tensor_parallel.all_ranks(self._duplicate_rows(key, value, real))
         elif batch != len(self._rows):
             raise ValueError(
                 f"this PagedCache holds a batch of {len(self._rows)} rows but the input has "
