@@ -307,19 +307,15 @@ def paged_attention_varlen(
     belong to no sequence: the op leaves them untouched (zeros in the ``out`` allocated here).
 
     ``max_query_len``/``max_seq_len`` bound the per-sequence values; pass them to avoid reading
-    ``query_start_loc``/``seq_lens`` back from the device. An fp8 ``kv_cache_dtype`` requires
-    ``k_scale`` and ``v_scale``. CPU only for now: a CUDA tensor raises ``NotImplementedError``.
+    ``query_start_loc``/``seq_lens`` back from the device (on CUDA the op then never
+    synchronises, so a step replays in a CUDA graph). An fp8 ``kv_cache_dtype`` requires
+    ``k_scale`` and ``v_scale``.
     """
     _check_rank(query, 3, "query", "[num_tokens, num_heads, head_size]")
     _check_rank(
         key_cache, 5, "key_cache", "[num_blocks, num_kv_heads, head_size / x, block_size, x]"
     )
     _check_rank(value_cache, 4, "value_cache", "[num_blocks, num_kv_heads, head_size, block_size]")
-    if query.device.type not in ("cpu", "meta"):
-        raise NotImplementedError(
-            f"paged_attention_varlen has no {query.device.type.upper()} kernel in this build "
-            f"(query is on {query.device}); it runs on the CPU only for now"
-        )
     if scale is None:
         scale = query.shape[2] ** -0.5
     _check_real(scale, "scale")

@@ -7,12 +7,11 @@ each sequence is after the step, where its blocks are and which slot each new to
 
 ``forward`` first stores the new keys and values (``reshape_and_cache``), then computes
 attention of every new token against its sequence's whole context in the cache, in one op call
-for the whole step: the decode kernel (``paged_attention``) when every sequence adds one token,
-else ``paged_attention_varlen``, which serves prefill, prompt chunks after a cached context (a
-prefix-cache hit, a resumed sequence), multi-token decode and decode rows mixed. The varlen op
-has a CPU kernel only so far: on CUDA, a step with several new tokens in a sequence runs its
-decode rows through the decode kernel and each longer sequence through SDPA over its gathered
-context.
+for the whole step, on every device: the decode op (``paged_attention``) when every sequence adds
+one token, else ``paged_attention_varlen``, which serves prefill, prompt chunks after a cached
+context (a prefix-cache hit, a resumed sequence), multi-token decode and decode rows mixed. On
+CUDA both run one kernel design (csrc/cuda/attention/), and neither synchronises with the host,
+so a step can be captured in a CUDA graph.
 
 Logit semantics are those of reference.py: ``s = scale * q.k``, then the soft-cap, then ALiBi
 ``slope * (p - query_position)``, and a sliding window of ``W`` keeps the last ``W`` positions up
@@ -21,17 +20,15 @@ to and including the query's own; ``sinks`` add one logit per head to the softma
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged_attention import _ops
-from paged_attention.supported import FP8_FORMATS, check_head_size, is_fp8
+from paged_attention.supported import check_head_size, is_fp8
 
 
 def debug_checks_enabled() -> bool:
@@ -136,7 +133,7 @@ class PagedAttention(nn.Module):
     ``kv_cache_dtype`` is ``"auto"`` or an fp8 format (then pass ``k_scale``/``v_scale`` to
     ``forward``, as :class:`~paged_attention.cache.PagedKVCache` holds them); ``sinks`` is
     ``None`` or ``[num_heads]`` floats, one extra logit per head that only joins the softmax's
-    denominator (attention sinks as in gpt-oss; CPU only for now).
+    denominator (attention sinks as in gpt-oss).
     """
 
     def __init__(
@@ -267,80 +264,9 @@ class PagedAttention(nn.Module):
     # ------------------------------------------------------------------ attention
 
     def _attend(self, query, key_cache, value_cache, metadata, k_scale, v_scale) -> torch.Tensor:
-        if query.device.type == "cpu":
-            return self._varlen(query, key_cache, value_cache, metadata, k_scale, v_scale)
-        return self._attend_gathered(query, key_cache, value_cache, metadata, k_scale, v_scale)
-
-    def _attend_gathered(self, query, key_cache, value_cache, metadata, k_scale, v_scale):
-        """The path of devices without a varlen kernel: decode rows through the decode kernel in
-        one call, each longer sequence through SDPA over its context gathered from the cache."""
-        if self.sinks is not None:
-            raise ValueError(
-                "attention sinks need the varlen kernel, which has no CUDA implementation in "
-                "this build yet"
-            )
-        if metadata.is_decode:
-            return self._decode(
-                query,
-                key_cache,
-                value_cache,
-                metadata.block_tables,
-                metadata.seq_lens_tensor,
-                metadata.max_seq_len,
-                k_scale,
-                v_scale,
-            )
-        self._check_context_tables(metadata, key_cache.shape[0], value_cache.shape[3])
-        out = torch.empty_like(query)
-        starts = [0]
-        for n in metadata.query_lens:
-            starts.append(starts[-1] + n)
-        decode_seqs = [i for i, n in enumerate(metadata.query_lens) if n == 1]
-        if decode_seqs:
-            # All single-token sequences go through one paged-kernel call.
-            rows = torch.tensor(decode_seqs, device=query.device)
-            tokens = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
-            out[tokens] = self._decode(
-                query[tokens],
-                key_cache,
-                value_cache,
-                metadata.block_tables[rows],
-                metadata.seq_lens_tensor[rows],
-                max(metadata.seq_lens[i] for i in decode_seqs),
-                k_scale,
-                v_scale,
-            )
-        for i, (n, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
-            if n <= 1:
-                continue
-            # Only positions some query can attend: a window skips released or stale blocks.
-            start = self._first_attended(seq_len, n)
-            keys, values = gather_context(
-                key_cache,
-                value_cache,
-                metadata.block_tables[i],
-                start,
-                seq_len,
-                self.kv_cache_dtype,
-                k_scale,
-                v_scale,
-                query.dtype,
-            )
-            out[starts[i] : starts[i + 1]] = prefill_attention(
-                query[starts[i] : starts[i + 1]],
-                keys,
-                values,
-                self.scale,
-                self.alibi_slopes,
-                self.sliding_window,
-                self.logits_soft_cap,
-                key_start=start,
-            )
-        return out
-
-    def _varlen(self, query, key_cache, value_cache, metadata, k_scale, v_scale):
-        """Every row of the step in one ``paged_attention_varlen`` call; decode-only steps
-        without sinks through the decode kernel, which also splits long contexts (v2)."""
+        """Every row of the step in one op call: the decode op for a decode-only step without
+        sinks (it takes a padding row's seq_len of 0, and on the CPU its v2 splits long contexts
+        across threads), else ``paged_attention_varlen``."""
         if metadata.is_decode and self.sinks is None:
             return self._decode(
                 query,
@@ -371,38 +297,6 @@ class PagedAttention(nn.Module):
             sinks=self.sinks,
         )
 
-    def _first_attended(self, seq_len: int, query_len: int) -> int:
-        """The first position any of a sequence's last ``query_len`` tokens attends."""
-        if not self.sliding_window:
-            return 0
-        return max(0, seq_len - query_len - self.sliding_window + 1)
-
-    def _check_context_tables(self, metadata, num_blocks: int, block_size: int) -> None:
-        """The checks the decode kernel makes, for the sequences the gather path reads: every
-        seq_len within its block table, and (on the CPU, or on CUDA with
-        PAGED_ATTENTION_DEBUG_CHECKS=1) every block id it reads in ``[0, num_blocks)``."""
-        width = metadata.block_tables.shape[1]
-        for i, seq_len in enumerate(metadata.seq_lens):
-            if seq_len > width * block_size:
-                raise ValueError(
-                    f"sequence {i}: seq_len {seq_len} exceeds what its block table addresses "
-                    f"({width} blocks of {block_size} tokens)"
-                )
-        tables = metadata.block_tables
-        if tables.device.type != "cpu" and not debug_checks_enabled():
-            return
-        tables = tables.cpu()
-        for i, (n, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
-            first = self._first_attended(seq_len, n) // block_size
-            row = tables[i, first : -(-seq_len // block_size)]
-            bad = ((row < 0) | (row >= num_blocks)).nonzero()
-            if bad.numel():
-                b = first + int(bad[0, 0])
-                raise ValueError(
-                    f"block_tables[{i}, {b}] = {int(tables[i, b])} is out of range [0, "
-                    f"num_blocks = {num_blocks})"
-                )
-
     def _decode(
         self, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, k_scale, v_scale
     ):
@@ -421,93 +315,3 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )
-
-
-def gather_context(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    start: int,
-    end: int,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions ``start .. end - 1`` of one sequence, ``[end - start,
-    num_kv_heads, head_size]`` in ``dtype``, read through its block table (one gather per
-    cache; blocks wholly before ``start`` are not touched)."""
-    _, num_kv_heads, head_size, block_size = value_cache.shape
-    first = start // block_size
-    blocks = block_table[first : -(-end // block_size)].long()
-    keys = key_cache[blocks].permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, head_size)
-    values = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)
-    offset = start - first * block_size
-    keys, values = (
-        keys[offset : end - first * block_size],
-        values[offset : end - first * block_size],
-    )
-    if is_fp8(kv_cache_dtype):
-        fp8 = FP8_FORMATS[kv_cache_dtype][0]
-        keys = keys.view(fp8).float() * k_scale
-        values = values.view(fp8).float() * v_scale
-    return keys.to(dtype), values.to(dtype)
-
-
-def prefill_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scale: float,
-    alibi_slopes: torch.Tensor | None = None,
-    sliding_window: int = 0,
-    logits_soft_cap: float = 0.0,
-    key_start: int = 0,
-) -> torch.Tensor:
-    """Causal attention of the queries at positions ``L - n .. L - 1`` over the keys at
-    positions ``key_start .. L - 1``.
-
-    ``query`` ``[n, H, D]``, ``keys``/``values`` ``[L - key_start, Hkv, D]`` (``Hkv`` divides
-    ``H``); returns ``[n, H, D]`` in the query's dtype.
-    """
-    num_queries, num_keys = query.shape[0], keys.shape[0]
-    context = num_keys - num_queries  # keys before the first query
-    q = query.transpose(0, 1)  # [H, n, D]
-    k = keys.transpose(0, 1)  # [Hkv, L, D]
-    v = values.transpose(0, 1)
-    plain = alibi_slopes is None and logits_soft_cap == 0
-    if plain and context == 0 and (sliding_window == 0 or sliding_window >= num_keys):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
-
-    positions = torch.arange(num_keys, device=query.device)
-    query_positions = positions[context:, None]
-    distance = positions[None, :] - query_positions  # [n, L], <= 0 where attended
-    allowed = distance <= 0
-    if sliding_window > 0:
-        allowed &= distance > -sliding_window
-    if logits_soft_cap > 0:
-        return _soft_capped_attention(
-            q, k, v, scale, allowed, distance, alibi_slopes, logits_soft_cap
-        ).transpose(0, 1)
-    if alibi_slopes is None:
-        mask = allowed
-    else:
-        bias = alibi_slopes.float().to(query.device)[:, None, None] * distance
-        mask = bias.masked_fill(~allowed, -math.inf).to(query.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
-
-
-def _soft_capped_attention(q, k, v, scale, allowed, distance, alibi_slopes, cap):
-    """Explicit float32 attention for a logit soft-cap, which SDPA cannot apply between the
-    product and the softmax."""
-    group = q.shape[0] // k.shape[0]
-    k = k.float().repeat_interleave(group, dim=0)
-    v = v.float().repeat_interleave(group, dim=0)
-    logits = scale * torch.matmul(q.float(), k.transpose(1, 2))  # [H, n, L]
-    logits = cap * torch.tanh(logits / cap)
-    if alibi_slopes is not None:
-        logits = logits + alibi_slopes.float().to(q.device)[:, None, None] * distance
-    logits = logits.masked_fill(~allowed, -math.inf)
-    return torch.matmul(torch.softmax(logits, dim=-1), v).to(q.dtype)

@@ -422,33 +422,39 @@ def test_fp8_cache_needs_its_scales():
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_varlen_step_equals_the_gathered_path_of_devices_without_a_varlen_kernel(option):
-    # A mixed step (a fresh prompt, a chunk after a cached context, a decode) through the
-    # varlen op, and through the decode kernel + gather + SDPA path CUDA still takes.
-    options = dict(OPTIONS[option])
-    module = make_module(4, 2, **options)
+def test_a_mixed_step_is_one_varlen_call(option, monkeypatch):
+    # A fresh prompt, a chunk after a cached context and a decode in one step: one op call for
+    # the whole step (no per-sequence launches); a decode-only step goes to the decode op, also
+    # in one call.
+    from paged_attention import _ops
+
+    calls = []
+    for name in ("paged_attention_varlen", "paged_attention"):
+        original = getattr(_ops, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(_ops, name, counted)
+    module = make_module(4, 2, **OPTIONS[option])
     cache = make_cache(2)
     manager = cache.make_manager(watermark=0.0)
     gen = torch.Generator().manual_seed(13)
-    manager.allocate(0, 9)
-    q0, k0, v0 = random_seq(9, 4, 2, torch.float32, gen)
-    module(q0, k0, v0, cache.layer(0), cache.metadata(manager, [0], 9))
-    manager.allocate(1, 5)
-    q1, k1, v1 = random_seq(5, 4, 2, torch.float32, gen)
-    module(q1, k1, v1, cache.layer(0), cache.metadata(manager, [1], 5))
-    manager.append_slots(0, 6)
-    manager.append_slots(1, 1)
-    manager.allocate(2, 12)
-    meta = cache.metadata(manager, [0, 1, 2], [6, 1, 12])
-    q, k, v = random_seq(19, 4, 2, torch.float32, gen)
-    unit = torch.ones(1)
-    with torch.no_grad():
-        varlen = module(q, k, v, cache.layer(0), meta)
-        gathered = module._attend_gathered(q, *cache.layer(0), meta, unit, unit)
-    torch.testing.assert_close(varlen, gathered, **TOL[torch.float32])
-    bad = AttentionMetadata.build(
-        [6, 1, 12], meta.seq_lens, meta.block_tables.clone(), meta.slot_mapping
+    data = {s: random_seq(n, 4, 2, torch.float32, gen) for s, n in {0: 15, 1: 6, 2: 12}.items()}
+    run_step(
+        module, cache, manager, [(0, *(t[:9] for t in data[0])), (1, *(t[:5] for t in data[1]))]
     )
-    bad.block_tables[2, 0] = -1
-    with pytest.raises(ValueError, match=r"block_tables\[2, 0\] = -1 is out of range"):
-        module._attend_gathered(q, *cache.layer(0), bad, unit, unit)
+    assert calls == ["paged_attention_varlen"]
+    calls.clear()
+    step = [(0, *(t[9:] for t in data[0])), (1, *(t[5:] for t in data[1])), (2, *data[2])]
+    outs = run_step(module, cache, manager, step)
+    assert calls == ["paged_attention_varlen"]
+    for (s, q, _, _), out, first in zip(step, outs, (9, 5, 0)):
+        positions = range(first, first + q.shape[0])
+        want = oracle(module, q, data[s][1], data[s][2], positions)
+        torch.testing.assert_close(out, want, **TOL[torch.float32])
+    calls.clear()
+    extra = random_seq(1, 4, 2, torch.float32, gen)
+    run_step(module, cache, manager, [(2, *extra)])
+    assert calls == ["paged_attention"]
