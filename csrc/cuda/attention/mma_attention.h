@@ -106,8 +106,9 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
   constexpr int kQueryRow = query_row_elements(KernelFamily::kTensorCore, kD);
   // Tile copies: a key unit is 16 bytes of (chunk, token); thread j copies token j % 16 of
   // chunks j / 16 + kKeyStep i. A value unit is half a row (8 tokens) of 16-bit values or of
-  // fp8 values in blocks of 8, thread j copying half j % 2 of rows j / 2 + kValueHalfStep i; or
-  // a whole fp8 row of 16 tokens, thread j copying rows j + kCopyThreads i.
+  // fp8 values in blocks of 8, thread j copying half (j / 8) % 2 of rows j % 8 + 8 (j / 16) +
+  // kValueHalfStep i; or a whole fp8 row of 16 tokens, thread j copying rows
+  // j + kCopyThreads i.
   constexpr int kKeyChunks = kD / Cache::kX;
   constexpr int kKeyStep = kCopyThreads / 16;
   constexpr int kKeyUnits = (kKeyChunks + kKeyStep - 1) / kKeyStep;
