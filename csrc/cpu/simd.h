@@ -156,6 +156,55 @@ inline void load_chunk(const c10::Float8_e5m2* p, float scale, F* out) {
   load_fp8_chunk(p, scale, out);
 }
 
+// n cache elements at src -> float32 at dst, in order (fp8 multiplied by its scale): the
+// conversions of load_chunk, 16 elements at a time, without its lane reordering.
+inline void convert_row(const float* src, int64_t n, float, float* dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+using u16x16 = uint16_t __attribute__((vector_size(32)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+
+template <typename cache_t, typename Convert>
+inline void convert_row_with(const cache_t* src, int64_t n, float* dst, Convert convert) {
+  using Bits = std::conditional_t<sizeof(cache_t) == 2, uint16_t, uint8_t>;
+  using B16 = std::conditional_t<sizeof(cache_t) == 2, u16x16, u8x16>;  // 16 elements
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const u32x16 bits = __builtin_convertvector(load_vector<B16>(src + i), u32x16);
+    store_vector(dst + i, convert(bits));
+  }
+  for (; i < n; ++i) {
+    Bits one;
+    std::memcpy(&one, src + i, sizeof(one));
+    u32x16 bits{};
+    bits[0] = one;
+    dst[i] = convert(bits)[0];
+  }
+}
+
+inline void convert_row(const c10::BFloat16* src, int64_t n, float, float* dst) {
+  convert_row_with(src, n, dst, [](u32x16 bits) { return bit_cast<f32x16>(bits << 16); });
+}
+
+inline void convert_row(const c10::Half* src, int64_t n, float, float* dst) {
+  convert_row_with(src, n, dst, [](u32x16 bits) { return half_bits_to_float<f32x16>(bits); });
+}
+
+template <typename Fp8>
+inline void convert_fp8_row(const Fp8* src, int64_t n, float scale, float* dst) {
+  convert_row_with(src, n, dst,
+                   [scale](u32x16 bits) { return fp8_bits_to_float<f32x16>(bits, Fp8{}) * scale; });
+}
+
+inline void convert_row(const c10::Float8_e4m3fn* src, int64_t n, float scale, float* dst) {
+  convert_fp8_row(src, n, scale, dst);
+}
+
+inline void convert_row(const c10::Float8_e5m2* src, int64_t n, float scale, float* dst) {
+  convert_fp8_row(src, n, scale, dst);
+}
+
 template <typename F>
 inline F zero_where_not(F v, IntsOf<F> keep) {
   return bit_cast<F>(bit_cast<IntsOf<F>>(v) & keep);
