@@ -111,9 +111,10 @@ constexpr int64_t kPrefetchGroup = 8;
 // The most KV heads per unit (see the top of the file). With head size 128 and block size 16, 4
 // heads' key tiles of a block are one 16 KiB (bf16) or 32 KiB (fp32) run of memory.
 constexpr int64_t kMaxUnitKvHeads = 4;
-// Varlen sequences with at most this many query rows are attended here, each K/V tile read once
-// for all their rows; longer ones by prefill_attention.h.
-constexpr int64_t kDecodeMaxQueryLen = 16;
+// Varlen sequences whose query rows times query heads per KV head stay within this many are
+// attended here (each K/V tile read once for all of them), as is any single query row; the
+// others by prefill_attention.h, whose matrix products were faster from 16 such rows on.
+constexpr int64_t kDecodeMaxRows = 15;
 // With several query rows per sequence, a unit holds at most this many rows (KV heads x rows
 // per KV head), unless one KV head alone has more: their logits stay in the per-thread buffer.
 constexpr int64_t kMaxUnitRows = 32;

@@ -102,21 +102,31 @@ struct PrefillScratch {
 };
 
 // Gathers tokens [t0, t1) of one KV head into keys [t1 - t0][head_size] and values_t
-// [head_size][kPrefillTokens], as float32.
+// [head_size][kPrefillTokens], as float32. The blocks are scattered, so the hardware prefetchers
+// cannot run ahead across them: while it converts the k-th block of this tile, it requests the
+// k-th block's key and value tiles of the next one, [t1, next_end), into L2.
 template <typename cache_t>
 inline void gather_tile(const AttentionParams& p, const int32_t* block_table, const cache_t* key_base,
-                        const cache_t* value_base, int64_t t0, int64_t t1, float* keys,
-                        float* values_t) {
+                        const cache_t* value_base, int64_t t0, int64_t t1, int64_t next_end,
+                        float* keys, float* values_t) {
   constexpr int64_t x = 16 / sizeof(cache_t);
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
-  for (int64_t j = t0; j < t1;) {
+  const int64_t tile_bytes = head_size * block_size * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t next_first_block = t1 / block_size;
+  const int64_t next_end_block = (next_end + block_size - 1) / block_size;
+  for (int64_t j = t0, k = 0; j < t1; ++k) {
+    if (next_first_block + k < next_end_block) {
+      const int64_t ahead = block_table[next_first_block + k];
+      prefetch_lines<kToL2>(key_base + ahead * p.key_block_stride, tile_bytes);
+      prefetch_lines<kToL2>(value_base + ahead * p.value_block_stride, tile_bytes);
+    }
     const int64_t block = block_table[j / block_size];
     const int64_t offset = j % block_size;
     const int64_t run = std::min(block_size - offset, t1 - j);  // tokens of this block
     const cache_t* key_tile = key_base + block * p.key_block_stride;
-    for (int64_t t = 0; t < run; ++t) {
-      for (int64_t c = 0; c < head_size / x; ++c) {
+    for (int64_t c = 0; c < head_size / x; ++c) {  // in storage order: one dim-row at a time
+      for (int64_t t = 0; t < run; ++t) {
         convert_row(key_tile + (c * block_size + offset + t) * x, x, p.key_scale,
                     keys + (j - t0 + t) * head_size + c * x);
       }
@@ -186,7 +196,8 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
   for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kPrefillTokens) {
     const int64_t t1 = std::min(t0 + kPrefillTokens, kv_end);
     const int64_t tokens = t1 - t0;
-    gather_tile(p, block_table, key_base, value_base, t0, t1, keys, values_t);
+    gather_tile(p, block_table, key_base, value_base, t0, t1,
+                std::min(t1 + kPrefillTokens, kv_end), keys, values_t);
     gemm(tokens, rows_pad, head_size, head_size, rows_pad, rows_pad, false, keys, query_t,
          logits_t);
     // Every row attends every token of the tile: no mask to apply.

@@ -163,38 +163,53 @@ inline void convert_row(const float* src, int64_t n, float, float* dst) {
 }
 
 using u16x16 = uint16_t __attribute__((vector_size(32)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
 using u8x16 = uint8_t __attribute__((vector_size(16)));
+using u8x8 = uint8_t __attribute__((vector_size(8)));
 
+// 16, then 8 elements at a time, then one by one; `convert` maps the zero-extended bits of a
+// vector of elements (u32x16 or u32x8) to floats.
 template <typename cache_t, typename Convert>
 inline void convert_row_with(const cache_t* src, int64_t n, float* dst, Convert convert) {
-  using Bits = std::conditional_t<sizeof(cache_t) == 2, uint16_t, uint8_t>;
-  using B16 = std::conditional_t<sizeof(cache_t) == 2, u16x16, u8x16>;  // 16 elements
+  constexpr bool kWide = sizeof(cache_t) == 2;
+  using Bits = std::conditional_t<kWide, uint16_t, uint8_t>;
+  using B16 = std::conditional_t<kWide, u16x16, u8x16>;
+  using B8 = std::conditional_t<kWide, u16x8, u8x8>;
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const u32x16 bits = __builtin_convertvector(load_vector<B16>(src + i), u32x16);
-    store_vector(dst + i, convert(bits));
+    store_vector(dst + i, convert(__builtin_convertvector(load_vector<B16>(src + i), u32x16)));
+  }
+  if (i + 8 <= n) {
+    store_vector(dst + i, convert(__builtin_convertvector(load_vector<B8>(src + i), u32x8)));
+    i += 8;
   }
   for (; i < n; ++i) {
     Bits one;
     std::memcpy(&one, src + i, sizeof(one));
-    u32x16 bits{};
+    u32x8 bits{};
     bits[0] = one;
     dst[i] = convert(bits)[0];
   }
 }
 
 inline void convert_row(const c10::BFloat16* src, int64_t n, float, float* dst) {
-  convert_row_with(src, n, dst, [](u32x16 bits) { return bit_cast<f32x16>(bits << 16); });
+  convert_row_with(src, n, dst, [](auto bits) {
+    return bit_cast<std::conditional_t<sizeof(bits) == 64, f32x16, f32x8>>(bits << 16);
+  });
 }
 
 inline void convert_row(const c10::Half* src, int64_t n, float, float* dst) {
-  convert_row_with(src, n, dst, [](u32x16 bits) { return half_bits_to_float<f32x16>(bits); });
+  convert_row_with(src, n, dst, [](auto bits) {
+    return half_bits_to_float<std::conditional_t<sizeof(bits) == 64, f32x16, f32x8>>(bits);
+  });
 }
 
 template <typename Fp8>
 inline void convert_fp8_row(const Fp8* src, int64_t n, float scale, float* dst) {
-  convert_row_with(src, n, dst,
-                   [scale](u32x16 bits) { return fp8_bits_to_float<f32x16>(bits, Fp8{}) * scale; });
+  convert_row_with(src, n, dst, [scale](auto bits) {
+    using F = std::conditional_t<sizeof(bits) == 64, f32x16, f32x8>;
+    return fp8_bits_to_float<F>(bits, Fp8{}) * scale;
+  });
 }
 
 inline void convert_row(const c10::Float8_e4m3fn* src, int64_t n, float scale, float* dst) {
