@@ -308,7 +308,8 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
   // Sequences of up to kDecodeMaxRows query rows per KV head (and single-row ones) through the
   // decode kernel, the longer ones tiled.
   const int64_t group = dims.num_heads / std::max<int64_t>(1, dims.num_kv_heads);
-  p.max_query_len = std::clamp<int64_t>(max_query_len, 1, std::max<int64_t>(1, kDecodeMaxRows / group));
+  p.max_query_len =
+      std::clamp<int64_t>(max_query_len, 1, std::max<int64_t>(1, kDecodeMaxRows / group));
   run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                 k_scale, v_scale, scale, sliding_window, logits_soft_cap);
 }

@@ -159,7 +159,18 @@ inline void load_chunk(const c10::Float8_e5m2* p, float scale, F* out) {
 // n cache elements at src -> float32 at dst, in order (fp8 multiplied by its scale): the
 // conversions of load_chunk, 16 elements at a time, without its lane reordering.
 inline void convert_row(const float* src, int64_t n, float, float* dst) {
-  std::memcpy(dst, src, n * sizeof(float));
+  using f32x4 = float __attribute__((vector_size(16)));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_vector(dst + i, load_vector<f32x16>(src + i));
+  if (i + 8 <= n) {
+    store_vector(dst + i, load_vector<f32x8>(src + i));
+    i += 8;
+  }
+  if (i + 4 <= n) {  // one 16-byte chunk of the fp32 key layout
+    store_vector(dst + i, load_vector<f32x4>(src + i));
+    i += 4;
+  }
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 using u16x16 = uint16_t __attribute__((vector_size(32)));
