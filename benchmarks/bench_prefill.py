@@ -29,9 +29,10 @@ Methods, all on the same cache contents:
 * ``limit`` (rows ``a`` and ``d``): a streaming ``sum()`` over a float32 buffer as large as the
   K and V the step must read.
 
-Times are the best of ``--reps`` samples after a warm-up (the machine may be shared). GB/s = bytes
-of K and V the step reads / time; GFLOP/s = 4 x head_size x query heads x (keys each query row
-attends, summed) / time.
+Times are the best of ``--reps`` samples after a warm-up. The samples of a row's methods are taken
+in turns (one of each, then the next round), so that on a shared machine a busy moment slows all
+of them alike. GB/s = bytes of K and V the step reads / time; GFLOP/s = 4 x head_size x query
+heads x (keys each query row attends, summed) / time.
 """
 
 from __future__ import annotations
@@ -39,10 +40,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import time
 from pathlib import Path
 
 import torch
-from bench_decode import Shape, best_time, build_case, gather_kv, machine_info, streaming_limit
+from bench_decode import (
+    CUDA_CALLS_PER_SAMPLE,
+    Shape,
+    allocate,
+    build_case,
+    gather_kv,
+    machine_info,
+    synchronize,
+)
 
 import paged_attention
 
@@ -231,6 +242,39 @@ MAKERS = {
 
 
 # --------------------------------------------------------------------------------------------
+# Timing
+
+
+def sample(fn, device) -> float:
+    """Seconds per call: one call by the wall clock on the CPU, CUDA_CALLS_PER_SAMPLE calls timed
+    with events on CUDA."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CUDA_CALLS_PER_SAMPLE):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / CUDA_CALLS_PER_SAMPLE
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def best_times_in_turns(fns: dict, device, reps: int) -> dict:
+    """The best of `reps` samples of each callable, taken one of each per round, after a warm-up
+    call of each."""
+    for fn in fns.values():
+        fn()
+    synchronize(device)
+    best = {name: math.inf for name in fns}
+    for _ in range(max(reps, 1)):
+        for name, fn in fns.items():
+            best[name] = min(best[name], sample(fn, device))
+    return best
+
+
+# --------------------------------------------------------------------------------------------
 # Main
 
 
@@ -268,25 +312,29 @@ def run_grid(args) -> dict:
                           batch=row.batch, context=row.context, query_len=row.query_len,
                           bound=row.bound, kv_bytes=nbytes,
                           flops=attention_flops(row, shape))  # fmt: skip
-            entries = []
+            entries, fns = {}, {}
             for method in methods:
                 if method == "v1" and row.query_len != 1:
                     continue
-                entry = dict(common, method=method)
+                entries[method] = dict(common, method=method)
                 try:
                     if method == "flex" and flex_failure is not None:
                         raise RuntimeError(flex_failure)
-                    seconds = best_time(MAKERS[method](case, query, row), device, args.reps)
-                    entry.update(time_s=seconds)
+                    fns[method] = MAKERS[method](case, query, row)
+                    fns[method]()
                 except Exception as error:  # reported in the table instead of a number
                     reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                     if method == "flex":
                         flex_failure = flex_failure or reason
-                    entry.update(time_s=None, error=reason)
-                entries.append(entry)
-            if row.bound == "bandwidth":
-                limit_s = streaming_limit(nbytes, device, args.reps)
-                entries.append(dict(common, method="limit", time_s=limit_s))
+                    fns.pop(method, None)
+                    entries[method].update(time_s=None, error=reason)
+            if row.bound == "bandwidth":  # a streaming read of as many bytes
+                buffer = allocate((nbytes // 4,), torch.float32, device, False).fill_(1.0)
+                fns["limit"] = buffer.sum
+                entries["limit"] = dict(common, method="limit")
+            for method, seconds in best_times_in_turns(fns, device, args.reps).items():
+                entries[method]["time_s"] = seconds
+            entries = list(entries.values())
             finish(entries)
             result["rows"] += entries
             print_rows(entries)
