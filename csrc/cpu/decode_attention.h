@@ -8,6 +8,8 @@
 // values, all in fp32. The KV heads of a unit are visited block by block, so the unit reads each
 // block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
 // of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
+// For the varlen op a unit may also serve several query rows of its sequence: q_len x group rows
+// per KV head, each with its own causal end (and window), the tiles still read once for all.
 //
 // The kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA,
 // baseline); attention.cpp picks the variant at run time from torch's CPU capability, so the build

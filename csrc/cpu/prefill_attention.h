@@ -37,7 +37,7 @@ namespace paged_attention::cpu {
 using GemmF32 = void (*)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
                          bool accumulate, const float* a, const float* b, float* c);
 
-constexpr int64_t kPrefillRows = 256;    // query rows per unit, at most
+constexpr int64_t kPrefillRows = 256;  // query rows per unit, at most (or one position's group)
 constexpr int64_t kPrefillTokens = 256;  // key/value tokens per tile
 
 // Query rows [first, first + count) of sequence `seq` (indices among its q_len rows), for the
@@ -75,7 +75,7 @@ inline std::vector<PrefillUnit> plan_prefill_units(const AttentionParams& p) {
   return units;
 }
 
-// Per-thread buffers for the largest unit.
+// Per-thread buffers for units of up to max_rows rows.
 struct PrefillScratch {
   AlignedFloats query_t;
   AlignedFloats keys;
@@ -88,8 +88,8 @@ struct PrefillScratch {
   AlignedFloats row_position;  // float: positions fit exactly below 2^24
   AlignedFloats row_rescale;
 
-  void resize(int64_t head_size) {
-    const int64_t rows_pad = round_up(kPrefillRows, kLanes);
+  void resize(int64_t head_size, int64_t max_rows) {
+    const int64_t rows_pad = round_up(max_rows, kLanes);
     query_t.resize(head_size * rows_pad);
     keys.resize(kPrefillTokens * head_size);
     values_t.resize(head_size * kPrefillTokens);
@@ -277,7 +277,8 @@ inline void run_prefill_units(const AttentionParams& p, GemmF32 gemm,
                               const std::vector<PrefillUnit>& units,
                               std::atomic<int64_t>& next_unit) {
   PrefillScratch s;
-  s.resize(p.head_size);
+  // A unit holds up to kPrefillRows rows, or one query position's whole group if that is more.
+  s.resize(p.head_size, std::max(kPrefillRows, p.num_heads / p.num_kv_heads));
   const int64_t count = static_cast<int64_t>(units.size());
   for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < count;
        u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
