@@ -106,9 +106,9 @@ struct PrefillScratch {
 // cannot run ahead across them: while it converts the k-th block of this tile, it requests the
 // k-th block's key and value tiles of the next one, [t1, next_end), into L2.
 template <typename cache_t>
-inline void gather_tile(const AttentionParams& p, const int32_t* block_table, const cache_t* key_base,
-                        const cache_t* value_base, int64_t t0, int64_t t1, int64_t next_end,
-                        float* keys, float* values_t) {
+inline void gather_tile(const AttentionParams& p, const int32_t* block_table,
+                        const cache_t* key_base, const cache_t* value_base, int64_t t0,
+                        int64_t t1, int64_t next_end, float* keys, float* values_t) {
   constexpr int64_t x = 16 / sizeof(cache_t);
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
@@ -287,11 +287,12 @@ inline void run_prefill_units(const AttentionParams& p, GemmF32 gemm,
 }
 
 // One compiled copy per instruction set, as for the decode kernel.
-#define PA_DEFINE_PREFILL_VARIANT(name, vector_type, attributes)                                    \
-  template <typename scalar_t, typename cache_t>                                               \
-  attributes void name(const AttentionParams& p, GemmF32 gemm,                                 \
-                       const std::vector<PrefillUnit>& units, std::atomic<int64_t>& next_unit) { \
-    run_prefill_units<scalar_t, cache_t, vector_type>(p, gemm, units, next_unit);              \
+#define PA_DEFINE_PREFILL_VARIANT(name, vector_type, attributes)                             \
+  template <typename scalar_t, typename cache_t>                                             \
+  attributes void name(const AttentionParams& p, GemmF32 gemm,                               \
+                       const std::vector<PrefillUnit>& units,                                \
+                       std::atomic<int64_t>& next_unit) {                                    \
+    run_prefill_units<scalar_t, cache_t, vector_type>(p, gemm, units, next_unit);            \
   }
 
 #ifdef PA_HAVE_X86_VARIANTS
