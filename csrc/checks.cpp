@@ -89,8 +89,8 @@ void check_block_size(int64_t block_size) {
 // The kernels compute in float32: a value that is finite or non-zero only in double precision
 // would silently become inf (scale) or "no cap" (logits_soft_cap).
 void check_logit_args(double scale, int64_t sliding_window, double logits_soft_cap) {
-  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale)), "scale must be finite in float32, got ",
-                    scale);
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale)),
+                    "scale must be finite in float32, got ", scale);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ",
                     sliding_window);
   TORCH_CHECK_VALUE(logits_soft_cap >= 0 && std::isfinite(static_cast<float>(logits_soft_cap)),
@@ -117,7 +117,6 @@ bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
   const auto [b_begin, b_end] = byte_span(b);
   return a_begin < b_end && b_begin < a_end;
 }
-
 
 void check_no_internal_overlap(const at::Tensor& t, int64_t dense_from, const char* name) {
   // Dims [dense_from, dim) are one dense tile (checked elsewhere); the outer dims, visited by

@@ -83,8 +83,8 @@ def _scales(
     v_scale: torch.Tensor | None,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scales to pass to an op: an fp8 cache needs both (a silent 1.0 would silently give
-    wrong values); without fp8 the op ignores them, so missing ones become 1."""
+    """The scales to pass to an op: an fp8 cache needs both (a default of 1.0 would give wrong
+    values without an error); without fp8 the op ignores them, so missing ones become 1."""
     if is_fp8(kv_cache_dtype):
         missing = [name for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is None]
         if missing:

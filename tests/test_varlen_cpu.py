@@ -180,6 +180,12 @@ def test_query_lengths(query_lens):
     check(make_case(seq_lens, query_lens, 8, 2, 64, 16, torch.float32, seed=sum(query_lens)))
 
 
+def test_a_query_group_larger_than_a_tile():
+    """264 query heads on one KV head: one query position's rows fill more than the tiled
+    kernel's 256-row unit, so a unit takes a single position."""
+    check(make_case([40, 9], [3, 9], 264, 1, 32, seed=5))
+
+
 def test_one_row_per_sequence_equals_v1():
     kv = make_case([1, 37, 300, 513], [1, 1, 1, 1], 8, 2, 64, spare_rows=0)
     options = features(kv, alibi=True, sliding_window=100, soft_cap=20.0)

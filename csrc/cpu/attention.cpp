@@ -1,9 +1,11 @@
 // The torch side of the CPU attention ops: argument checks, kernel parameters, the choice of
-// instruction-set variant, threads, and the v2 reduction. The kernel is in decode_attention.h.
+// instruction-set variant, threads, and the v2 reduction. The kernels are in decode_attention.h
+// (v1, v2, and varlen sequences of few query rows) and prefill_attention.h (longer ones).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +17,7 @@
 #include "checks.h"
 #include "cpu/cpu_ops.h"
 #include "cpu/decode_attention.h"
+#include "cpu/prefill_attention.h"
 
 namespace paged_attention::cpu {
 
@@ -63,6 +66,45 @@ void run_all_units(const AttentionParams& p) {
       run_units_baseline<scalar_t, cache_t>(p, next_unit);
     }
   });
+}
+
+// The float32 product of the prefill kernel: torch's batch-reduce GEMM (oneDNN's JIT kernel
+// where available, else its BLAS), one thread's worth, inside our parallel region.
+void gemm_f32(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+              bool accumulate, const float* a, const float* b, float* c) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+}
+
+template <typename scalar_t, typename cache_t>
+void run_prefill(const AttentionParams& p) {
+  const std::vector<PrefillUnit> units = plan_prefill_units(p);
+  if (units.empty()) return;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), units.size());
+  const Isa isa = selected_isa();
+  std::atomic<int64_t> next_unit{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+#ifdef PA_HAVE_X86_VARIANTS
+      if (isa == Isa::kAvx512) {
+        run_prefill_units_avx512<scalar_t, cache_t>(p, &gemm_f32, units, next_unit);
+        continue;
+      }
+      if (isa == Isa::kAvx2) {
+        run_prefill_units_avx2<scalar_t, cache_t>(p, &gemm_f32, units, next_unit);
+        continue;
+      }
+#endif
+      run_prefill_units_baseline<scalar_t, cache_t>(p, &gemm_f32, units, next_unit);
+    }
+  });
+}
+
+// Sequences with at most p.max_query_len query rows go to the decode kernel, the others (varlen
+// only) to the prefill kernel.
+template <typename scalar_t, typename cache_t>
+void run_kernels(const AttentionParams& p) {
+  run_all_units<scalar_t, cache_t>(p);
+  if (p.query_start_loc != nullptr) run_prefill<scalar_t, cache_t>(p);
 }
 
 // The query dtypes the kernels support (the checks reject others first).
@@ -128,13 +170,13 @@ void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tens
   PA_DISPATCH_QUERY_TYPES(query.scalar_type(), "paged_attention_cpu", [&] {
     switch (dims.cache_dtype) {
       case CacheDtype::kAuto:
-        run_all_units<scalar_t, scalar_t>(p);
+        run_kernels<scalar_t, scalar_t>(p);
         break;
       case CacheDtype::kFp8E4M3:
-        run_all_units<scalar_t, c10::Float8_e4m3fn>(p);
+        run_kernels<scalar_t, c10::Float8_e4m3fn>(p);
         break;
       case CacheDtype::kFp8E5M2:
-        run_all_units<scalar_t, c10::Float8_e5m2>(p);
+        run_kernels<scalar_t, c10::Float8_e5m2>(p);
         break;
     }
   });
@@ -263,7 +305,11 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
   p.partition_size = std::numeric_limits<int64_t>::max() / 2;
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  p.max_query_len = std::max<int64_t>(1, max_query_len);
+  // Sequences of up to kDecodeMaxRows query rows per KV head (and single-row ones) through the
+  // decode kernel, the longer ones tiled.
+  const int64_t group = dims.num_heads / std::max<int64_t>(1, dims.num_kv_heads);
+  p.max_query_len =
+      std::clamp<int64_t>(max_query_len, 1, std::max<int64_t>(1, kDecodeMaxRows / group));
   run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                 k_scale, v_scale, scale, sliding_window, logits_soft_cap);
 }

@@ -8,6 +8,8 @@
 // values, all in fp32. The KV heads of a unit are visited block by block, so the unit reads each
 // block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
 // of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
+// For the varlen op a unit may also serve several query rows of its sequence: q_len x group rows
+// per KV head, each with its own causal end (and window), the tiles still read once for all.
 //
 // The kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA,
 // baseline); attention.cpp picks the variant at run time from torch's CPU capability, so the build
@@ -111,6 +113,11 @@ constexpr int64_t kPrefetchGroup = 8;
 // The most KV heads per unit (see the top of the file). With head size 128 and block size 16, 4
 // heads' key tiles of a block are one 16 KiB (bf16) or 32 KiB (fp32) run of memory.
 constexpr int64_t kMaxUnitKvHeads = 4;
+// Varlen sequences whose query rows times query heads per KV head stay within this many are
+// attended here (each K/V tile read once for all of them), as is any single query row; the
+// others by prefill_attention.h, whose matrix products were as fast at 32 such rows and faster
+// beyond.
+constexpr int64_t kDecodeMaxRows = 32;
 // With several query rows per sequence, a unit holds at most this many rows (KV heads x rows
 // per KV head), unless one KV head alone has more: their logits stay in the per-thread buffer.
 constexpr int64_t kMaxUnitRows = 32;
@@ -339,10 +346,16 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         p.sliding_window > 0 ? std::max<int64_t>(0, position - p.sliding_window + 1 - begin) : 0);
     const int32_t hi = static_cast<int32_t>(std::min(end, position + 1) - begin);
     const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.0f;
+    // A lane is valid when its offset minus lo, as unsigned, is below hi - lo: one compare of a
+    // loop-carried vector (two compares and an and, or a constant lane vector, GCC computed one
+    // lane at a time in scalar code).
+    using U = typename WordsOf<V>::type;
+    const U span = U{} + static_cast<uint32_t>(hi - lo);
+    const U first = bit_cast<U>(lane_index<I>() - lo);
     V row_max = splat<V>(-kInf);
-    for (int64_t t = 0; t < n; t += kRowLanes) {
-      const I offset = lane_index<I>() + static_cast<int32_t>(t);
-      const I valid = (offset >= lo) & (offset < hi);
+    U from_lo = first;
+    for (int64_t t = 0; t < n; t += kRowLanes, from_lo += kRowLanes) {
+      const I valid = from_lo < span;
       V v = load_vector<V>(row + t);
       if (p.logits_soft_cap > 0) v = p.logits_soft_cap * vtanh(v / p.logits_soft_cap);
       if (p.alibi_slopes != nullptr) {
@@ -361,9 +374,9 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     const float sink = p.sinks != nullptr ? p.sinks[head] : -kInf;
     m = std::max(m, sink);
     V row_sum{};
-    for (int64_t t = 0; t < n; t += kRowLanes) {
-      const I offset = lane_index<I>() + static_cast<int32_t>(t);
-      const I valid = (offset >= lo) & (offset < hi);
+    from_lo = first;
+    for (int64_t t = 0; t < n; t += kRowLanes, from_lo += kRowLanes) {
+      const I valid = from_lo < span;
       const V e = zero_where_not(vexp(load_vector<V>(row + t) - m), valid);
       std::memcpy(row + t, &e, sizeof(e));
       row_sum += e;

@@ -156,6 +156,81 @@ inline void load_chunk(const c10::Float8_e5m2* p, float scale, F* out) {
   load_fp8_chunk(p, scale, out);
 }
 
+// n cache elements at src -> float32 at dst, in order (fp8 multiplied by its scale): the
+// conversions of load_chunk, 16 elements at a time, without its lane reordering.
+inline void convert_row(const float* src, int64_t n, float, float* dst) {
+  using f32x4 = float __attribute__((vector_size(16)));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_vector(dst + i, load_vector<f32x16>(src + i));
+  if (i + 8 <= n) {
+    store_vector(dst + i, load_vector<f32x8>(src + i));
+    i += 8;
+  }
+  if (i + 4 <= n) {  // one 16-byte chunk of the fp32 key layout
+    store_vector(dst + i, load_vector<f32x4>(src + i));
+    i += 4;
+  }
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+using u16x16 = uint16_t __attribute__((vector_size(32)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+using u8x8 = uint8_t __attribute__((vector_size(8)));
+
+// 16, then 8 elements at a time, then one by one; `convert` maps the zero-extended bits of a
+// vector of elements (u32x16 or u32x8) to floats.
+template <typename cache_t, typename Convert>
+inline void convert_row_with(const cache_t* src, int64_t n, float* dst, Convert convert) {
+  constexpr bool kWide = sizeof(cache_t) == 2;
+  using Bits = std::conditional_t<kWide, uint16_t, uint8_t>;
+  using B16 = std::conditional_t<kWide, u16x16, u8x16>;
+  using B8 = std::conditional_t<kWide, u16x8, u8x8>;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    store_vector(dst + i, convert(__builtin_convertvector(load_vector<B16>(src + i), u32x16)));
+  }
+  if (i + 8 <= n) {
+    store_vector(dst + i, convert(__builtin_convertvector(load_vector<B8>(src + i), u32x8)));
+    i += 8;
+  }
+  for (; i < n; ++i) {
+    Bits one;
+    std::memcpy(&one, src + i, sizeof(one));
+    u32x8 bits{};
+    bits[0] = one;
+    dst[i] = convert(bits)[0];
+  }
+}
+
+inline void convert_row(const c10::BFloat16* src, int64_t n, float, float* dst) {
+  convert_row_with(src, n, dst, [](auto bits) {
+    return bit_cast<std::conditional_t<sizeof(bits) == 64, f32x16, f32x8>>(bits << 16);
+  });
+}
+
+inline void convert_row(const c10::Half* src, int64_t n, float, float* dst) {
+  convert_row_with(src, n, dst, [](auto bits) {
+    return half_bits_to_float<std::conditional_t<sizeof(bits) == 64, f32x16, f32x8>>(bits);
+  });
+}
+
+template <typename Fp8>
+inline void convert_fp8_row(const Fp8* src, int64_t n, float scale, float* dst) {
+  convert_row_with(src, n, dst, [scale](auto bits) {
+    using F = std::conditional_t<sizeof(bits) == 64, f32x16, f32x8>;
+    return fp8_bits_to_float<F>(bits, Fp8{}) * scale;
+  });
+}
+
+inline void convert_row(const c10::Float8_e4m3fn* src, int64_t n, float scale, float* dst) {
+  convert_fp8_row(src, n, scale, dst);
+}
+
+inline void convert_row(const c10::Float8_e5m2* src, int64_t n, float scale, float* dst) {
+  convert_fp8_row(src, n, scale, dst);
+}
+
 template <typename F>
 inline F zero_where_not(F v, IntsOf<F> keep) {
   return bit_cast<F>(bit_cast<IntsOf<F>>(v) & keep);
