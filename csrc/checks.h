@@ -42,9 +42,9 @@ struct AttentionDims {
 
 // Checks everything but tensor contents for paged_attention_v1/v2 and returns the dimensions.
 // Requirements: query [num_seqs, num_heads, head_size] with unit stride in the last dim (it may be
-// a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the DESIGN.md
-// layout, contiguous within a block (dims 0 and 1 may be strided); block_tables int32 2-D with
-// unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32 [num_heads];
+// a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the layout of
+// docs/design.md, contiguous within a block (dims 0 and 1 may be strided); block_tables int32
+// 2-D with unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32 [num_heads];
 // scale finite and logits_soft_cap 0 or positive, both in float32; out sharing no memory with any
 // input.
 AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,

@@ -15,7 +15,7 @@
 // baseline); attention.cpp picks the variant at run time from torch's CPU capability, so the build
 // stays portable and ATEN_CPU_CAPABILITY=avx2|default forces a narrower variant.
 //
-// Tile layouts (DESIGN.md), per block and KV head, both contiguous:
+// Tile layouts (docs/design.md), per block and KV head, both contiguous:
 //   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
 //   values [head_size][block_size]
 // Tiles are read in 64-byte chunks, in storage order, each converted to fp32 vectors in a
