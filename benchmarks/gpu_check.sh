@@ -517,9 +517,8 @@ fi
 if want kernels; then
   echo "== the attention kernels without torch (benchmarks/bench_cuda_kernels.cu) ==" \
     >> "$OUT/bench.log"
-  run_stage kernels-build 90 "$OUT/bench.log" "$NVCC" -O3 -std=c++20 --expt-relaxed-constexpr \
-    -gencode=arch=compute_90,code=sm_90 -Icsrc benchmarks/bench_cuda_kernels.cu \
-    -o "$WORK/bench_cuda_kernels" \
+  run_stage kernels-build 90 "$OUT/bench.log" $PY benchmarks/build_bench_cuda_kernels.py \
+    "$WORK/bench_cuda_kernels" --nvcc "$NVCC" \
     && run_stage kernels 20 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
       --json "$WORK/bench_cuda_kernels.json"
 fi

@@ -226,13 +226,11 @@ namespace {
 // What v1/v2 and the varlen op share: query and out (`rows` query rows), heads, the caches and
 // their scales, block_tables and seq_lens for num_seqs sequences, max_seq_len, ALiBi, the logit
 // parameters, and out sharing no memory with an input.
-AttentionDims check_common_attention_args(
-    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-    const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_seqs,
-    int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-    const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
-    int64_t sliding_window, double logits_soft_cap) {
+AttentionDims check_common_attention_args(const AttentionArgs& args, int64_t num_seqs,
+                                          int64_t block_size) {
+  const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+               max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
+               logits_soft_cap] = args;
   AttentionDims dims{};
   dims.cache_dtype = parse_cache_dtype(kv_cache_dtype);
   dims.num_seqs = num_seqs;
@@ -324,33 +322,18 @@ void check_query(const at::Tensor& query, const char* layout) {
 
 }  // namespace
 
-AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
-                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                   int64_t num_kv_heads, double scale,
-                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                   int64_t block_size, int64_t max_seq_len,
-                                   const std::optional<at::Tensor>& alibi_slopes,
-                                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                                   const at::Tensor& v_scale, int64_t sliding_window,
-                                   double logits_soft_cap) {
-  parse_cache_dtype(kv_cache_dtype);
-  check_query(query, "[num_seqs, num_heads, head_size]");
-  return check_common_attention_args(out, query, key_cache, value_cache, num_kv_heads, scale,
-                                     block_tables, seq_lens, query.size(0), block_size,
-                                     max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                                     sliding_window, logits_soft_cap);
+AttentionDims check_attention_args(const AttentionArgs& args, int64_t block_size) {
+  parse_cache_dtype(args.kv_cache_dtype);
+  check_query(args.query, "[num_seqs, num_heads, head_size]");
+  return check_common_attention_args(args, args.query.size(0), block_size);
 }
 
-VarlenDims check_varlen_args(const at::Tensor& out, const at::Tensor& query,
-                             const at::Tensor& key_cache, const at::Tensor& value_cache,
-                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                             int64_t max_query_len, int64_t max_seq_len,
-                             const std::optional<at::Tensor>& alibi_slopes,
-                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                             const at::Tensor& v_scale, int64_t sliding_window,
-                             double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
-  parse_cache_dtype(kv_cache_dtype);
+VarlenDims check_varlen_args(const AttentionArgs& args, const at::Tensor& query_start_loc,
+                             int64_t max_query_len, const std::optional<at::Tensor>& sinks) {
+  const at::Tensor& out = args.out;
+  const at::Tensor& query = args.query;
+  const at::Tensor& value_cache = args.value_cache;
+  parse_cache_dtype(args.kv_cache_dtype);
   check_query(query, "[num_tokens, num_heads, head_size]");
   check_dim(query_start_loc, 1, "query_start_loc");
   check_dtype(query_start_loc, at::kInt, "query_start_loc");
@@ -361,10 +344,8 @@ VarlenDims check_varlen_args(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(query_start_loc.is_contiguous(), "query_start_loc must be contiguous");
   check_dim(value_cache, 4, "value_cache");
   VarlenDims dims{};
-  static_cast<AttentionDims&>(dims) = check_common_attention_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      query_start_loc.size(0) - 1, value_cache.size(3), max_seq_len, alibi_slopes,
-      kv_cache_dtype, k_scale, v_scale, sliding_window, logits_soft_cap);
+  static_cast<AttentionDims&>(dims) =
+      check_common_attention_args(args, query_start_loc.size(0) - 1, value_cache.size(3));
   dims.num_tokens = query.size(0);
   TORCH_CHECK_VALUE(max_query_len >= 0, "max_query_len must be >= 0, got ", max_query_len);
   dims.max_query_len = max_query_len;
@@ -426,7 +407,8 @@ void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_
 
 void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
                       const at::Tensor& tmp_out, const AttentionDims& dims,
-                      const at::Tensor& query) {
+                      const AttentionArgs& args) {
+  const at::Tensor& query = args.query;
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
                                 {max_logits, "max_logits"}}) {
     check_dim(t, 3, name);
@@ -452,12 +434,19 @@ void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
                     "tmp_out must have shape [num_seqs, num_heads, partitions, head_size] = [",
                     dims.num_seqs, ", ", dims.num_heads, ", ", exp_sums.size(2), ", ",
                     dims.head_size, "], got ", tmp_out.sizes());
-  // The scratch tensors are written while the inputs are read (check_no_overlap against the
-  // other inputs and out is the caller's, which holds them).
+  // The scratch tensors are written while the inputs are read.
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
                                 {max_logits, "max_logits"},
                                 {tmp_out, "tmp_out"}}) {
     check_no_overlap(t, name, query, "query");
+    check_no_overlap(t, name, args.out, "out");
+    check_no_overlap(t, name, args.key_cache, "key_cache");
+    check_no_overlap(t, name, args.value_cache, "value_cache");
+    check_no_overlap(t, name, args.block_tables, "block_tables");
+    check_no_overlap(t, name, args.seq_lens, "seq_lens");
+    if (args.alibi_slopes.has_value()) {
+      check_no_overlap(t, name, *args.alibi_slopes, "alibi_slopes");
+    }
   }
   check_no_overlap(max_logits, "max_logits", exp_sums, "exp_sums");
   check_no_overlap(tmp_out, "tmp_out", exp_sums, "exp_sums");

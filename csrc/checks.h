@@ -40,22 +40,34 @@ struct AttentionDims {
   CacheDtype cache_dtype;
 };
 
+// The arguments every attention op takes (paged_attention_v1, _v2, _varlen), named as in their
+// schemas: each op gathers them once and hands them to the checks and to its backend.
+struct AttentionArgs {
+  const at::Tensor& out;
+  const at::Tensor& query;
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  int64_t num_kv_heads;
+  double scale;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  int64_t max_seq_len;
+  const std::optional<at::Tensor>& alibi_slopes;
+  const std::string& kv_cache_dtype;
+  const at::Tensor& k_scale;
+  const at::Tensor& v_scale;
+  int64_t sliding_window;
+  double logits_soft_cap;
+};
+
 // Checks everything but tensor contents for paged_attention_v1/v2 and returns the dimensions.
 // Requirements: query [num_seqs, num_heads, head_size] with unit stride in the last dim (it may be
 // a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the layout of
 // docs/design.md, contiguous within a block (dims 0 and 1 may be strided); block_tables int32
-// 2-D with unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32 [num_heads];
-// scale finite and logits_soft_cap 0 or positive, both in float32; out sharing no memory with any
-// input.
-AttentionDims check_attention_args(const at::Tensor& out, const at::Tensor& query,
-                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                   int64_t num_kv_heads, double scale,
-                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                   int64_t block_size, int64_t max_seq_len,
-                                   const std::optional<at::Tensor>& alibi_slopes,
-                                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                                   const at::Tensor& v_scale, int64_t sliding_window,
-                                   double logits_soft_cap);
+// 2-D with unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32
+// [num_heads]; scale finite and logits_soft_cap 0 or positive, both in float32; out sharing no
+// memory with any input.
+AttentionDims check_attention_args(const AttentionArgs& args, int64_t block_size);
 
 struct VarlenDims : AttentionDims {
   int64_t num_tokens;  // query rows (num_seqs = query_start_loc.size(0) - 1)
@@ -65,15 +77,8 @@ struct VarlenDims : AttentionDims {
 // Checks everything but tensor contents for paged_attention_varlen: query/out [num_tokens,
 // num_heads, head_size] as for v1; block_size from value_cache; query_start_loc int32
 // [num_seqs + 1] contiguous; sinks float32 [num_heads] contiguous; the rest as for v1.
-VarlenDims check_varlen_args(const at::Tensor& out, const at::Tensor& query,
-                             const at::Tensor& key_cache, const at::Tensor& value_cache,
-                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                             int64_t max_query_len, int64_t max_seq_len,
-                             const std::optional<at::Tensor>& alibi_slopes,
-                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                             const at::Tensor& v_scale, int64_t sliding_window,
-                             double logits_soft_cap, const std::optional<at::Tensor>& sinks);
+VarlenDims check_varlen_args(const AttentionArgs& args, const at::Tensor& query_start_loc,
+                             int64_t max_query_len, const std::optional<at::Tensor>& sinks);
 
 // Contents: query_start_loc starts at 0, never decreases and ends within query's rows; each
 // sequence's q_len <= max_query_len and <= seq_len <= max_seq_len; every block id a row reads
@@ -83,10 +88,11 @@ void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_
                           int64_t sliding_window);
 
 // exp_sums, max_logits: float32 [num_seqs, num_heads, >= max_partitions];
-// tmp_out: query dtype [num_seqs, num_heads, same partitions, head_size]; all contiguous.
+// tmp_out: query dtype [num_seqs, num_heads, same partitions, head_size]; all contiguous, sharing
+// no memory with each other, out or any input.
 void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
                       const at::Tensor& tmp_out, const AttentionDims& dims,
-                      const at::Tensor& query);
+                      const AttentionArgs& args);
 
 // Contents: 0 <= seq_lens[i] <= max_seq_len and <= max_blocks_per_seq * block_size; every block
 // id a sequence reads (inside the sliding window, if any) in [0, num_blocks).

@@ -211,8 +211,8 @@ def paged_attention(
     """Decode attention over a paged KV cache; returns ``[num_seqs, num_heads, head_size]``.
 
     ``query`` is ``[num_seqs, num_heads, head_size]``; ``key_cache``/``value_cache`` are in the
-    layout of docs/design.md (num_kv_heads and block_size are read from them); ``block_tables`` int32
-    ``[num_seqs, max_blocks]``; ``seq_lens`` int32 ``[num_seqs]``. ``scale`` defaults to
+    layout of docs/design.md (num_kv_heads and block_size are read from them); ``block_tables``
+    int32 ``[num_seqs, max_blocks]``; ``seq_lens`` int32 ``[num_seqs]``. ``scale`` defaults to
     ``head_size ** -0.5``. Pass ``max_seq_len`` (an int >= every seq_len) to avoid reading
     ``seq_lens`` back from the GPU, which synchronises and cannot be captured in a CUDA graph.
     ``version`` forces the v1 or v2 kernel; by default :func:`use_v2` chooses.

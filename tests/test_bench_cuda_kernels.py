@@ -3,6 +3,7 @@ has nvcc), and on a GPU it times every case."""
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,10 @@ import torch
 from torch.utils.cpp_extension import CUDA_HOME
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import build_bench_cuda_kernels  # noqa: E402
+
 NVCC = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
 
 
@@ -18,17 +23,7 @@ def test_builds_and_on_a_gpu_times_every_case(tmp_path):
     binary = tmp_path / "bench_cuda_kernels"
     # The command benchmarks/gpu_check.sh runs (stage kernels).
     build = subprocess.run(
-        [
-            str(NVCC),
-            "-O3",
-            "-std=c++20",
-            "--expt-relaxed-constexpr",
-            "-gencode=arch=compute_90,code=sm_90",
-            f"-I{ROOT / 'csrc'}",
-            str(ROOT / "benchmarks" / "bench_cuda_kernels.cu"),
-            "-o",
-            str(binary),
-        ],
+        build_bench_cuda_kernels.nvcc_command(NVCC, binary),
         capture_output=True,
         text=True,
         timeout=600,

@@ -114,14 +114,13 @@ void run_kernels(const AttentionParams& p) {
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-// Fills the parameters shared by v1, v2 and varlen and runs the kernel for the given output
-// target; p.max_query_len is the caller's (1 for v1/v2).
-void run_attention(AttentionParams& p, const AttentionDims& dims, const at::Tensor& query,
-                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& k_scale,
-                   const at::Tensor& v_scale, double scale, int64_t sliding_window,
-                   double logits_soft_cap) {
+// Fills the parameters shared by v1, v2 and varlen from checked arguments and runs the kernels
+// for the given output target; p.max_query_len is the caller's (1 for v1/v2).
+void fill_params_and_run(AttentionParams& p, const AttentionDims& dims,
+                         const AttentionArgs& args) {
+  const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+               max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
+               logits_soft_cap] = args;
   p.query = query.data_ptr();
   p.query_row_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
@@ -230,18 +229,18 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
                         double logits_soft_cap) {
-  const AttentionDims dims = check_attention_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-      logits_soft_cap);
+  const AttentionArgs args{out,          query,          key_cache,    value_cache,
+                           num_kv_heads, scale,          block_tables, seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
+                           v_scale,      sliding_window, logits_soft_cap};
+  const AttentionDims dims = check_attention_args(args, block_size);
   check_attention_indices(block_tables, seq_lens, dims, sliding_window);
   AttentionParams p{};
   p.out = out.data_ptr();
   p.num_partitions = 1;
   p.partition_size = std::numeric_limits<int64_t>::max() / 2;
   p.max_query_len = 1;
-  run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                k_scale, v_scale, scale, sliding_window, logits_soft_cap);
+  fill_params_and_run(p, dims, args);
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -253,22 +252,12 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
                         double logits_soft_cap) {
-  const AttentionDims dims = check_attention_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-      logits_soft_cap);
-  check_v2_scratch(exp_sums, max_logits, tmp_out, dims, query);
-  for (const auto& [scratch, name] :
-       {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
-        {max_logits, "max_logits"},
-        {tmp_out, "tmp_out"}}) {
-    check_no_overlap(scratch, name, out, "out");
-    check_no_overlap(scratch, name, key_cache, "key_cache");
-    check_no_overlap(scratch, name, value_cache, "value_cache");
-    check_no_overlap(scratch, name, block_tables, "block_tables");
-    check_no_overlap(scratch, name, seq_lens, "seq_lens");
-    if (alibi_slopes.has_value()) check_no_overlap(scratch, name, *alibi_slopes, "alibi_slopes");
-  }
+  const AttentionArgs args{out,          query,          key_cache,    value_cache,
+                           num_kv_heads, scale,          block_tables, seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
+                           v_scale,      sliding_window, logits_soft_cap};
+  const AttentionDims dims = check_attention_args(args, block_size);
+  check_v2_scratch(exp_sums, max_logits, tmp_out, dims, args);
   check_attention_indices(block_tables, seq_lens, dims, sliding_window);
   AttentionParams p{};
   p.out = tmp_out.data_ptr();
@@ -277,8 +266,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   p.num_partitions = exp_sums.size(2);
   p.partition_size = kPartitionSize;
   p.max_query_len = 1;
-  run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                k_scale, v_scale, scale, sliding_window, logits_soft_cap);
+  fill_params_and_run(p, dims, args);
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
   PA_DISPATCH_QUERY_TYPES(query.scalar_type(),
                                   "paged_attention_v2_combine",
@@ -294,10 +282,11 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, int64_t sliding_window,
                             double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
-  const VarlenDims dims = check_varlen_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-      sliding_window, logits_soft_cap, sinks);
+  const AttentionArgs args{out,          query,          key_cache,    value_cache,
+                           num_kv_heads, scale,          block_tables, seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
+                           v_scale,      sliding_window, logits_soft_cap};
+  const VarlenDims dims = check_varlen_args(args, query_start_loc, max_query_len, sinks);
   check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window);
   AttentionParams p{};
   p.out = out.data_ptr();
@@ -310,8 +299,7 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t group = dims.num_heads / std::max<int64_t>(1, dims.num_kv_heads);
   p.max_query_len =
       std::clamp<int64_t>(max_query_len, 1, std::max<int64_t>(1, kDecodeMaxRows / group));
-  run_attention(p, dims, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                k_scale, v_scale, scale, sliding_window, logits_soft_cap);
+  fill_params_and_run(p, dims, args);
 }
 
 }  // namespace paged_attention::cpu

@@ -8,8 +8,9 @@
 // values, all in fp32. The KV heads of a unit are visited block by block, so the unit reads each
 // block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
 // of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
-// For the varlen op a unit may also serve several query rows of its sequence: q_len x group rows
-// per KV head, each with its own causal end (and window), the tiles still read once for all.
+// For the varlen op a unit may also serve several query rows of its sequence: q_len x
+// queries_per_kv rows per KV head, each with its own causal end (and window), the tiles still
+// read once for all.
 //
 // The kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA,
 // baseline); attention.cpp picks the variant at run time from torch's CPU capability, so the build
@@ -87,8 +88,8 @@ inline int64_t first_query_row(const AttentionParams& p, int64_t seq) {
   return p.query_start_loc == nullptr ? seq : p.query_start_loc[seq];
 }
 
-// Query heads whose multiply-adds share a loaded cache vector (the AVX2 variant uses half as
-// many: see kHeads in attend_tokens); buffers are sized for this many.
+// Query rows whose multiply-adds share a loaded cache vector (the AVX2 variant uses half as
+// many: see kRowsPerVector in attend_tokens); buffers are sized for this many.
 constexpr int kHeadTile = 4;
 constexpr int kValueBlocks = 8;  // blocks whose value sums stay in registers together
 // Probability patterns per block and head: at most 4 vectors per chunk times 2 chunks per value
@@ -99,16 +100,14 @@ constexpr int kMaxPatterns = 8;
 // Blocks are scattered in memory, so the hardware prefetchers cannot run ahead across them; the
 // kernel requests the tiles it will read next itself, a few lines at a time between its
 // multiply-adds (a burst of requests would stall once the line-fill buffers are full). Key tiles
-// are requested into L2 only (`prefetcht2`): on the machine this was tuned on that made the key
-// pass 7-10% faster than requests into L1. While the key pass reads one group of kPrefetchGroup
-// tiles (in the order the unit reads its tiles), it requests the next group's lines one line of
-// each tile in turn, not tile after tile. There the order mattered, not the distance: about 16
-// tiles ahead, v1 bf16 at 32 x 4096 took 25.0-25.5 ms one tile after another and 23.0-24.1 ms
-// round-robin over 4 tiles; groups of 4 or 16 were within noise of 8. Value tiles go to L1 one
-// KV head's group of kValueBlocks tiles ahead, one tile per block in turn (the AVX2 variant
-// requests them all at once; into L2 instead: no measurable difference); a group of every KV
-// head of the unit ahead (4 times as far) was 2-5% slower.
-constexpr int64_t kPrefetchGroup = 8;
+// are requested into L2 only (`prefetcht2`), which measured faster than L1. While the key pass
+// reads one set of kPrefetchTiles tiles (in the order the unit reads its tiles), it requests the
+// next set's lines one line of each tile in turn, not tile after tile: a core keeps more
+// requests in flight when they are spread over several pages (the order mattered, not the
+// distance). Value tiles go to L1 one KV head's span of kValueBlocks tiles ahead, one tile per
+// block in turn (the AVX2 variant requests them all at once). The measurements behind each
+// choice: README, "Decode attention on the CPU", and docs/results.md.
+constexpr int64_t kPrefetchTiles = 8;
 
 // The most KV heads per unit (see the top of the file). With head size 128 and block size 16, 4
 // heads' key tiles of a block are one 16 KiB (bf16) or 32 KiB (fp32) run of memory.
@@ -122,32 +121,33 @@ constexpr int64_t kDecodeMaxRows = 32;
 // per KV head), unless one KV head alone has more: their logits stay in the per-thread buffer.
 constexpr int64_t kMaxUnitRows = 32;
 
-// Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats; "heads"
-// is the number of KV heads of a unit, "rows" the query rows per KV head (q_len x group), padded
-// to a multiple of kHeadTile in rows_pad.
+// Per-thread buffers, sized once per parallel chunk. A "vector" is a run of 16 floats;
+// "kv_heads" is the number of KV heads of a unit, "rows" the query rows per KV head (q_len x
+// queries_per_kv), padded to a multiple of kHeadTile in rows_pad.
 struct Scratch {
-  AlignedFloats query_patterns;  // [heads][rows_pad][head_size / 4][4]
-  AlignedFloats logits;          // [heads * rows][logit_stride]: logits, then exp(logit - max)
+  AlignedFloats query_patterns;  // [kv_heads][rows_pad][head_size / 4][4]
+  AlignedFloats logits;          // [kv_heads * rows][logit_stride]: logits, then exp(logit - max)
   AlignedFloats block_logits;    // [rows_pad][block_size]
   AlignedFloats prob_patterns;   // [kValueBlocks][rows_pad][kMaxPatterns] vectors
-  AlignedFloats accumulators;    // [heads][rows_pad][value chunks per tile] vectors
+  AlignedFloats accumulators;    // [kv_heads][rows_pad][value chunks per tile] vectors
   int64_t logit_stride;
 
-  void resize(int64_t heads, int64_t rows, int64_t head_size, int64_t block_size,
+  void resize(int64_t kv_heads, int64_t rows, int64_t head_size, int64_t block_size,
               int64_t max_tokens) {
     const int64_t rows_pad = round_up(rows, kHeadTile);
     logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
-    query_patterns.resize(heads * rows_pad * head_size);
-    logits.resize(heads * rows * logit_stride);
+    query_patterns.resize(kv_heads * rows_pad * head_size);
+    logits.resize(kv_heads * rows * logit_stride);
     block_logits.resize(rows_pad * block_size);
     prob_patterns.resize(kValueBlocks * rows_pad * kMaxPatterns * kLanes);
     // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
-    accumulators.resize(heads * rows_pad * head_size * block_size);
+    accumulators.resize(kv_heads * rows_pad * head_size * block_size);
   }
 };
 
 // Attends the query rows of KV heads [kv_head, kv_head + heads) to tokens [begin, end) of one
-// sequence (end > begin). A KV head serves q_len x group rows: row hh * head_rows + i * group + g
+// sequence (end > begin). A KV head serves q_len x queries_per_kv rows: row
+// hh * head_rows + i * queries_per_kv + g
 // is query row i of the sequence (at position seq_len - q_len + i) and query head g of KV head
 // kv_head + hh. Row i attends [begin, end) clipped to its causal end and window. Writes, per
 // row, the normalised output (float), the max logit and the exp sum (a sink included).
@@ -156,15 +156,15 @@ struct Scratch {
 // registers, with 2 heads per loaded cache vector instead of 4 (16 registers, not 32).
 template <typename scalar_t, typename cache_t, bool kSplit>
 inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int64_t kv_head,
-                          int64_t heads, int64_t begin, int64_t end, float* out, float* max_logit,
-                          float* exp_sum) {
+                          int64_t kv_heads, int64_t begin, int64_t end, float* out,
+                          float* max_logit, float* exp_sum) {
   constexpr int k = kVectorsPerChunk<cache_t>;
   constexpr int64_t chunk_elems = kElementsPerChunk<cache_t>;
   constexpr int64_t x = 16 / sizeof(cache_t);  // key layout: elements per 16 bytes
   // Chunks whose multiply-adds share one loaded query/probability pattern: 4 when the
   // accumulators and converted chunks still fit in 32 vector registers, else 2.
   constexpr bool kWideTile = !kSplit && k <= 2;
-  constexpr int kHeads = kSplit ? kHeadTile / 2 : kHeadTile;  // heads sharing a loaded vector
+  constexpr int kRowsPerVector = kSplit ? kHeadTile / 2 : kHeadTile;  // rows sharing a vector
   // The multiply-add loops hold each 16-lane vector as kParts pieces of type V: one 16-lane
   // vector, or (kSplit) two 8-lane halves, lanes 8h..8h+7 in half h.
   using V = std::conditional_t<kSplit, f32x8, f32x16>;
@@ -173,11 +173,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   constexpr int64_t kPartElems = kElementsPerChunk<cache_t> / kParts;
   const int64_t head_size = p.head_size;
   const int64_t block_size = p.block_size;
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t queries_per_kv = p.num_heads / p.num_kv_heads;
   const int64_t q_len = query_len(p, seq);
-  const int64_t head_rows = q_len * group;
-  const int64_t rows_pad = round_up(head_rows, kHeads);
-  const int64_t rows = heads * head_rows;
+  const int64_t head_rows = q_len * queries_per_kv;
+  const int64_t rows_pad = round_up(head_rows, kRowsPerVector);
+  const int64_t rows = kv_heads * head_rows;
   const int64_t seq_len = p.seq_lens[seq];
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const cache_t* key_base = static_cast<const cache_t*>(p.key_cache) + kv_head * p.key_head_stride;
@@ -195,14 +195,15 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t patterns_per_head = dim_rows * k;  // = head_size / 4
   const int64_t head_patterns = rows_pad * patterns_per_head * 4;  // floats per KV head
   float* query_patterns = s.query_patterns.data();
-  for (int64_t hh = 0; hh < heads; ++hh) {
+  for (int64_t hh = 0; hh < kv_heads; ++hh) {
     float* head_qp = query_patterns + hh * head_patterns;
     std::fill(head_qp + head_rows * patterns_per_head * 4, head_qp + head_patterns,
               0.0f);  // padding rows
     for (int64_t g = 0; g < head_rows; ++g) {
       const scalar_t* q = static_cast<const scalar_t*>(p.query) +
-                          (first_query_row(p, seq) + g / group) * p.query_row_stride +
-                          ((kv_head + hh) * group + g % group) * p.query_head_stride;
+                          (first_query_row(p, seq) + g / queries_per_kv) * p.query_row_stride +
+                          ((kv_head + hh) * queries_per_kv + g % queries_per_kv) *
+                              p.query_head_stride;
       for (int64_t c = 0; c < dim_rows; ++c) {
         for (int v = 0; v < k; ++v) {
           float* pattern = head_qp + (g * patterns_per_head + c * k + v) * 4;
@@ -218,23 +219,23 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t key_chunks_per_row = block_size / 4;  // 2, 4 or 8
   // The unit's tiles in the order it reads them, for the requests ahead: the key tiles block by
   // block (the heads of a block together), then the value tiles as the value pass visits them
-  // (per group of kValueBlocks blocks, head by head); null past the end.
+  // (per span of kValueBlocks blocks, head by head); null past the end.
   const int64_t blocks = end_block - first_block;
-  const int64_t key_tiles = blocks * heads;
+  const int64_t key_tiles = blocks * kv_heads;
   auto tile_in_reading_order = [&](int64_t t) -> const char* {
     const cache_t* tile = nullptr;
     if (t < key_tiles) {
-      tile = key_base + block_table[first_block + t / heads] * p.key_block_stride +
-             t % heads * p.key_head_stride;
+      tile = key_base + block_table[first_block + t / kv_heads] * p.key_block_stride +
+             t % kv_heads * p.key_head_stride;
     } else if (t < 2 * key_tiles) {
       t -= key_tiles;
-      const int64_t group_first = t / (heads * kValueBlocks) * kValueBlocks;
-      const int64_t group_blocks = std::min<int64_t>(kValueBlocks, blocks - group_first);
-      const int64_t in_group = t - group_first * heads;
+      const int64_t span_first = t / (kv_heads * kValueBlocks) * kValueBlocks;
+      const int64_t span_blocks = std::min<int64_t>(kValueBlocks, blocks - span_first);
+      const int64_t in_span = t - span_first * kv_heads;
       tile = value_base +
-             block_table[first_block + group_first + in_group % group_blocks] *
+             block_table[first_block + span_first + in_span % span_blocks] *
                  p.value_block_stride +
-             in_group / group_blocks * p.value_head_stride;
+             in_span / span_blocks * p.value_head_stride;
     }
     return reinterpret_cast<const char*>(tile);
   };
@@ -246,28 +247,28 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     // produce logits from whatever the cache holds there; they are not copied out.
     const int64_t lo = std::max(begin, b * block_size);
     const int64_t hi = std::min(end, (b + 1) * block_size);
-    for (int64_t hh = 0; hh < heads; ++hh) {
+    for (int64_t hh = 0; hh < kv_heads; ++hh) {
       const cache_t* tile = block_tiles + hh * p.key_head_stride;
-      // The next group of kPrefetchGroup tiles, whose lines this tile's key pass requests:
-      // requests [first_request, first_request + tile_lines) of the group's interleaved order.
-      const int64_t tile_index = (b - first_block) * heads + hh;
-      const char* ahead[kPrefetchGroup];
-      for (int i = 0; i < kPrefetchGroup; ++i) {
-        ahead[i] = tile_in_reading_order((tile_index / kPrefetchGroup + 1) * kPrefetchGroup + i);
+      // The next set of kPrefetchTiles tiles, whose lines this tile's key pass requests:
+      // requests [first_request, first_request + tile_lines) of the set's interleaved order.
+      const int64_t tile_index = (b - first_block) * kv_heads + hh;
+      const char* ahead[kPrefetchTiles];
+      for (int i = 0; i < kPrefetchTiles; ++i) {
+        ahead[i] = tile_in_reading_order((tile_index / kPrefetchTiles + 1) * kPrefetchTiles + i);
       }
-      const int64_t first_request = tile_index % kPrefetchGroup * tile_lines;
-      for (int64_t g0 = 0; g0 < rows_pad; g0 += kHeads) {
+      const int64_t first_request = tile_index % kPrefetchTiles * tile_lines;
+      for (int64_t g0 = 0; g0 < rows_pad; g0 += kRowsPerVector) {
         const float* qp = query_patterns + hh * head_patterns + g0 * patterns_per_head * 4;
         // Logits of the 4 * kTile tokens in chunks [m0, m0 + kTile) of every dim-row.
         auto chunk_logits = [&]<int kTile>(int64_t m0) {
-          V acc[kHeads][kTile][kParts] = {};
+          V acc[kRowsPerVector][kTile][kParts] = {};
           for (int64_t c = 0; c < dim_rows; ++c) {
             if (g0 == 0 && m0 == 0) {  // dim-row c's share of the requests
               for (int64_t l = 0; l < row_lines; ++l) {
                 const int64_t request = first_request + c * row_lines + l;
-                const char* ahead_tile = ahead[request % kPrefetchGroup];
+                const char* ahead_tile = ahead[request % kPrefetchTiles];
                 if (ahead_tile != nullptr) {
-                  __builtin_prefetch(ahead_tile + request / kPrefetchGroup * 64, 0, kToL2);
+                  __builtin_prefetch(ahead_tile + request / kPrefetchTiles * 64, 0, kToL2);
                 }
               }
             }
@@ -279,7 +280,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
             for (int v = 0; v < k; ++v) {
-              for (int g = 0; g < kHeads; ++g) {
+              for (int g = 0; g < kRowsPerVector; ++g) {
                 const V q = repeat_quad<V>(qp + (g * patterns_per_head + c * k + v) * 4);
                 for (int part = 0; part < kParts; ++part) {
                   for (int m = 0; m < kTile; ++m) acc[g][m][part] += q * keys[m][part][v];
@@ -287,7 +288,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
           }
-          for (int g = 0; g < kHeads; ++g) {
+          for (int g = 0; g < kRowsPerVector; ++g) {
             float* dst = block_logits + (g0 + g) * block_size + m0 * 4;
             if constexpr (kSplit) {
               for (int m = 0; m < kTile; ++m) {
@@ -339,8 +340,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = logits + r * s.logit_stride;
-    const int64_t i = r % head_rows / group;  // query row within the sequence
-    const int64_t head = (kv_head + r / head_rows) * group + r % group;
+    const int64_t i = r % head_rows / queries_per_kv;  // query row within the sequence
+    const int64_t head = (kv_head + r / head_rows) * queries_per_kv + r % queries_per_kv;
     const int64_t position = seq_len - q_len + i;
     const int32_t lo = static_cast<int32_t>(
         p.sliding_window > 0 ? std::max<int64_t>(0, position - p.sliding_window + 1 - begin) : 0);
@@ -396,7 +397,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t value_chunks = head_size * block_size / chunk_elems;
   float* acc_mem = s.accumulators.data();
   const int64_t head_acc_floats = rows_pad * value_chunks * kLanes;  // per KV head
-  std::fill(acc_mem, acc_mem + heads * head_acc_floats, 0.0f);
+  std::fill(acc_mem, acc_mem + kv_heads * head_acc_floats, 0.0f);
   float* prob_patterns = s.prob_patterns.data();
   const int64_t pattern_block_stride = rows_pad * kMaxPatterns * kLanes;
   i32x16 pattern_tokens[kMaxPatterns];  // token of each lane of each pattern, within a block
@@ -408,8 +409,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   }
   i32x16 keep[kValueBlocks][kMaxPatterns];  // lanes of valid tokens, per block and pattern
   bool partial[kValueBlocks];
-  const cache_t* block_tiles[kValueBlocks];  // first KV head's tiles of this group of blocks
-  const cache_t* next_block_tiles[kValueBlocks];  // and of the next group
+  const cache_t* block_tiles[kValueBlocks];  // first KV head's tiles of this span of blocks
+  const cache_t* next_block_tiles[kValueBlocks];  // and of the next span
   const cache_t* tiles[kValueBlocks];  // the current KV head's
   const cache_t* next_tiles[kValueBlocks];
   for (int64_t b0 = first_block; b0 < end_block; b0 += kValueBlocks) {
@@ -430,11 +431,11 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         }
       }
     }
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      // The tiles read next: the next KV head's of this group, or the first head's of the next.
-      const int64_t prefetch_nb = hh + 1 < heads ? nb : next_nb;
+    for (int64_t hh = 0; hh < kv_heads; ++hh) {
+      // The tiles read next: the next KV head's of this span, or the first head's of the next.
+      const int64_t prefetch_nb = hh + 1 < kv_heads ? nb : next_nb;
       for (int64_t i = 0; i < prefetch_nb; ++i) {
-        next_tiles[i] = hh + 1 < heads ? block_tiles[i] + (hh + 1) * p.value_head_stride
+        next_tiles[i] = hh + 1 < kv_heads ? block_tiles[i] + (hh + 1) * p.value_head_stride
                                        : next_block_tiles[i];
       }
       for (int64_t i = 0; i < nb; ++i) {
@@ -465,12 +466,12 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         }
       }
       float* head_acc = acc_mem + hh * head_acc_floats;
-      for (int64_t g0 = 0; g0 < rows_pad; g0 += kHeads) {
-        // Value chunks [m0, m0 + kTile) of every block of the group, summed in registers. m0 is
+      for (int64_t g0 = 0; g0 < rows_pad; g0 += kRowsPerVector) {
+        // Value chunks [m0, m0 + kTile) of every block of the span, summed in registers. m0 is
         // a multiple of kTile, so chunk m0 + m uses the patterns of row chunk m % chunks_per_row.
         auto chunk_values = [&]<int kTile>(int64_t m0) {
-          f32x16 acc[kHeads][kTile];
-          for (int g = 0; g < kHeads; ++g) {
+          f32x16 acc[kRowsPerVector][kTile];
+          for (int g = 0; g < kRowsPerVector; ++g) {
             for (int m = 0; m < kTile; ++m) {
               acc[g][m] =
                   load_vector<f32x16>(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes);
@@ -496,7 +497,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             }
             const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
             for (int v = 0; v < k; ++v) {
-              for (int g = 0; g < kHeads; ++g) {
+              for (int g = 0; g < kRowsPerVector; ++g) {
                 const float* pattern = pp + (g * kMaxPatterns + v) * kLanes;
                 const f32x16 even = load_vector<f32x16>(pattern);
                 const f32x16 odd =
@@ -505,7 +506,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
           }
-          for (int g = 0; g < kHeads; ++g) {
+          for (int g = 0; g < kRowsPerVector; ++g) {
             for (int m = 0; m < kTile; ++m) {
               store_vector(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes, acc[g][m]);
             }
@@ -516,8 +517,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
         // vectors in the AVX-512 build (45 -> 67-116 zmm spill stores) and measured slower.
         auto chunk_values_split = [&](int64_t m0) {
           constexpr int kTile = 2;
-          f32x8 acc[kHeads][kTile][2];
-          for (int g = 0; g < kHeads; ++g) {
+          f32x8 acc[kRowsPerVector][kTile][2];
+          for (int g = 0; g < kRowsPerVector; ++g) {
             for (int m = 0; m < kTile; ++m) {
               for (int h = 0; h < 2; ++h) {
                 acc[g][m][h] = load_vector<f32x8>(
@@ -555,7 +556,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
             }
             const float* pp = prob_patterns + i * pattern_block_stride + g0 * kMaxPatterns * kLanes;
             for (int v = 0; v < k; ++v) {
-              for (int g = 0; g < kHeads; ++g) {
+              for (int g = 0; g < kRowsPerVector; ++g) {
                 for (int h = 0; h < 2; ++h) {
                   const f32x8 even =
                       load_vector<f32x8>(pp + (g * kMaxPatterns + v) * kLanes + 8 * h);
@@ -569,7 +570,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
               }
             }
           }
-          for (int g = 0; g < kHeads; ++g) {
+          for (int g = 0; g < kRowsPerVector; ++g) {
             for (int m = 0; m < kTile; ++m) {
               for (int h = 0; h < 2; ++h) {
                 store_vector(head_acc + ((g0 + g) * value_chunks + m0 + m) * kLanes + 8 * h,
@@ -595,7 +596,7 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
   const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_elems / block_size);
   const int64_t lanes_per_row = kLanes / rows_per_chunk;
   std::fill(out, out + rows * head_size, 0.0f);
-  for (int64_t hh = 0; hh < heads; ++hh) {
+  for (int64_t hh = 0; hh < kv_heads; ++hh) {
     for (int64_t g = 0; g < head_rows; ++g) {
       const float* lanes = acc_mem + hh * head_acc_floats + g * value_chunks * kLanes;
       float* row_out = out + (hh * head_rows + g) * head_size;
@@ -626,10 +627,10 @@ inline int64_t unit_count(const AttentionParams& p) {
 // Sequences without query rows, or with more than p.max_query_len, are skipped.
 template <typename scalar_t, typename cache_t, bool kSplit>
 inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit) {
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t queries_per_kv = p.num_heads / p.num_kv_heads;
   const int64_t runs = kv_head_runs(p);
   const int64_t units = unit_count(p);
-  const int64_t max_head_rows = p.max_query_len * group;
+  const int64_t max_head_rows = p.max_query_len * queries_per_kv;
   Scratch s;
   s.resize(p.unit_kv_heads, max_head_rows, p.head_size, p.block_size, p.max_unit_tokens);
   std::vector<float> result(p.unit_kv_heads * max_head_rows * p.head_size);
@@ -640,12 +641,12 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
        u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t partition = u % p.num_partitions;
     const int64_t kv_head = (u / p.num_partitions) % runs * p.unit_kv_heads;
-    const int64_t heads = std::min(p.unit_kv_heads, p.num_kv_heads - kv_head);
+    const int64_t kv_heads = std::min(p.unit_kv_heads, p.num_kv_heads - kv_head);
     const int64_t seq = u / (p.num_partitions * runs);
     const int64_t q_len = query_len(p, seq);
     if (q_len == 0 || q_len > p.max_query_len) continue;
-    const int64_t head_rows = q_len * group;
-    const int64_t rows = heads * head_rows;
+    const int64_t head_rows = q_len * queries_per_kv;
+    const int64_t rows = kv_heads * head_rows;
     const int64_t seq_len = p.seq_lens[seq];
     // The first query row's window start: later rows attend a suffix of what it attends.
     int64_t begin =
@@ -658,12 +659,12 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
       std::fill(max_logit.begin(), max_logit.end(), -std::numeric_limits<float>::infinity());
       std::fill(exp_sum.begin(), exp_sum.end(), 0.0f);
     } else {
-      attend_tokens<scalar_t, cache_t, kSplit>(p, s, seq, kv_head, heads, begin, end,
+      attend_tokens<scalar_t, cache_t, kSplit>(p, s, seq, kv_head, kv_heads, begin, end,
                                                result.data(), max_logit.data(), exp_sum.data());
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t token = first_query_row(p, seq) + r % head_rows / group;
-      const int64_t head = (kv_head + r / head_rows) * group + r % group;
+      const int64_t token = first_query_row(p, seq) + r % head_rows / queries_per_kv;
+      const int64_t head = (kv_head + r / head_rows) * queries_per_kv + r % queries_per_kv;
       const int64_t row = (token * p.num_heads + head) * p.num_partitions + partition;
       scalar_t* dst = static_cast<scalar_t*>(p.out) + row * p.head_size;
       for (int64_t d = 0; d < p.head_size; ++d) {

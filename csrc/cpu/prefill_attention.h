@@ -53,8 +53,8 @@ struct PrefillUnit {
 // The units of every sequence with more than p.max_query_len query rows (the decode kernel takes
 // the others), heaviest first, so that the last units to start are short ones.
 inline std::vector<PrefillUnit> plan_prefill_units(const AttentionParams& p) {
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t positions_per_unit = std::max<int64_t>(1, kPrefillRows / group);
+  const int64_t queries_per_kv = p.num_heads / p.num_kv_heads;
+  const int64_t positions_per_unit = std::max<int64_t>(1, kPrefillRows / queries_per_kv);
   std::vector<PrefillUnit> units;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t q_len = query_len(p, seq);
@@ -148,27 +148,29 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
   using I = IntsOf<V>;
   constexpr int64_t kVectorLanes = sizeof(V) / sizeof(float);
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t queries_per_kv = p.num_heads / p.num_kv_heads;
   const int64_t head_size = p.head_size;
   const int64_t seq = unit.seq;
   const int64_t q_len = query_len(p, seq);
   const int64_t seq_len = p.seq_lens[seq];
-  const int64_t rows = unit.count * group;
+  const int64_t rows = unit.count * queries_per_kv;
   const int64_t rows_pad = round_up(rows, kLanes);
   const int64_t first_position = seq_len - q_len + unit.first;
   const int64_t last_position = first_position + unit.count - 1;
 
-  // Row m is query row unit.first + m / group and query head kv_head * group + m % group.
+  // Row m is query row unit.first + m / queries_per_kv and query head
+  // kv_head * queries_per_kv + m % queries_per_kv.
   float* query_t = s.query_t.data();
   float* row_slope = s.row_slope.data();
   float* row_position = s.row_position.data();
   for (int64_t m = 0; m < rows_pad; ++m) {
     const int64_t real = std::min(m, rows - 1);  // padding rows repeat the last row's metadata
-    const int64_t head = unit.kv_head * group + real % group;
-    row_position[m] = static_cast<float>(first_position + real / group);
+    const int64_t head = unit.kv_head * queries_per_kv + real % queries_per_kv;
+    row_position[m] = static_cast<float>(first_position + real / queries_per_kv);
     row_slope[m] = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.0f;
     const scalar_t* q = static_cast<const scalar_t*>(p.query) +
-                        (first_query_row(p, seq) + unit.first + real / group) * p.query_row_stride +
+                        (first_query_row(p, seq) + unit.first + real / queries_per_kv) *
+                            p.query_row_stride +
                         head * p.query_head_stride;
     for (int64_t d = 0; d < head_size; ++d) {
       query_t[d * rows_pad + m] = m < rows ? static_cast<float>(q[d]) * p.scale : 0.0f;
@@ -253,7 +255,7 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
 
   // out = out_t / (sum + exp(sink - max)), a sink joining the denominator only.
   for (int64_t m = 0; m < rows; ++m) {
-    const int64_t head = unit.kv_head * group + m % group;
+    const int64_t head = unit.kv_head * queries_per_kv + m % queries_per_kv;
     const float sink = p.sinks != nullptr ? p.sinks[head] : -kInf;
     const float top = std::max(row_max[m], sink);
     const float kept = std::exp(row_max[m] - top);
@@ -262,8 +264,8 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
     row_rescale[m] = kept / denominator;
   }
   for (int64_t m = 0; m < rows; ++m) {
-    const int64_t head = unit.kv_head * group + m % group;
-    const int64_t token = first_query_row(p, seq) + unit.first + m / group;
+    const int64_t head = unit.kv_head * queries_per_kv + m % queries_per_kv;
+    const int64_t token = first_query_row(p, seq) + unit.first + m / queries_per_kv;
     scalar_t* dst = static_cast<scalar_t*>(p.out) + (token * p.num_heads + head) * head_size;
     for (int64_t d = 0; d < head_size; ++d) {
       dst[d] = static_cast<scalar_t>(out_t[d * rows_pad + m] * row_rescale[m]);

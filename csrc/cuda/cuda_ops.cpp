@@ -69,14 +69,11 @@ void check_fits_int32(int64_t value, const char* name) {
   TORCH_CHECK_VALUE(value <= INT_MAX, name, " (", value, ") is too large for the CUDA kernels");
 }
 
-// The parameters every attention launch shares, from tensors the checks have accepted.
-AttentionParams attention_params(const at::Tensor& out, const at::Tensor& query,
-                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                 const AttentionDims& dims, double scale,
-                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                 int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                                 const at::Tensor& k_scale, const at::Tensor& v_scale,
-                                 int64_t sliding_window, double logits_soft_cap) {
+// The parameters every attention launch shares, from arguments the checks have accepted.
+AttentionParams attention_params(const AttentionArgs& args, const AttentionDims& dims) {
+  const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+               max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
+               logits_soft_cap] = args;
   AttentionParams p{};
   p.out = out.data_ptr();
   p.query = query.data_ptr();
@@ -149,27 +146,21 @@ void plan_and_launch(const AttentionParams& p, AttentionOp op, const at::Tensor&
                name);
 }
 
-void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_sums,
+// The v1 and v2 ops (v2 with its scratch exp_sums, max_logits and tmp_out): checks, plan, launch.
+void check_and_launch_decode(const AttentionArgs& args, int64_t block_size,
+                   const std::optional<at::Tensor>& exp_sums,
                    const std::optional<at::Tensor>& max_logits,
-                   const std::optional<at::Tensor>& tmp_out, const at::Tensor& query,
-                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                   int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                   const std::optional<at::Tensor>& alibi_slopes,
-                   const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-                   const at::Tensor& v_scale, int64_t sliding_window, double logits_soft_cap) {
+                   const std::optional<at::Tensor>& tmp_out) {
+  const at::Tensor& query = args.query;
   const bool v2 = exp_sums.has_value();
   const char* op = v2 ? "paged_attention_v2" : "paged_attention_v1";
-  const AttentionDims dims = check_attention_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-      logits_soft_cap);
+  const AttentionDims dims = check_attention_args(args, block_size);
   TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
-  if (v2) check_v2_scratch(*exp_sums, *max_logits, *tmp_out, dims, query);
+  if (v2) check_v2_scratch(*exp_sums, *max_logits, *tmp_out, dims, args);
   if (debug_checks_enabled()) {
-    check_attention_indices(block_tables, seq_lens, dims, sliding_window);
+    check_attention_indices(args.block_tables, args.seq_lens, dims, args.sliding_window);
   }
-  check_attention_launch(key_cache, value_cache, dims, sliding_window);
+  check_attention_launch(args.key_cache, args.value_cache, dims, args.sliding_window);
   if (v2) {
     TORCH_CHECK_VALUE(exp_sums->size(2) <= 65535, "exp_sums.size(2) (", exp_sums->size(2),
                       ") must be at most 65535 partitions");
@@ -177,10 +168,7 @@ void run_attention(const at::Tensor& out, const std::optional<at::Tensor>& exp_s
 
   if (dims.num_seqs == 0 || dims.num_heads == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
-  AttentionParams p =
-      attention_params(out, query, key_cache, value_cache, dims, scale, block_tables, seq_lens,
-                       max_seq_len, alibi_slopes, k_scale, v_scale, sliding_window,
-                       logits_soft_cap);
+  AttentionParams p = attention_params(args, dims);
   p.num_tokens = p.num_seqs;
   p.max_query_len = 1;
   if (v2) {
@@ -200,9 +188,11 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
                         double logits_soft_cap) {
-  run_attention(out, std::nullopt, std::nullopt, std::nullopt, query, key_cache, value_cache,
-                num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window, logits_soft_cap);
+  const AttentionArgs args{out,          query,          key_cache,    value_cache,
+                           num_kv_heads, scale,          block_tables, seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
+                           v_scale,      sliding_window, logits_soft_cap};
+  check_and_launch_decode(args, block_size, std::nullopt, std::nullopt, std::nullopt);
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -214,9 +204,11 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
                         double logits_soft_cap) {
-  run_attention(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
-                scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
-                kv_cache_dtype, k_scale, v_scale, sliding_window, logits_soft_cap);
+  const AttentionArgs args{out,          query,          key_cache,    value_cache,
+                           num_kv_heads, scale,          block_tables, seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
+                           v_scale,      sliding_window, logits_soft_cap};
+  check_and_launch_decode(args, block_size, exp_sums, max_logits, tmp_out);
 }
 
 // Every query length in one launch (csrc/cuda/attention/plan.h): no host synchronisation, so
@@ -231,10 +223,11 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& v_scale, int64_t sliding_window,
                             double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention_varlen";
-  const VarlenDims dims = check_varlen_args(
-      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      query_start_loc, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-      sliding_window, logits_soft_cap, sinks);
+  const AttentionArgs args{out,          query,          key_cache,    value_cache,
+                           num_kv_heads, scale,          block_tables, seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
+                           v_scale,      sliding_window, logits_soft_cap};
+  const VarlenDims dims = check_varlen_args(args, query_start_loc, max_query_len, sinks);
   TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
   if (debug_checks_enabled()) {
     check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window);
@@ -246,10 +239,7 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
     return;
   }
   const c10::cuda::CUDAGuard guard(query.device());
-  AttentionParams p =
-      attention_params(out, query, key_cache, value_cache, dims, scale, block_tables, seq_lens,
-                       max_seq_len, alibi_slopes, k_scale, v_scale, sliding_window,
-                       logits_soft_cap);
+  AttentionParams p = attention_params(args, dims);
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
   p.num_tokens = static_cast<int32_t>(dims.num_tokens);
   // No sequence has more rows than the query has.
@@ -323,11 +313,6 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
   const at::Tensor& first = key_caches[0];
   TORCH_CHECK(first.is_cuda(), "copy_blocks: the caches must be CUDA tensors, got ",
               first.device());
-  const int64_t num_blocks = first.size(0);
-  // A mapping already on the host is checked for free; a device one only in debug mode.
-  if (block_mapping.is_cpu() || debug_checks_enabled()) {
-    check_block_mapping(block_mapping, num_blocks, num_blocks);
-  }
   const c10::cuda::CUDAGuard guard(first.device());
   const at::Tensor mapping = mapping_on(block_mapping, first.device());
   std::vector<CopyTensor> tensors;
@@ -376,9 +361,6 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
               "swap_blocks: src and dst must be CUDA or CPU tensors, got ", src.device(), " and ",
               dst.device());
   if (block_mapping.size(0) == 0) return;
-  if (block_mapping.is_cpu() || debug_checks_enabled()) {
-    check_block_mapping(block_mapping, src.size(0), dst.size(0));
-  }
   const at::Tensor& gpu_side = src.is_cuda() ? src : dst;
   const c10::cuda::CUDAGuard guard(gpu_side.device());
   const cudaStream_t stream = current_stream(gpu_side);
