@@ -70,8 +70,11 @@ test-asan: build
 bench: build
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_decode_cpu_core.py
+	$(PY) benchmarks/bench_prefill.py
 	$(PY) benchmarks/bench_block_manager.py
 	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_hf_kv_bytes.py
+	$(PY) benchmarks/bench_serving.py
 
 # The sdist carries everything a build needs: build a CPU-only wheel from it and import it.
 package-check: build

@@ -75,10 +75,10 @@ def measure(model, prompt_len: int, new_tokens: int, block_size: int, options: d
         "same_tokens": bool(torch.equal(expected, got)),
         "dynamic_cache_bytes": dynamic_cache_bytes(dynamic),
         "paged_peak_blocks": paged.peak_blocks_in_use,
-        "paged_peak_bytes": paged.peak_blocks_in_use * paged.kv.bytes_per_block,
-        "paged_final_bytes": stats.device.used_blocks * paged.kv.bytes_per_block,
-        "paged_unshared_bytes": unshared_blocks * paged.kv.bytes_per_block,
-        "bytes_per_block": paged.kv.bytes_per_block,
+        "paged_peak_bytes": paged.peak_blocks_in_use * paged.kv_cache.bytes_per_block,
+        "paged_final_bytes": stats.device.used_blocks * paged.kv_cache.bytes_per_block,
+        "paged_unshared_bytes": unshared_blocks * paged.kv_cache.bytes_per_block,
+        "bytes_per_block": paged.kv_cache.bytes_per_block,
     }
 
 

@@ -129,12 +129,12 @@ class SharingMeter:
     hold if nothing were shared."""
 
     def __init__(self, manager: BlockManager) -> None:
-        self.manager = manager
+        self.block_manager = manager
         self.used = 0
         self.unshared = 0
 
     def sample(self, seq_ids: list[int]) -> None:
-        manager = self.manager
+        manager = self.block_manager
         self.used += manager.num_device_blocks - manager.num_free_device_blocks()
         size = manager.block_size
         self.unshared += sum(-(-manager.num_tokens(s) // size) for s in seq_ids)

@@ -21,7 +21,7 @@ checked token for token against ``generate()``. ``--device cuda`` adds a row wit
 off (they are on by default there).
 
     python benchmarks/bench_serving.py [--quick] [--device cpu|cuda] [--workloads A,B,C]
-        [--modes offline,poisson] [--configs ...]
+        [--modes offline,poisson] [--configs ...] [--max-num-batched-tokens 256]
         [--json results/bench_serving.json] [--plot results/bench_serving.png]
 
 (with the package installed, or ``PYTHONPATH=.`` from the repository root).
@@ -30,6 +30,7 @@ off (they are on by default there).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -55,7 +56,7 @@ QUICK_MODEL = {**MODEL, "hidden_size": 128, "intermediate_size": 256, "num_hidde
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
 MAX_NUM_SEQS = 64
-CHUNK_TOKENS = 256  # max_num_batched_tokens with chunked prefill on
+CHUNK_TOKENS = 256  # max_num_batched_tokens with chunked prefill on (--max-num-batched-tokens)
 CONFIGS = {
     "prefix cache + chunked prefill": dict(enable_prefix_caching=True, chunked=True),
     "prefix cache": dict(enable_prefix_caching=True, chunked=False),
@@ -143,13 +144,13 @@ def synchronize(model) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(model, work, arrivals, name, config) -> dict:
+def run_engine(model, work, arrivals, name, config, chunk_tokens) -> dict:
     engine = Engine(
         model,
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK_SIZE,
         max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=CHUNK_TOKENS if config["chunked"] else None,
+        max_num_batched_tokens=chunk_tokens if config["chunked"] else None,
         enable_prefix_caching=config["enable_prefix_caching"],
         eos_token_id=[],
         cuda_graphs=config.get("cuda_graphs"),
@@ -217,7 +218,13 @@ def run_generate_batch(model, work) -> dict:
         max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     # The engine's KV budget and block size (unsized, it infers them from free memory).
-    batching = ContinuousBatchingConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    # transformers renamed block_size to page_size (5.24 warns on the old name)
+    page = (
+        "page_size"
+        if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters
+        else "block_size"
+    )
+    batching = ContinuousBatchingConfig(num_blocks=NUM_BLOCKS, **{page: BLOCK_SIZE})
     model.set_attn_implementation("sdpa")
     model.generate_batch(
         inputs=[prompts[0][:8]],
@@ -350,6 +357,12 @@ def main() -> None:
     )
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=CHUNK_TOKENS,
+        help="the per-step token budget of the chunked-prefill configs",
+    )
     parser.add_argument("--json", default="results/bench_serving.json")
     parser.add_argument("--plot", default="results/bench_serving.png")
     args = parser.parse_args()
@@ -384,7 +397,14 @@ def main() -> None:
                     run = run_generate_batch if name == GENERATE_BATCH else run_generate
                     row = run(model, work)
                 else:
-                    row = run_engine(model, work, arrivals, name, engine_configs[name])
+                    row = run_engine(
+                        model,
+                        work,
+                        arrivals,
+                        name,
+                        engine_configs[name],
+                        args.max_num_batched_tokens,
+                    )
                 row.update(workload=workload, arrivals=label)
                 rows.append(row)
                 print(f"  done: {workload} {label} {name}", flush=True)
@@ -406,7 +426,7 @@ def main() -> None:
         "block_size": BLOCK_SIZE,
         "num_blocks": NUM_BLOCKS,
         "max_num_seqs": MAX_NUM_SEQS,
-        "chunk_tokens": CHUNK_TOKENS,
+        "chunk_tokens": args.max_num_batched_tokens,
         "rows": rows,
     }
     if args.json:

@@ -50,8 +50,8 @@ def serve(model: torch.nn.Module) -> dict:
     return {
         "generate": generated[0, input_ids.shape[1] :].tolist(),
         "engine": [out.outputs for out in outputs],
-        "kv_heads_per_rank": engine.kv.num_kv_heads,
-        "kv_bytes_per_rank": engine.kv.device_bytes,
+        "kv_heads_per_rank": engine.kv_cache.num_kv_heads,
+        "kv_bytes_per_rank": engine.kv_cache.device_bytes,
     }
 
 

@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from paged_attention import _C  # noqa: F401  (loading the library registers the ops)
-from paged_attention.reference import PARTITION_SIZE, is_fp8
+from paged_attention.supported import PARTITION_SIZE, is_fp8
 
 ops = torch.ops.paged_attention
 

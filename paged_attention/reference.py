@@ -29,31 +29,14 @@ import math
 
 import torch
 
-PARTITION_SIZE = 512
-
-_FP8_FORMATS = {
-    "fp8": (torch.float8_e4m3fn, 448.0),
-    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
-    "fp8_e5m2": (torch.float8_e5m2, 57344.0),
-}
-
-
-def is_fp8(kv_cache_dtype: str) -> bool:
-    if kv_cache_dtype == "auto":
-        return False
-    if kv_cache_dtype in _FP8_FORMATS:
-        return True
-    raise ValueError(
-        "kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', "
-        f"got {kv_cache_dtype!r}"
-    )
+from paged_attention.supported import FP8_FORMATS, PARTITION_SIZE, is_fp8
 
 
 def quantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | float) -> torch.Tensor:
     """x (float) -> uint8 fp8 bits, or x unchanged for "auto"."""
     if not is_fp8(kv_cache_dtype):
         return x
-    fp8_dtype, fp8_max = _FP8_FORMATS[kv_cache_dtype]
+    fp8_dtype, fp8_max = FP8_FORMATS[kv_cache_dtype]
     scaled = (x.float() / _scale_value(scale)).clamp(-fp8_max, fp8_max)
     return scaled.to(fp8_dtype).view(torch.uint8)
 
@@ -62,7 +45,7 @@ def dequantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | float
     """Cache elements -> float32 values."""
     if not is_fp8(kv_cache_dtype):
         return x.float()
-    fp8_dtype, _ = _FP8_FORMATS[kv_cache_dtype]
+    fp8_dtype, _ = FP8_FORMATS[kv_cache_dtype]
     return x.view(fp8_dtype).float() * _scale_value(scale)
 
 

@@ -11,6 +11,8 @@ import torch
 
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
+PARTITION_SIZE = 512
+"""Tokens per partition of the v2 decode op (its ``tmp_out``/``max_logits``/``exp_sums``)."""
 FP8_FORMATS = {
     "fp8": (torch.float8_e4m3fn, 448.0),
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),

@@ -82,10 +82,10 @@ def scenarios(model) -> dict:
     finally:
         cache_module._host_available_bytes = available
     results["kv"] = {
-        "bytes_per_block": sized.kv.bytes_per_block,
-        "blocks_for_budget": sized.kv.num_blocks,
-        "kv_heads": sized.kv.num_kv_heads,
-        "default_device_bytes": default.kv.device_bytes,
+        "bytes_per_block": sized.kv_cache.bytes_per_block,
+        "blocks_for_budget": sized.kv_cache.num_blocks,
+        "kv_heads": sized.kv_cache.num_kv_heads,
+        "default_device_bytes": default.kv_cache.device_bytes,
     }
 
     workload = default_workload(10, model.config.vocab_size, seed=5)
@@ -102,7 +102,7 @@ def scenarios(model) -> dict:
             "swaps_out": stats.swaps_out,
             "preemptions_by_recompute": stats.preemptions_by_recompute,
             "prompt_tokens_cached": stats.prompt_tokens_cached,
-            "device_bytes": engine.kv.device_bytes,
+            "device_bytes": engine.kv_cache.device_bytes,
         }
     return results
 
@@ -156,7 +156,7 @@ def main(checkpoints: str, out_dir: str) -> None:
     results["diverged_requests"] = _error(engine.step)
     # Budgets that differ between the ranks: every rank takes the smaller one's blocks.
     budget = PagedCache(model, block_size=BLOCK, max_memory=MEMORY_BUDGET * (1 + rank))
-    results["blocks_for_rank_dependent_budget"] = budget.kv.num_blocks
+    results["blocks_for_rank_dependent_budget"] = budget.kv_cache.num_blocks
     results["different_num_blocks"] = _error(
         lambda: PagedCache(model, block_size=BLOCK, num_blocks=8 + rank)
     )

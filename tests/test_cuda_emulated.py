@@ -21,6 +21,7 @@ import torch
 from conftest import make_paged_kv
 
 from paged_attention import reference
+from paged_attention.supported import PARTITION_SIZE
 
 HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]
@@ -247,7 +248,7 @@ def run_case(
         report = emu.paged_attention_v1(out, *args, **options)
         reference.paged_attention_v1(expected, *args)
     else:
-        partitions = max(1, math.ceil(kv.max_seq_len / reference.PARTITION_SIZE)) + 1
+        partitions = max(1, math.ceil(kv.max_seq_len / PARTITION_SIZE)) + 1
         shape = (len(seq_lens), num_heads, partitions)
         scratch = [
             torch.full(shape, 7.0),

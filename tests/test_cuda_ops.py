@@ -16,6 +16,7 @@ import torch
 
 import paged_attention._ops as pa_ops
 from paged_attention import reference
+from paged_attention.supported import is_fp8
 
 pytestmark = [
     pytest.mark.cuda,
@@ -66,7 +67,7 @@ class PagedKV:
         max_blocks = max(1, math.ceil(max_len / block_size))
         needed = sum(math.ceil(n / block_size) for n in seq_lens)
         num_blocks = needed + extra_blocks
-        fp8 = reference.is_fp8(kv_cache_dtype)
+        fp8 = is_fp8(kv_cache_dtype)
         cache_dtype = torch.uint8 if fp8 else dtype
         x = 16 // torch.empty((), dtype=cache_dtype).element_size()
         self.k_scale = torch.tensor([0.5 if fp8 else 1.0], device=device)

@@ -75,9 +75,9 @@ def mixed_workload():
 
 def assert_all_freed(engine):
     assert not engine.has_unfinished()
-    assert engine.manager.seq_ids() == []  # every sequence freed
-    assert engine.manager.num_free_device_blocks() == engine.manager.num_device_blocks
-    assert engine.manager.num_free_host_blocks() == engine.manager.num_host_blocks
+    assert engine.block_manager.seq_ids() == []  # every sequence freed
+    assert engine.block_manager.num_free_device_blocks() == engine.block_manager.num_device_blocks
+    assert engine.block_manager.num_free_host_blocks() == engine.block_manager.num_host_blocks
 
 
 def serve(model, work, num_blocks, **kwargs):
@@ -187,7 +187,7 @@ def test_eos_ends_samples_and_beams(model):
     assert greedy.outputs == [[eos]] and greedy.finish_reasons == ["eos"]
     assert beams.outputs == reference_beam_search(model, prompt, 3, 10, eos=eos)
     assert "eos" in beams.finish_reasons
-    assert engine.manager.seq_ids() == []
+    assert engine.block_manager.seq_ids() == []
 
 
 def test_requests_wait_when_the_pool_is_full(model):

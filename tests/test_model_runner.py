@@ -138,7 +138,7 @@ def test_a_padded_decode_step_on_the_static_buffers_equals_the_eager_step():
         out = engine.scheduler.schedule()
         assert out.decode and not out.prefill and graphs.fits(out)
         engine.runner.execute_block_ops(out.block_ops)
-        eager = engine.runner.run(out, engine.manager)
+        eager = engine.runner.run(out, engine.block_manager)
         size = graphs.fill(out)
         assert size == 4 and len(out.decode) == 4
         padded = graphs.forward(size).float()

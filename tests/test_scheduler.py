@@ -47,7 +47,7 @@ def run_step(scheduler: Scheduler):
 
 
 def snapshot(scheduler: Scheduler):
-    manager = scheduler.manager
+    manager = scheduler.block_manager
     return (
         [r.request_id for r in scheduler.waiting],
         [r.request_id for r in scheduler.running],

@@ -97,14 +97,14 @@ def test_greedy_left_padded_batch_matches_default_cache(model):
     stats = cache.stats()
     assert stats.device.used_blocks == cache.blocks_in_use() > 0
     stored = [n + new - 1 for n in lengths]  # pads never stored; the last token is never fed
-    if cache.manager.sliding_window is None:
+    if cache.block_manager.sliding_window is None:
         assert stats.device.tokens_stored == sum(stored)
         assert stats.device.used_blocks == sum(math.ceil(n / BLOCK) for n in stored)
     else:  # blocks that left the window went back to the pool
         assert stats.device.used_blocks <= len(lengths) * (math.ceil(WINDOW / BLOCK) + 1)
-    assert stats.bytes_per_block == cache.kv.bytes_per_block
+    assert stats.bytes_per_block == cache.kv_cache.bytes_per_block
     cache.reset()
-    assert cache.blocks_in_use() == 0 and cache.stats().device.free_blocks == cache.kv.num_blocks
+    assert cache.blocks_in_use() == 0 and cache.stats().device.free_blocks == cache.kv_cache.num_blocks
     assert cache.stats().num_seqs == 0
 
 
@@ -137,8 +137,8 @@ def test_beam_search_matches_and_copies_at_most_one_block_per_beam(model, monkey
 
     def spying_init(self, *args, **kwargs):
         real(self, *args, **kwargs)
-        copy = self.kv.copy_blocks
-        self.kv.copy_blocks = lambda pairs: copies.append(len(pairs)) or copy(pairs)
+        copy = self.kv_cache.copy_blocks
+        self.kv_cache.copy_blocks = lambda pairs: copies.append(len(pairs)) or copy(pairs)
 
     monkeypatch.setattr(PagedCache, "__init__", spying_init)
     expected, got, cache = generate_both(
@@ -260,16 +260,16 @@ def test_attention_without_paged_cache_raises(llama):
 
 def test_sized_from_a_memory_budget(llama):
     cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
-    budget = 20 * cache.kv.bytes_per_block
-    assert PagedCache(llama, BLOCK, max_memory=budget).kv.num_blocks == 20
+    budget = 20 * cache.kv_cache.bytes_per_block
+    assert PagedCache(llama, BLOCK, max_memory=budget).kv_cache.num_blocks == 20
 
 
 def test_cpu_cache_without_a_size_takes_a_quarter_of_host_memory_up_to_4_gib(llama, monkeypatch):
-    per_block = PagedCache(llama, BLOCK, num_blocks=1).kv.bytes_per_block
+    per_block = PagedCache(llama, BLOCK, num_blocks=1).kv_cache.bytes_per_block
     monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 400 * per_block)
-    assert PagedCache(llama, BLOCK).kv.num_blocks == 100
+    assert PagedCache(llama, BLOCK).kv_cache.num_blocks == 100
     monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 1 << 50)
-    assert PagedCache(llama, BLOCK).kv.num_blocks == (4 << 30) // per_block
+    assert PagedCache(llama, BLOCK).kv_cache.num_blocks == (4 << 30) // per_block
 
 
 def test_new_batch_needs_reset(llama):
@@ -296,13 +296,13 @@ def test_new_prompt_of_the_same_batch_size_needs_reset(llama):
         cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
         first = torch.tensor([[5, 6, 7, 8, 9]])
         llama.generate(input_ids=first, max_new_tokens=3, do_sample=False, past_key_values=cache)
-        held = cache.manager.stats().device.used_blocks
+        held = cache.block_manager.stats().device.used_blocks
         other = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])  # longer, unrelated
         with pytest.raises(ValueError, match="do not start with them"):
             llama.generate(
                 input_ids=other, max_new_tokens=3, do_sample=False, past_key_values=cache
             )
-        assert cache.manager.stats().device.used_blocks == held  # nothing was reserved
+        assert cache.block_manager.stats().device.used_blocks == held  # nothing was reserved
         cache.reset()
         out = llama.generate(
             input_ids=other, max_new_tokens=3, do_sample=False, past_key_values=cache
@@ -349,7 +349,7 @@ def test_cache_built_for_another_model_is_refused(llama):
             cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
             with pytest.raises(ValueError, match=message):
                 other.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache)
-            assert cache.manager.seq_ids() == []
+            assert cache.block_manager.seq_ids() == []
         # The cache's own model switched to paged attention, the model using it not.
         cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
         with pytest.raises(ValueError, match="did not run through"):
@@ -366,7 +366,7 @@ def test_training_mode_raises_instead_of_dropping_key_value_gradients(llama):
     try:
         with pytest.raises(RuntimeError, match="inference-only"):
             llama(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
-        assert cache.manager.seq_ids() == []  # refused before any block was reserved
+        assert cache.block_manager.seq_ids() == []  # refused before any block was reserved
     finally:
         llama.eval()
         llama.set_attn_implementation("sdpa")
@@ -381,7 +381,7 @@ def test_out_of_blocks_says_what_to_change(llama):
                 input_ids=torch.tensor([[5, 6, 7]] * 2), max_new_tokens=20, past_key_values=cache
             )
         cache.reset()
-        assert cache.manager.num_free_device_blocks() == 2
+        assert cache.block_manager.num_free_device_blocks() == 2
     finally:
         llama.set_attn_implementation("sdpa")
 
@@ -405,8 +405,8 @@ def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
             llama(input_ids=new, attention_mask=step_mask, past_key_values=cache).logits,
         ]
     llama.set_attn_implementation("sdpa")
-    assert cache.kv.key_caches[0].dtype == torch.uint8
-    assert cache.kv.bytes_per_block * 4 == PagedCache(llama, BLOCK, 1).kv.bytes_per_block
+    assert cache.kv_cache.key_caches[0].dtype == torch.uint8
+    assert cache.kv_cache.bytes_per_block * 4 == PagedCache(llama, BLOCK, 1).kv_cache.bytes_per_block
     real = mask.bool()
     torch.testing.assert_close(got[0][real], want[0][real], atol=0.06, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=0.06, rtol=0)
@@ -450,7 +450,7 @@ def test_assisted_generation_matches_the_default_cache(kind, mode, monkeypatch):
     assert torch.equal(got, expected) and torch.equal(again, expected)
     # Draft tokens were verified several at a time (the prefill is the first call).
     assert max(calls[1:], default=0) > 1
-    assert cache.manager.stats().device.used_blocks <= math.ceil(again.shape[1] / BLOCK)
+    assert cache.block_manager.stats().device.used_blocks <= math.ceil(again.shape[1] / BLOCK)
 
 
 def test_crop_drops_the_last_tokens_of_every_row(llama):
@@ -461,16 +461,16 @@ def test_crop_drops_the_last_tokens_of_every_row(llama):
         with torch.no_grad():
             llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
         rows = list(cache._rows)
-        lengths = [cache.manager.num_tokens(s) for s in rows]
+        lengths = [cache.block_manager.num_tokens(s) for s in rows]
         cache.crop(-4)
-        assert [cache.manager.num_tokens(s) for s in rows] == [n - 4 for n in lengths]
+        assert [cache.block_manager.num_tokens(s) for s in rows] == [n - 4 for n in lengths]
         assert cache.get_seq_length() == 17 - 4
         cache.crop(10)  # a positive argument is the length to keep
         assert cache.get_seq_length() == 10
-        assert [cache.manager.num_tokens(s) for s in rows] == [n - 7 for n in lengths]
+        assert [cache.block_manager.num_tokens(s) for s in rows] == [n - 7 for n in lengths]
         with pytest.raises(ValueError, match="cannot crop 3 tokens"):
             cache.crop(-3)  # the shortest row holds only 2 real tokens
-        assert [cache.manager.num_tokens(s) for s in rows] == [n - 7 for n in lengths]
+        assert [cache.block_manager.num_tokens(s) for s in rows] == [n - 7 for n in lengths]
         cache.crop(0)  # keeps everything
         assert cache.get_seq_length() == 10
     finally:

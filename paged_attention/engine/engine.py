@@ -92,15 +92,15 @@ class Engine:
         geometry = ModelGeometry.of(model)
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
-        self.kv = geometry.kv_cache(
+        self.kv_cache = geometry.kv_cache(
             block_size,
             num_blocks,
             None,
             num_host_blocks=4 * num_blocks if num_host_blocks is None else num_host_blocks,
         )
-        self.manager = geometry.block_manager(self.kv, enable_prefix_caching)
+        self.block_manager = geometry.block_manager(self.kv_cache, enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.manager,
+            self.block_manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
@@ -109,10 +109,10 @@ class Engine:
         self.runner = ModelRunner(
             model,
             geometry,
-            self.kv,
+            self.kv_cache,
             decode_graphs=cuda_graphs,
             max_num_seqs=max_num_seqs,
-            sliding_window=self.manager.sliding_window,
+            sliding_window=self.block_manager.sliding_window,
         )
         self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
@@ -217,7 +217,7 @@ class Engine:
         try:
             self.runner.execute_block_ops(out.block_ops)
             if out.chunks:
-                logits = self.runner.run(out, self.manager)
+                logits = self.runner.run(out, self.block_manager)
         except BaseException:
             self.runner.execute_block_ops([("copy", self.scheduler.rollback(out))])
             raise
@@ -404,7 +404,7 @@ class Engine:
         )
 
     def _record(self, out: SchedulerOutput, started: float) -> None:
-        stats, manager, counts = self.stats, self.manager, self.scheduler.stats
+        stats, manager, counts = self.stats, self.block_manager, self.scheduler.stats
         stats.steps += 1
         stats.seconds += time.perf_counter() - started
         in_use = manager.num_device_blocks - manager.num_free_device_blocks()

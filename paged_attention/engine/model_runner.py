@@ -77,7 +77,7 @@ class ModelRunner:
         sliding_window: int | None = None,
     ) -> None:
         self.model = model
-        self.kv = kv
+        self.kv_cache = kv
         self.device = geometry.device
         self.cache = StepCache(model, geometry, kv)
         self._cache_argument = cache_argument_name(model)
@@ -94,11 +94,11 @@ class ModelRunner:
         swap-out frees may be the destination of a later copy)."""
         for kind, pairs in block_ops:
             if kind == "copy":
-                self.kv.copy_blocks(pairs)
+                self.kv_cache.copy_blocks(pairs)
             elif kind == "swap_out":
-                self.kv.swap_out(pairs)
+                self.kv_cache.swap_out(pairs)
             else:
-                self.kv.swap_in(pairs)
+                self.kv_cache.swap_in(pairs)
 
     def metadata(self, out: SchedulerOutput, manager: BlockManager) -> AttentionMetadata:
         """One AttentionMetadata for the step's packed rows: the decode rows first, as
@@ -186,7 +186,7 @@ class DecodeGraphs:
         self.window = window
         self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if s < max_batch]
         self.sizes.append(max_batch)
-        self.max_blocks = -(-max_seq_len // runner.kv.block_size)
+        self.max_blocks = -(-max_seq_len // runner.kv_cache.block_size)
         self.input_ids = torch.zeros(1, max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, max_batch, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(

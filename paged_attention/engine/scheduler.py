@@ -132,7 +132,7 @@ class Scheduler:
                 f"({max_num_seqs}: every running sequence decodes a token per step), got "
                 f"{max_num_batched_tokens!r}"
             )
-        self.manager = manager
+        self.block_manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -166,13 +166,13 @@ class Scheduler:
         blocks, shared by every sample or beam, plus each sequence's own blocks up to
         ``prompt + max_new_tokens - 1`` tokens (the last token is never stored); with a sliding
         window, each sequence's own blocks are capped by the window."""
-        size = self.manager.block_size
+        size = self.block_manager.block_size
         prompt = len(request.prompt)
         longest = prompt + request.params.max_new_tokens - 1
         num_seqs = request.params.num_seqs
         shared = prompt // size
         own = _cdiv(longest, size) - shared
-        window = self.manager.sliding_window
+        window = self.block_manager.sliding_window
         if window is not None:
             return _cdiv(prompt, size) + num_seqs * min(own, _cdiv(window, size) + 1)
         return shared + num_seqs * own
@@ -180,29 +180,29 @@ class Scheduler:
     def rejection_reason(self, request: Request) -> str | None:
         """Why ``request`` can never run, even alone with the whole pool, or None."""
         needed = self.blocks_needed(request)
-        if needed <= self.manager.num_device_blocks:
+        if needed <= self.block_manager.num_device_blocks:
             return None
-        params, size = request.params, self.manager.block_size
+        params, size = request.params, self.block_manager.block_size
         longest = len(request.prompt) + params.max_new_tokens - 1
         who = "a sequence" if params.num_seqs == 1 else f"{params.num_seqs} sequences"
         return (
             f"{who} of up to {longest} tokens need {needed} blocks of {size} together; the pool "
-            f"has {self.manager.num_device_blocks}"
+            f"has {self.block_manager.num_device_blocks}"
         )
 
     def fork(self, request: Request, parents: list[Sequence], children: list[Sequence]) -> None:
         """``children[i]`` shares every block of ``parents[i]`` (no copy)."""
-        self.manager.fork_many([p.seq_id for p in parents], [c.seq_id for c in children])
+        self.block_manager.fork_many([p.seq_id for p in parents], [c.seq_id for c in children])
 
     def reassign(self, seqs: list[Sequence], sources: list[int]) -> list[int]:
         """Sequence ids for new slots continuing ``seqs[sources[i]]`` (beam search:
         ``block_manager.reassign``)."""
         return reassign(
-            self.manager, [s.seq_id for s in seqs], sources, lambda: next(self._seq_ids)
+            self.block_manager, [s.seq_id for s in seqs], sources, lambda: next(self._seq_ids)
         )
 
     def free(self, seqs: list[Sequence]) -> None:
-        self.manager.free_many(s.seq_id for s in seqs)
+        self.block_manager.free_many(s.seq_id for s in seqs)
 
     def finish(self, request: Request) -> None:
         """Release everything ``request`` holds, wherever it is, and forget it."""
@@ -214,8 +214,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.swapped.remove(request)
-        held = [s.seq_id for s in request.seqs if self.manager.has_seq(s.seq_id)]
-        self.manager.free_many(held)
+        held = [s.seq_id for s in request.seqs if self.block_manager.has_seq(s.seq_id)]
+        self.block_manager.free_many(held)
         request.status = RequestStatus.FINISHED
         self._admission_order.pop(request.request_id, None)
 
@@ -252,7 +252,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the phases
 
     def _resume_swapped(self, out: SchedulerOutput) -> None:
-        manager = self.manager
+        manager = self.block_manager
         while self.swapped:
             request = self.swapped[0]
             ids = [s.seq_id for s in request.seqs]
@@ -274,7 +274,7 @@ class Scheduler:
     def _reserve_decodes(self, out: SchedulerOutput) -> int:
         """One slot for every decoding sequence, preempting the newest requests while the pool
         is short. Returns the tokens scheduled."""
-        record = self.manager.enable_prefix_caching
+        record = self.block_manager.enable_prefix_caching
         while True:
             decoding = [r for r in self.running if r.is_decoding]
             seqs = [(r, s) for r in decoding for s in r.seqs]
@@ -283,7 +283,7 @@ class Scheduler:
             ids = [s.seq_id for _, s in seqs]
             tokens = [s.tokens[-1] for _, s in seqs] if record else None
             try:
-                pairs, tables, seq_lens, slots = self.manager.decode_step(ids, tokens)
+                pairs, tables, seq_lens, slots = self.block_manager.decode_step(ids, tokens)
             except OutOfBlocksError:
                 victim = self.running[-1]
                 if len(self.running) == 1:
@@ -381,7 +381,7 @@ class Scheduler:
         from its first sequence once that holds the prompt, cut back to the prompt: they share
         its blocks again, as when they were first forked, so the request fits the blocks
         ``blocks_needed`` counted."""
-        manager = self.manager
+        manager = self.block_manager
         leader = request.seqs[0]
         prompt = len(request.prompt)
         reserved: list[ScheduledChunk] = []
@@ -442,7 +442,7 @@ class Scheduler:
     ) -> list[tuple[int, int]]:
         """A prompt cached to its last token computes only that token: its block's other tokens
         are copied from the cache (when that block was computed before this step)."""
-        pair = self.manager.cached_copy_of_last_block(chunk.seq.seq_id)
+        pair = self.block_manager.cached_copy_of_last_block(chunk.seq.seq_id)
         if pair is None or pair[0] in out.blocks_computed:
             return []
         chunk.start, chunk.count = chunk.end - 1, 1
@@ -454,27 +454,27 @@ class Scheduler:
         pairs = []
         for chunk in reversed(chunks):
             if chunk.allocated:
-                self.manager.free(chunk.seq.seq_id, cache=False)
+                self.block_manager.free(chunk.seq.seq_id, cache=False)
             else:
-                pairs += self.manager.truncate(chunk.seq.seq_id, chunk.start, cache=False)
+                pairs += self.block_manager.truncate(chunk.seq.seq_id, chunk.start, cache=False)
         return pairs
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Swap ``request`` out when the host has room for all its blocks, else free it to be
         recomputed from its tokens (which it keeps)."""
         self.running.remove(request)
-        ids = [s.seq_id for s in request.seqs if self.manager.has_seq(s.seq_id)]
+        ids = [s.seq_id for s in request.seqs if self.block_manager.has_seq(s.seq_id)]
         # A recomputed request whose samples have not forked again yet is recomputed again.
         whole = len(ids) == len(request.seqs)
-        if whole and self.manager.num_host_blocks and self.manager.can_swap_out(ids):
-            pairs = self.manager.swap_out(ids)
+        if whole and self.block_manager.num_host_blocks and self.block_manager.can_swap_out(ids):
+            pairs = self.block_manager.swap_out(ids)
             out.block_ops.append(("swap_out", pairs))
             request.status = RequestStatus.SWAPPED
             self._insert_by_admission(self.swapped, request)
             self.stats.preemptions_by_swap += 1
             self.stats.blocks_swapped_out += len(pairs)
             return
-        self.manager.free_many(ids)  # their blocks hold computed tokens: they may stay cached
+        self.block_manager.free_many(ids)  # their blocks hold computed tokens: they may stay cached
         for seq in request.seqs:
             seq.num_computed = 0
         request.status = RequestStatus.WAITING

@@ -329,7 +329,7 @@ class PagedCacheBase(Cache):
         self.num_kv_heads = geometry.num_kv_heads
         self.head_size = geometry.head_size
         self.layer_windows = list(geometry.layer_windows)
-        self.kv = kv
+        self.kv_cache = kv
         self.tensor_parallel = geometry.tensor_parallel
         self._model_config = model.config
         self._modules: dict[int, PagedAttention] = {}
@@ -410,17 +410,17 @@ class PagedCacheBase(Cache):
                 scale=scale,
                 sliding_window=window,
                 logits_soft_cap=cap,
-                kv_cache_dtype=self.kv.kv_cache_dtype,
+                kv_cache_dtype=self.kv_cache.kv_cache_dtype,
             )
             self._modules[layer_idx] = module
         return module(
             query,
             key,
             value,
-            self.kv.layer(layer_idx),
+            self.kv_cache.layer(layer_idx),
             metadata,
-            k_scale=self.kv.k_scale,
-            v_scale=self.kv.v_scale,
+            k_scale=self.kv_cache.k_scale,
+            v_scale=self.kv_cache.v_scale,
         )
 
     def _check_step_on_every_rank(self, metadata: AttentionMetadata) -> None:
@@ -428,7 +428,7 @@ class PagedCacheBase(Cache):
         uses the same tables and slots. Once per forward pass (its layers share the metadata),
         and not while a CUDA graph is captured, which cannot hold the host copy (the engine's
         per-step check of its plan still runs)."""
-        if self.kv.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         self._checked_metadata = metadata
         self.tensor_parallel.check_same_on_every_rank(
@@ -509,7 +509,7 @@ class PagedCache(PagedCacheBase):
             kv_cache_dtype=kv_cache_dtype,
         )
         super().__init__(model, geometry, kv)
-        self.manager = geometry.block_manager(kv, enable_prefix_caching)
+        self.block_manager = geometry.block_manager(kv, enable_prefix_caching)
         self._ids = itertools.count()
         self._rows: list[int | None] = []  # the sequence of each batch row
         self._seen = 0  # tokens per row so far, padding included
@@ -546,7 +546,7 @@ class PagedCache(PagedCacheBase):
 
     def reset(self) -> None:
         """Free every sequence (all blocks return to the pool) and forget the batch."""
-        self.manager.free_many(self.manager.seq_ids())
+        self.block_manager.free_many(self.block_manager.seq_ids())
         self._rows = []
         self._seen = 0
         self._fed_ids = None
@@ -582,7 +582,7 @@ class PagedCache(PagedCacheBase):
         if keep >= self._seen:
             return
         cut = self._seen - keep
-        held = [(s, self.manager.num_tokens(s)) for s in self._rows if s is not None]
+        held = [(s, self.block_manager.num_tokens(s)) for s in self._rows if s is not None]
         if keep < 0 or any(length < cut for _, length in held):
             raise ValueError(
                 f"cannot crop {cut} tokens: this PagedCache holds {self._seen} per row, some "
@@ -590,8 +590,8 @@ class PagedCache(PagedCacheBase):
             )
         pairs = []
         for seq_id, length in dict(held).items():  # forked rows may repeat a sequence
-            pairs += self.manager.truncate(seq_id, length - cut)
-        self.kv.copy_blocks(pairs)
+            pairs += self.block_manager.truncate(seq_id, length - cut)
+        self.kv_cache.copy_blocks(pairs)
         self._seen = keep
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[:, :keep]
@@ -599,11 +599,11 @@ class PagedCache(PagedCacheBase):
     # ------------------------------------------------------------------ stats
 
     def blocks_in_use(self) -> int:
-        return self.manager.num_device_blocks - self.manager.num_free_device_blocks()
+        return self.block_manager.num_device_blocks - self.block_manager.num_free_device_blocks()
 
     def stats(self):
         """The block manager's stats, bytes counted with this cache's bytes per block."""
-        return self.manager.stats(self.kv.bytes_per_block)
+        return self.block_manager.stats(self.kv_cache.bytes_per_block)
 
     # ------------------------------------------------------------------ attention
 
@@ -643,16 +643,16 @@ class PagedCache(PagedCacheBase):
 
         try:
             if all(n == 1 for n in counts) and None not in self._rows:
-                pairs, block_tables, seq_lens, slots = self.manager.decode_step(self._rows)
-                self.kv.copy_blocks(pairs)
+                pairs, block_tables, seq_lens, slots = self.block_manager.decode_step(self._rows)
+                self.kv_cache.copy_blocks(pairs)
                 metadata = AttentionMetadata.build(
                     [1] * batch,
                     seq_lens.tolist(),
                     block_tables,
                     slots,
-                    self.kv.device,
+                    self.kv_cache.device,
                     seq_lens,
-                    self.manager.sliding_window,
+                    self.block_manager.sliding_window,
                 )
             else:
                 metadata = self._grow_rows(counts, duplicates)
@@ -660,14 +660,14 @@ class PagedCache(PagedCacheBase):
             if self._seen == 0:
                 self._rows = []
             raise OutOfBlocksError(
-                f"PagedCache is out of KV blocks ({error}): it holds {self.kv.num_blocks} blocks "
-                f"of {self.kv.block_size} tokens. Give it more (PagedCache(..., num_blocks=...) "
+                f"PagedCache is out of KV blocks ({error}): it holds {self.kv_cache.num_blocks} blocks "
+                f"of {self.kv_cache.block_size} tokens. Give it more (PagedCache(..., num_blocks=...) "
                 "or max_memory=...) or generate fewer or shorter sequences, and call "
                 "cache.reset() before the next generate()"
             ) from error
         self._metadata = metadata
         self._token_index = (
-            None if real is None else real.flatten().nonzero().squeeze(1).to(self.kv.device)
+            None if real is None else real.flatten().nonzero().squeeze(1).to(self.kv_cache.device)
         )
         self._seen += q_len
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
@@ -682,40 +682,40 @@ class PagedCache(PagedCacheBase):
                 if seq_id is None:
                     seq_id = next(self._ids)
                     if duplicates[row]:
-                        self.manager.fork(self._rows[row - 1], seq_id)
+                        self.block_manager.fork(self._rows[row - 1], seq_id)
                         dropped.append(len(active))
                     else:
-                        self.manager.allocate(seq_id, count)
+                        self.block_manager.allocate(seq_id, count)
                     self._rows[row] = seq_id
                     created.append(row)
                 else:
-                    pairs += self.manager.append_slots(seq_id, count)
+                    pairs += self.block_manager.append_slots(seq_id, count)
                     appended.append((seq_id, count))
                 active.append((seq_id, count))
         except OutOfBlocksError:
-            self.manager.free_many([self._rows[row] for row in created], cache=False)
+            self.block_manager.free_many([self._rows[row] for row in created], cache=False)
             for row in created:
                 self._rows[row] = None
             for seq_id, count in reversed(appended):
-                length = self.manager.num_tokens(seq_id)
-                pairs += self.manager.truncate(seq_id, length - count, cache=False)
-            self.kv.copy_blocks(pairs)
+                length = self.block_manager.num_tokens(seq_id)
+                pairs += self.block_manager.truncate(seq_id, length - count, cache=False)
+            self.kv_cache.copy_blocks(pairs)
             raise
-        self.kv.copy_blocks(pairs)
+        self.kv_cache.copy_blocks(pairs)
         seq_ids, query_lens = [s for s, _ in active], [n for _, n in active]
-        slots = self.manager.slot_mapping_tensor(seq_ids, query_lens)
+        slots = self.block_manager.slot_mapping_tensor(seq_ids, query_lens)
         starts = [0, *itertools.accumulate(query_lens)]
         for index in dropped:  # a forked copy reads its parent's slots and writes none
             slots[starts[index] : starts[index + 1]] = -1
-        seq_lens = self.manager.seq_lens_tensor(seq_ids)
+        seq_lens = self.block_manager.seq_lens_tensor(seq_ids)
         return AttentionMetadata.build(
             query_lens,
             seq_lens.tolist(),
-            self.manager.block_tables_tensor(seq_ids),
+            self.block_manager.block_tables_tensor(seq_ids),
             slots,
-            self.kv.device,
+            self.kv_cache.device,
             seq_lens,
-            self.manager.sliding_window,
+            self.block_manager.sliding_window,
         )
 
     @staticmethod
@@ -775,7 +775,7 @@ class PagedCache(PagedCacheBase):
         """New row ``i`` continues old row ``sources[i]`` (``block_manager.reassign``)."""
         if not self._rows:
             return
-        self._rows = reassign(self.manager, self._rows, sources, lambda: next(self._ids))
+        self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
