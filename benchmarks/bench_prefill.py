@@ -28,6 +28,11 @@ Methods, all on the same cache contents:
 * ``v1`` (row ``d``): ``paged_attention.paged_attention(..., version=1)``.
 * ``limit`` (rows ``a`` and ``d``): a streaming ``sum()`` over a float32 buffer as large as the
   K and V the step must read.
+* ``flop-limit`` (every row): a matrix product of as many floating-point operations as the row's
+  attention, ``[2048, 2048] @ [2048, N]``, in float32 on the CPU (the kernels compute in float32
+  there, and torch's bf16 product is the slower one on a CPU without AMX) and in the row's dtype
+  on CUDA: the rate the machine reaches on dense arithmetic. A row can be no faster than the
+  larger of its two limits (``% roof``).
 
 Times are the best of ``--reps`` samples after a warm-up. The samples of a row's methods are taken
 in turns (one of each, then the next round), so that on a shared machine a busy moment slows all
@@ -93,6 +98,20 @@ def attention_flops(row: Row, shape: Shape) -> float:
     first = row.context - row.query_len + 1
     attended = row.query_len * (first + row.context) / 2
     return 4.0 * shape.head_size * shape.num_heads * row.batch * attended
+
+
+GEMM_SIZE = 2048
+
+
+def flop_limit(flops: float, dtype, device):
+    """A matrix product of about ``flops`` operations: [GEMM_SIZE, GEMM_SIZE] @ [GEMM_SIZE, N]."""
+    dtype = torch.float32 if device.type == "cpu" else dtype
+    columns = max(16, round(flops / (2 * GEMM_SIZE * GEMM_SIZE) / 16) * 16)
+    generator = torch.Generator(device="cpu").manual_seed(2)
+    a = torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device, dtype)
+    b = torch.randn(GEMM_SIZE, columns, generator=generator).to(device, dtype)
+    out = torch.empty(GEMM_SIZE, columns, device=device, dtype=dtype)
+    return (lambda: torch.mm(a, b, out=out)), 2.0 * GEMM_SIZE * GEMM_SIZE * columns
 
 
 def new_queries(row: Row, shape: Shape, dtype, device, seed=1):
@@ -297,7 +316,8 @@ def run_grid(args) -> dict:
                   rows=[], notes=[])  # fmt: skip
     result["notes"].append(
         "times are the best of N samples per call; limit = sum() over a float32 buffer as large "
-        "as the step's K and V; GFLOP/s counts 4 x D x H per (query row, attended key)"
+        "as the step's K and V; flop-limit = a matrix product of as many operations (float32 on "
+        "the CPU, the row's dtype on CUDA); GFLOP/s counts 4 x D x H per (query row, attended key)"
     )
     print(shape)
     print_header()
@@ -327,6 +347,8 @@ def run_grid(args) -> dict:
                 buffer = allocate((nbytes // 4,), torch.float32, device, False).fill_(1.0)
                 fns["limit"] = buffer.sum
                 entries["limit"] = dict(common, method="limit")
+            fns["flop-limit"], gemm_flops = flop_limit(common["flops"], dtype, device)
+            entries["flop-limit"] = dict(common, method="flop-limit", flops=gemm_flops)
             for method, seconds in best_times_in_turns(fns, device, args.reps).items():
                 entries[method]["time_s"] = seconds
             entries = list(entries.values())
@@ -339,26 +361,38 @@ def run_grid(args) -> dict:
 def finish(entries):
     """Throughputs and ratios against the other methods of the same row."""
     times = {e["method"]: e["time_s"] for e in entries if e.get("time_s")}
+    # the fastest the row's work could run: no faster than its bytes and no faster than its
+    # arithmetic at the dense-product rate (the GEMM's time scaled to the attention's FLOPs)
+    attention_flops = next(e["flops"] for e in entries if e["method"] != "flop-limit")
+    roof = None
+    if "flop-limit" in times:
+        gemm = next(e for e in entries if e["method"] == "flop-limit")
+        roof = max(times["flop-limit"] * attention_flops / gemm["flops"], times.get("limit", 0.0))
     for e in entries:
         if not e.get("time_s"):
             continue
-        e["bytes_per_s"] = e["kv_bytes"] / e["time_s"]
         e["flops_per_s"] = e["flops"] / e["time_s"]
+        if e["method"] == "flop-limit":  # reads no K or V
+            continue
+        e["bytes_per_s"] = e["kv_bytes"] / e["time_s"]
         if "limit" in times:
             e["fraction_of_limit"] = times["limit"] / e["time_s"]
+        if roof is not None and e["method"] != "limit":
+            e["roof_s"] = roof
+            e["fraction_of_roof"] = roof / e["time_s"]
         for peer, key in (
             ("gather+sdpa", "speedup_vs_gather_sdpa"),
             ("sdpa-contig", "speedup_vs_sdpa_contig"),
             ("v1", "speedup_vs_v1"),
         ):
-            if peer in times and e["method"] != "limit":
+            if peer in times and not e["method"].endswith("limit"):
                 e[key] = times[peer] / e["time_s"]  # fmt: skip
 
 
 def print_header():
     print(f"{'dtype':>8} {'row':>3} {'batch x ctx':>12} {'new':>5} {'method':>12} {'time ms':>10} "
-          f"{'GB/s':>7} {'% limit':>8} {'GFLOP/s':>8} {'vs g+sdpa':>9} {'vs contig':>9} "
-          f"{'vs v1':>6}")  # fmt: skip
+          f"{'GB/s':>7} {'% limit':>8} {'GFLOP/s':>8} {'% roof':>7} {'vs g+sdpa':>9} "
+          f"{'vs contig':>9} {'vs v1':>6}")  # fmt: skip
 
 
 def print_rows(entries):
@@ -372,9 +406,11 @@ def print_rows(entries):
             print(prefix + f" n/a: {e['error']}")
             continue
         limit = f"{100 * e['fraction_of_limit']:.1f}%" if "fraction_of_limit" in e else ""
+        roof = f"{100 * e['fraction_of_roof']:.1f}%" if "fraction_of_roof" in e else ""
+        gbps = f"{e['bytes_per_s'] / 1e9:.2f}" if "bytes_per_s" in e else ""
         print(
-            prefix + f"{e['time_s'] * 1e3:>10.3f} {e['bytes_per_s'] / 1e9:>7.2f} {limit:>8} "
-            f"{e['flops_per_s'] / 1e9:>8.1f} {ratio(e, 'speedup_vs_gather_sdpa'):>9} "
+            prefix + f"{e['time_s'] * 1e3:>10.3f} {gbps:>7} {limit:>8} "
+            f"{e['flops_per_s'] / 1e9:>8.1f} {roof:>7} {ratio(e, 'speedup_vs_gather_sdpa'):>9} "
             f"{ratio(e, 'speedup_vs_sdpa_contig'):>9} {ratio(e, 'speedup_vs_v1'):>6}"
         )
 
@@ -386,7 +422,8 @@ def plot(result, path):
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["row"], r["dtype"]) for r in result["rows"]})
-    methods = [m for m in (*METHODS, "limit") if any(r["method"] == m for r in result["rows"])]
+    methods = [m for m in (*METHODS, "limit", "flop-limit")
+               if any(r["method"] == m for r in result["rows"])]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
     width = 0.8 / len(methods)
     for k, method in enumerate(methods):
