@@ -104,7 +104,9 @@ def test_greedy_left_padded_batch_matches_default_cache(model):
         assert stats.device.used_blocks <= len(lengths) * (math.ceil(WINDOW / BLOCK) + 1)
     assert stats.bytes_per_block == cache.kv_cache.bytes_per_block
     cache.reset()
-    assert cache.blocks_in_use() == 0 and cache.stats().device.free_blocks == cache.kv_cache.num_blocks
+    assert (
+        cache.blocks_in_use() == 0 and cache.stats().device.free_blocks == cache.kv_cache.num_blocks
+    )
     assert cache.stats().num_seqs == 0
 
 
@@ -406,7 +408,9 @@ def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
         ]
     llama.set_attn_implementation("sdpa")
     assert cache.kv_cache.key_caches[0].dtype == torch.uint8
-    assert cache.kv_cache.bytes_per_block * 4 == PagedCache(llama, BLOCK, 1).kv_cache.bytes_per_block
+    assert (
+        cache.kv_cache.bytes_per_block * 4 == PagedCache(llama, BLOCK, 1).kv_cache.bytes_per_block
+    )
     real = mask.bool()
     torch.testing.assert_close(got[0][real], want[0][real], atol=0.06, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=0.06, rtol=0)

@@ -660,10 +660,10 @@ class PagedCache(PagedCacheBase):
             if self._seen == 0:
                 self._rows = []
             raise OutOfBlocksError(
-                f"PagedCache is out of KV blocks ({error}): it holds {self.kv_cache.num_blocks} blocks "
-                f"of {self.kv_cache.block_size} tokens. Give it more (PagedCache(..., num_blocks=...) "
-                "or max_memory=...) or generate fewer or shorter sequences, and call "
-                "cache.reset() before the next generate()"
+                f"PagedCache is out of KV blocks ({error}): it holds {self.kv_cache.num_blocks} "
+                f"blocks of {self.kv_cache.block_size} tokens. Give it more (PagedCache(..., "
+                "num_blocks=...) or max_memory=...) or generate fewer or shorter sequences, and "
+                "call cache.reset() before the next generate()"
             ) from error
         self._metadata = metadata
         self._token_index = (
