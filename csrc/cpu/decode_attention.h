@@ -265,7 +265,9 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
           for (int64_t c = 0; c < dim_rows; ++c) {
             if (g0 == 0 && m0 == 0) {  // dim-row c's share of the requests
               for (int64_t l = 0; l < row_lines; ++l) {
-                const int64_t request = first_request + c * row_lines + l;
+                // unsigned (requests are never negative): % and / by a power of two stay a mask
+                // and a shift, with no sign fix-up, in the one loop that runs per dim-row
+                const auto request = static_cast<uint64_t>(first_request + c * row_lines + l);
                 const char* ahead_tile = ahead[request % kPrefetchTiles];
                 if (ahead_tile != nullptr) {
                   __builtin_prefetch(ahead_tile + request / kPrefetchTiles * 64, 0, kToL2);
