@@ -98,6 +98,7 @@ AttentionParams attention_params(const AttentionArgs& args, const AttentionDims&
   p.scale = static_cast<float>(scale);
   p.logits_soft_cap = static_cast<float>(logits_soft_cap);
   p.sliding_window = static_cast<int32_t>(sliding_window);
+  p.attention_chunk_size = static_cast<int32_t>(attention_chunk_size);
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   const bool fp8 = dims.cache_dtype != CacheDtype::kAuto;
   p.k_scale = fp8 ? k_scale.data_ptr<float>() : nullptr;
@@ -117,8 +118,7 @@ void check_attention_launch(const AttentionArgs& args, const AttentionDims& dims
   check_fits_int32(dims.num_seqs, "num_seqs");
   check_fits_int32(dims.max_seq_len, "max_seq_len");
   check_fits_int32(args.sliding_window, "sliding_window");
-  TORCH_CHECK_VALUE(args.attention_chunk_size == 0,
-                    "attention_chunk_size is not supported by the CUDA kernels yet");
+  check_fits_int32(args.attention_chunk_size, "attention_chunk_size");
   check_fits_int32(dims.max_blocks_per_seq, "block_tables.size(1)");
   TORCH_CHECK_VALUE(dims.num_heads <= 65535, "num_heads (", dims.num_heads,
                     ") must be at most 65535");
