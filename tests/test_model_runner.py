@@ -153,3 +153,51 @@ def test_cuda_graphs_need_a_cuda_model():
 
     with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
         Engine(build("llama"), num_blocks=16, block_size=BLOCK, cuda_graphs=True)
+
+
+def greedy_generate(model, prompt, max_new_tokens):
+    model.set_attn_implementation("sdpa")
+    try:
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
+    # Compiling costs seconds even for this 2-layer model, so one test covers the compiled path:
+    # a mixed-window model (qwen2), three sequences padded to the size-8 graph, then two (a
+    # request finished), with the prompts' steps and a mixed step eager in between.
+    from paged_attention.engine import Engine, SamplingParams
+    from paged_attention.engine.model_runner import CompiledDecode
+
+    model = build("qwen2")
+    engine = Engine(
+        model, num_blocks=64, block_size=BLOCK, max_num_seqs=16, eos_token_id=[], compile=True
+    )
+    compiled = engine.runner.graphs
+    assert isinstance(compiled, CompiledDecode) and compiled.sizes == [1, 8, 16]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (5, 19, 11)]
+    lengths = (12, 12, 7)
+    outputs = engine.generate(prompts, [SamplingParams(n) for n in lengths])
+    assert list(compiled.compile_seconds) == [8]
+    for prompt, n, out in zip(prompts, lengths, outputs):
+        assert out.outputs == [greedy_generate(model, prompt, n)]
+
+
+def test_compile_is_for_cpu_models():
+    from paged_attention.engine import Engine
+
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        Engine(build("llama"), num_blocks=16, block_size=BLOCK, compile="yes")
+    model = build("llama").to("meta")
+    with pytest.raises(ValueError, match="compiled decode steps are for a model on the CPU"):
+        Engine(model, num_blocks=16, block_size=BLOCK, cuda_graphs=False, compile=True)

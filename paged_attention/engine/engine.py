@@ -76,7 +76,10 @@ class Engine:
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
     longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
     a model on one CUDA device, off for a tensor-parallel one): decode steps replay CUDA graphs
-    captured per padded batch size.
+    captured per padded batch size. ``compile`` (default off; a CPU model): decode steps run
+    through ``torch.compile`` instead, one graph per padded batch size, each compiled at its
+    first step (a minute or more for a 30-layer model on two cores), which pays back on a
+    long-running server, not in a short run (docs/performance.md).
     Logits stay on the model's device; only sampled token ids come back to the host. Switches
     ``model`` to the ``"paged_attention"`` attention implementation.
 
@@ -99,7 +102,10 @@ class Engine:
         eos_token_id: int | Sequence[int] | None = None,
         cuda_graphs: bool | None = None,
         tokenizer=None,
+        compile: bool = False,
     ) -> None:
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
         geometry = ModelGeometry.of(model)
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
@@ -124,6 +130,7 @@ class Engine:
             decode_graphs=cuda_graphs,
             max_num_seqs=max_num_seqs,
             sliding_window=self.block_manager.sliding_window,
+            compile_decode=compile,
         )
         self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size

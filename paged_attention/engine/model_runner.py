@@ -13,8 +13,11 @@ reserved them.
 from __future__ import annotations
 
 import math
+import time
+import types
 
 import torch
+import torch._inductor.config
 
 from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
@@ -64,7 +67,9 @@ class StepCache(PagedCacheBase):
 class ModelRunner:
     """Runs ``model`` (switched to the ``"paged_attention"`` implementation by the caller) over
     the paged cache ``kv``, one scheduler step at a time. With ``decode_graphs`` (CUDA), decode
-    steps of up to ``max_num_seqs`` sequences replay CUDA graphs instead (:class:`DecodeGraphs`)."""
+    steps of up to ``max_num_seqs`` sequences replay CUDA graphs instead (:class:`DecodeGraphs`);
+    with ``compile_decode`` (CPU), they run through ``torch.compile`` (:class:`CompiledDecode`).
+    Prompt chunks, and steps that mix them with decodes, always run eagerly."""
 
     def __init__(
         self,
@@ -75,6 +80,7 @@ class ModelRunner:
         decode_graphs: bool = False,
         max_num_seqs: int = 64,
         sliding_window: int | None = None,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv
@@ -88,6 +94,25 @@ class ModelRunner:
             positions = getattr(model.config, "max_position_embeddings", None) or math.inf
             max_seq_len = int(min(positions, kv.num_blocks * kv.block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, sliding_window)
+        if compile_decode:
+            self.graphs = self._compiled_decode(geometry, max_num_seqs, sliding_window)
+
+    def _compiled_decode(
+        self, geometry: ModelGeometry, max_num_seqs: int, sliding_window: int | None
+    ) -> CompiledDecode:
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"compiled decode steps are for a model on the CPU, not {self.device} (on CUDA, "
+                "decode steps replay CUDA graphs: cuda_graphs=True)"
+            )
+        if geometry.tensor_parallel.size > 1:
+            raise ValueError(
+                "compiled decode steps are not supported with tensor parallelism (each rank's "
+                "step calls collectives); pass compile=False"
+            )
+        positions = getattr(self.model.config, "max_position_embeddings", None) or math.inf
+        max_seq_len = int(min(positions, self.kv_cache.num_blocks * self.kv_cache.block_size))
+        return CompiledDecode(self, max_num_seqs, max_seq_len, sliding_window)
 
     def execute_block_ops(self, block_ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """The copies and swaps the manager planned, in the order it planned them (a block a
@@ -133,16 +158,21 @@ class ModelRunner:
     def forward(self, input_ids, position_ids, metadata: AttentionMetadata, keep) -> torch.Tensor:
         """One packed forward pass (batch 1) through :class:`StepCache`; the logits of the rows
         ``keep`` (a tensor of row indices, or 0 for all)."""
+        with torch.inference_mode():
+            return self.logits(input_ids, position_ids, metadata, keep)
+
+    def logits(self, input_ids, position_ids, metadata: AttentionMetadata, keep) -> torch.Tensor:
+        """:meth:`forward` in the caller's grad mode (what ``torch.compile`` traces: it runs
+        under ``torch.no_grad()``, as inference tensors cannot enter a compiled graph)."""
         self.cache.metadata = metadata
         try:
-            with torch.inference_mode():
-                return self.model(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    logits_to_keep=keep,
-                    **{self._cache_argument: self.cache},
-                ).logits[0]
+            return self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=keep,
+                **{self._cache_argument: self.cache},
+            ).logits[0]
         finally:
             self.cache.metadata = None
 
@@ -226,6 +256,10 @@ class DecodeGraphs:
     def forward(self, size: int) -> torch.Tensor:
         """The model over the first ``size`` rows of the static buffers (what a graph captures;
         eager, it serves the warm-up, and the CPU tests of the padding)."""
+        return self.runner.forward(*self._inputs(size))
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
+        """The runner's forward arguments for the first ``size`` rows of the static buffers."""
         metadata = AttentionMetadata(
             query_lens=[1] * size,
             seq_lens=[self.max_seq_len] * size,
@@ -237,7 +271,7 @@ class DecodeGraphs:
             max_query_len=1,
             manager_window=self.window,
         )
-        return self.runner.forward(self.input_ids[:, :size], self.positions[:, :size], metadata, 0)
+        return self.input_ids[:, :size], self.positions[:, :size], metadata, 0
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         size = self.fill(out)
@@ -258,3 +292,53 @@ class DecodeGraphs:
             logits = self.forward(size)
         self._pool = graph.pool()
         return graph, logits
+
+
+class CompiledDecode(DecodeGraphs):
+    """Decode steps through ``torch.compile`` on the CPU: what :class:`DecodeGraphs` does with
+    CUDA graphs, one compiled graph per padded batch size over the same static buffers
+    (padding rows store and attend nothing, their logits are dropped).
+
+    Inductor's freezing turns the weights into constants, so the projections run oneDNN
+    (bfloat16: AMX / AVX512-BF16) or MKL (float32) matrix products on weights packed once for
+    them; the norms, rotary embeddings and activations fuse into a few loops, and
+    ``cpp_wrapper`` calls a step's kernels from C++ instead of Python. A size is compiled at
+    its first step, which takes long (about a minute and a half for a 30-layer model on two
+    busy cores; docs/performance.md), so the sizes are few: a step pads to the next one. The
+    weights are captured when a size is compiled: an engine serves the weights it first saw.
+
+    Each instance compiles a function with a code object of its own: dynamo keeps compiled
+    graphs per code object, so an engine's graphs (and their packed weights) die with it, and
+    engines in one process never count against each other's recompile limit.
+    """
+
+    SIZES = (1, 8, 32)
+    INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
+    def __init__(
+        self, runner: ModelRunner, max_batch: int, max_seq_len: int, window: int | None
+    ) -> None:
+        super().__init__(runner, max_batch, max_seq_len, window)
+        self.sizes = [s for s in self.SIZES if s < max_batch] + [max_batch]
+        self.compile_seconds: dict[int, float] = {}
+        """Seconds the first step of each size took (compiling it, then running it)."""
+        step = types.FunctionType(CompiledDecode._step.__code__.replace(), globals())
+        self._compiled_step = torch.compile(
+            types.MethodType(step, self), fullgraph=True, dynamic=False
+        )
+
+    def _step(self, size: int) -> torch.Tensor:
+        return self.runner.logits(*self._inputs(size))
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        size = self.fill(out)
+        started = time.perf_counter()
+        with (
+            torch.no_grad(),
+            torch._inductor.config.patch(self.INDUCTOR_OPTIONS),
+            torch._dynamo.config.patch(recompile_limit=len(self.sizes)),
+        ):
+            logits = self._compiled_step(size)
+        if size not in self.compile_seconds:
+            self.compile_seconds[size] = time.perf_counter() - started
+        return logits[: len(out.decode)].float()
