@@ -14,7 +14,7 @@ float32):
   metadata and sampling).
 
 Each runs on the engine eagerly (``engine``) and with compiled decode steps
-(``engine, compiled``: ``Engine(compile=True)``; each padded batch size is compiled by a
+(``engine compiled``: ``Engine(compile=True)``; each padded batch size is compiled by a
 warm-up before the timed runs, and the compile times are reported), and on transformers'
 ``generate_batch()`` and padded ``generate()`` (``generate()`` alone for ``single``).
 
@@ -90,10 +90,10 @@ CONFIGS = {
     "neither": dict(enable_prefix_caching=False, chunked=False),
 }
 # On CUDA, decode steps replay CUDA graphs by default; this row runs them eagerly.
-NO_GRAPHS = "prefix cache + chunked prefill, no CUDA graphs"
+NO_GRAPHS = "prefix cache + chunked prefill without CUDA graphs"
 CUDA_CONFIGS = {NO_GRAPHS: dict(enable_prefix_caching=True, chunked=True, cuda_graphs=False)}
 ENGINE = "engine"
-COMPILED = "engine, compiled"
+COMPILED = "engine compiled"
 CHAT_CONFIGS = {ENGINE: dict(compile=False), COMPILED: dict(compile=True)}
 GENERATE_BATCH = "transformers generate_batch()"
 GENERATE = "transformers generate()"
