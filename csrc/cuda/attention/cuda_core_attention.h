@@ -69,14 +69,13 @@ PA_DEVICE void transpose_reduce(float (&values)[kN], int cl) {
   }
 }
 
-template <CacheDtype kCache, int kD>
+template <CacheDtype kCache, int kD, int kStages>
 PA_DEVICE void cuda_core_attention(const AttentionParams& p, const AttentionLaunch& launch) {
   using Cache = CudaCoreCache<kCache>;
   using Scalar = Float32;
   constexpr bool kFp8 = Cache::kFp8;
   constexpr int kG = kCudaCoreRows;
   constexpr int kT = tile_tokens(KernelFamily::kCudaCore);  // 8
-  constexpr int kStages = ring_stages(kD, Cache::kElementBytes, kNarrowRowWarps);
   constexpr int kLanesPerToken = kD / 16;  // L
   constexpr int kTokenGroups = kWarpSize / kLanesPerToken;
   constexpr int kTokensPerLane = kT / kTokenGroups;
@@ -104,16 +103,14 @@ PA_DEVICE void cuda_core_attention(const AttentionParams& p, const AttentionLaun
     return;
   }
   const KernelShape shape = attention_kernel_shape(ScalarKind::kFloat, kCache, kD, p.num_heads,
-                                                   p.num_kv_heads, kNarrowRowWarps);
+                                                   p.num_kv_heads, kNarrowRowWarps, kStages);
 
   // ---- the rows: which are real, and the positions every row attends (tiles without masks)
-  bool row_valid[kG];
   int common_begin = work.begin, common_end = work.end;
 #pragma unroll
   for (int r = 0; r < kG; ++r) {
     const int t = r / rows.heads_per_token;
-    row_valid[r] = rows.valid(t, r % rows.heads_per_token);
-    if (row_valid[r]) {
+    if (rows.valid(t, r % rows.heads_per_token)) {
       const PositionRange range = attended_range(p, work, rows.first_pos + t);
       common_begin = range.begin > common_begin ? range.begin : common_begin;
       common_end = range.end < common_end ? range.end : common_end;
@@ -226,12 +223,13 @@ PA_DEVICE void cuda_core_attention(const AttentionParams& p, const AttentionLaun
   }
 
   int next_block = tile_block(0);
-#pragma unroll 1
-  for (int i = 0; i < kStages - 1; ++i) {
+  const auto issue_ahead = [&](int i) {
     const int block = next_block;
     next_block = tile_block(i + 1);
     issue(i, block);
-  }
+  };
+#pragma unroll 1
+  for (int i = 0; i < (kStages > 1 ? kStages - 1 : 1); ++i) issue_ahead(i);
 
   // ---- the query: the rows in shared memory, then 16 dims of each per lane ------------------
   // fp32 caches: chunks cl + L k (k < 4) of 4 dims; fp8: chunk cl of 16 dims.
@@ -298,12 +296,18 @@ PA_DEVICE void cuda_core_attention(const AttentionParams& p, const AttentionLaun
 
   for (int i = 0; i < my_tiles; ++i) {
     // Tile i has landed; every lane is done with tile i - 1 (its stage and the probabilities).
-    prim::cp_async_wait<kStages - 2>();
-    prim::syncwarp();
-    {
-      const int block = next_block;
-      next_block = tile_block(i + kStages);
-      issue(i + kStages - 1, block);
+    // A one-stage ring refills its stage only then, and waits for it.
+    if constexpr (kStages == 1) {
+      if (i > 0) {
+        prim::syncwarp();
+        issue_ahead(i);
+      }
+      prim::cp_async_wait<0>();
+      prim::syncwarp();
+    } else {
+      prim::cp_async_wait<kStages - 2>();
+      prim::syncwarp();
+      issue_ahead(i + kStages - 1);
     }
     const uint32_t stage = ring + static_cast<uint32_t>(i % kStages) * kStageBytes;
     const int tile_pos = tile_of(i) * kT;
@@ -419,16 +423,16 @@ PA_DEVICE void cuda_core_attention(const AttentionParams& p, const AttentionLaun
   // ---- merge the four warps ---------------------------------------------------------------
   row_sum = row_reduce_sum(row_sum);
   prim::syncthreads();
+  // Every row's state, padding rows' too: the merge reads only the rows the CTA serves (and no
+  // validity predicate stays live across the main loop).
 #pragma unroll
   for (int gq = 0; gq < kG; ++gq) {
-    if (row_valid[gq]) {
 #pragma unroll
-      for (int k = 0; k < kValueDims; ++k) {
-        *prim::shared<float>(Merge::o(warp, gq, 32 * k + lane)) = o[gq][k];
-      }
+    for (int k = 0; k < kValueDims; ++k) {
+      *prim::shared<float>(Merge::o(warp, gq, 32 * k + lane)) = o[gq][k];
     }
   }
-  if (lane == my_row * kTokensPerLane && my_valid) {
+  if (lane == my_row * kTokensPerLane) {
     *prim::shared<float>(Merge::max(warp, my_row)) = row_max;
     *prim::shared<float>(Merge::sum(warp, my_row)) = row_sum;
   }

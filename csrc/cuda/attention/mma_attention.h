@@ -86,7 +86,7 @@ PA_DEVICE int s_column_token(int n) {
 PA_DEVICE int fp8_key_row(int t) { return t ^ ((t >> 3) << 1); }
 
 
-template <typename Scalar, CacheDtype kCache, int kD, int kRowWarps>
+template <typename Scalar, CacheDtype kCache, int kD, int kRowWarps, int kStages>
 PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& launch) {
   using Cache = MmaCache<Scalar, kCache>;
   using QueryStorage = typename Scalar::Storage;
@@ -98,7 +98,6 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
   // The threads that fill one ring: its warp, or the whole CTA.
   constexpr int kCopyThreads = kWide ? kAttentionThreads : kWarpSize;
   constexpr int kT = 16;
-  constexpr int kStages = ring_stages(kD, Cache::kElementBytes, kRowWarps);
   constexpr int kKSteps = kD / 16;
   constexpr int kNBlocks = kD / 8;
   constexpr uint32_t kKeyTileBytes = kT * kD * Cache::kElementBytes;
@@ -119,6 +118,7 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
   constexpr bool kEvenKeys = kKeyChunks % kKeyStep == 0;
   constexpr bool kEvenValueRows = kD % kCopyThreads == 0;
   static_assert(kD % kValueHalfStep == 0, "value half rows split evenly");
+  static_assert(kQueryRow >= kD + 2, "a query row's padding holds a float");
   using Merge = MergeLayout<kRows, kContributors, kD>;
 
   const int tid = prim::thread_index();
@@ -137,7 +137,7 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
     return;
   }
   const KernelShape shape = attention_kernel_shape(Scalar::kKind, kCache, kD, p.num_heads,
-                                                   p.num_kv_heads, kRowWarps);
+                                                   p.num_kv_heads, kRowWarps, kStages);
 
   // ---- this lane's two rows (g and g + 8 of its warp's 16) --------------------------------
   const int warp_row0 = kWide ? kMmaRows * warp : 0;
@@ -278,14 +278,16 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
     ring_barrier();
   }
 
-  // The first stages go out before the query is loaded; block ids run one tile ahead.
+  // The first stages go out before the query is loaded (a one-stage ring: the first tile);
+  // block ids run one tile ahead.
   int next_block = tile_block(0);
-#pragma unroll 1
-  for (int i = 0; i < kStages - 1; ++i) {
+  const auto issue_ahead = [&](int i) {
     const int block = next_block;
     next_block = tile_block(i + 1);
     issue(i, block);
-  }
+  };
+#pragma unroll 1
+  for (int i = 0; i < (kStages > 1 ? kStages - 1 : 1); ++i) issue_ahead(i);
 
   // ---- the query: rows [row][dim] in shared memory, zero past the rows and the head size ---
   // For fp8 caches the dims of each k-step are stored permuted (dim 4q + 2h + j of a k-step at
@@ -312,8 +314,11 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
   float row_scale[2] = {p.scale * k_scale, p.scale * k_scale};
   if constexpr (Cache::kScaleQuery) {
     // bf16 rows into fp16 for the fp16 MMA: a power of two per row brings its largest element
-    // to [2^14, 2^15); the logit scale undoes it. Warp w converts rows w, w + 4, ...
-    const uint32_t descale = shape.weights_offset;  // free until the final merge
+    // to [2^14, 2^15); the logit scale undoes it. Warp w converts rows w, w + 4, ... and leaves
+    // each row's descale in the row's padding (past kD elements, never read by ldmatrix).
+    const auto descale = [&](int row) {
+      return shape.query_offset + 2u * (row * kQueryRow + kD);
+    };
     for (int row = warp; row < kRows; row += kAttentionWarps) {
       const uint32_t row_offset = shape.query_offset + 2u * row * kQueryRow;
       float largest = 0.0f;
@@ -334,14 +339,14 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
         *element = prim::float_to_half(prim::bf16_to_float(*element) * up);
       }
       if (lane == 0) {
-        *prim::shared<float>(descale + 4u * row) =
+        *prim::shared<float>(descale(row)) =
             prim::bits_to_float(static_cast<uint32_t>(127 - e) << 23);
       }
     }
     prim::syncthreads();
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      row_scale[i] *= *prim::shared<float>(descale + 4u * (warp_row0 + g + 8 * i));
+      row_scale[i] *= *prim::shared<float>(descale(warp_row0 + g + 8 * i));
     }
   }
   // A fragments of Q (ldmatrix_x4 of the 16 x 16 block of k-step ks of the warp's rows):
@@ -400,13 +405,19 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
 
   for (int i = 0; i < my_tiles; ++i) {
     // Tile i has landed for this thread; after the barrier for every copier, and every warp is
-    // done with tile i - 1, whose stage the next issue refills.
-    prim::cp_async_wait<kStages - 2>();
-    ring_barrier();
-    {
-      const int block = next_block;
-      next_block = tile_block(i + kStages);
-      issue(i + kStages - 1, block);
+    // done with tile i - 1, whose stage the next issue refills. A one-stage ring refills its
+    // stage only then, and waits for it.
+    if constexpr (kStages == 1) {
+      if (i > 0) {
+        ring_barrier();
+        issue_ahead(i);
+      }
+      prim::cp_async_wait<0>();
+      ring_barrier();
+    } else {
+      prim::cp_async_wait<kStages - 2>();
+      ring_barrier();
+      issue_ahead(i + kStages - 1);
     }
     const int tile_pos = tile_of(i) * kT;
     if (kWide && (tile_pos >= union_end || tile_pos + kT <= union_begin)) continue;
@@ -592,7 +603,7 @@ PA_DEVICE void mma_attention(const AttentionParams& p, const AttentionLaunch& la
     row_sum[r] += prim::shfl_xor(row_sum[r], 1);
     row_sum[r] += prim::shfl_xor(row_sum[r], 2);
   }
-  prim::syncthreads();  // the ring is free: the merge buffer overlays it
+  prim::syncthreads();  // the ring and the query rows are free: the merge buffer overlays them
   const int contributor = kWide ? 0 : warp;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
