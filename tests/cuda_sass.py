@@ -315,7 +315,10 @@ def local_frame(kernel: Kernel) -> list[Instruction]:
     through LDL/STL or through generic loads and stores of a local address."""
     found = []
     for ins in kernel.instructions:
-        writes_r1 = re.match(r"R1\b", ins.operands) and ins.operands != "R1, c[0x0][0x28]"
+        # The entry's load of the stack pointer: LDC, MOV or IMAD.MOV of c[0x0][0x28].
+        writes_r1 = re.match(r"R1\b", ins.operands) and not re.fullmatch(
+            r"R1, (RZ, RZ, )?c\[0x0\]\[0x28\]", ins.operands
+        )
         if writes_r1 or re.search(r"\[R1\b", ins.operands) or ins.opcode.startswith(("LDL", "STL")):
             found.append(ins)
     return found
