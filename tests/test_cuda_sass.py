@@ -3,8 +3,8 @@ README promises: sm_80, sm_86, sm_89 and sm_90.
 
 tests/cuda_sass.py reads the kernels without a GPU. An architecture the built extension
 (paged_attention/_C*.so) holds is read from it; any other is compiled here from the three
-attention translation units alone (csrc/cuda/attention_<dtype>.cu, no torch headers), about 30 s
-of CPU per architecture, cached under build/sass/. One kernel body serves decode (v1, v2) and
+attention translation units alone (csrc/cuda/attention_<dtype>.cu, no torch headers), about a
+minute of CPU per architecture, cached under build/sass/. One kernel body serves decode (v1, v2) and
 varlen attention (csrc/cuda/attention/): every fp16/bf16 variant, in both row tilings (one warp
 of rows: 16-row CTAs; four warps: 64 rows) and each ring depth the plan picks on some GPU, must
 use tensor cores (HMMA), ldmatrix (LDSM) and asynchronous copies (LDGSTS, waited with DEPBAR);
