@@ -335,6 +335,7 @@ sys.exit(1 if failures else 0)
 PYEOF
 
 if [ $BUILD_RC -ne 0 ]; then
+  [ -n "$SASS_PID" ] && kill "$SASS_PID" 2>/dev/null
   note "build failed: skipping the GPU stages (see build.log)"
   note "total $(( $(date +%s) - SCRIPT_START ))s; RESULT: FAILED"
   exit 1
