@@ -73,31 +73,42 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu"):
     none. Raises :class:`ModelLoadError`."""
     device = _device(device)
     requested = _requested_dtype(dtype)
-    if not isinstance(name, str) or not name:
-        raise ModelLoadError(f"model: expected a name or a path, got {name!r}")
-    if name == TINY_MODEL:
+    source = model_source(name)
+    if source == TINY_MODEL:
         from paged_attention.testing import tiny_chat_model
 
         model, tokenizer = tiny_chat_model()
         return model.to(device, requested or auto_dtype(device, torch.float32)), tokenizer
-    if name == DEFAULT_MODEL:
-        directory = converted_gguf(smollm2_gguf())
-    else:
-        path = Path(name).expanduser()
-        if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ModelLoadError(
-                    f"{name}: a file that is not a .gguf file (give a GGUF file or a model "
-                    "directory)"
-                )
-            directory = converted_gguf(path)
-        elif path.is_dir():
-            directory = path
-        elif name.lower().endswith(".gguf") or name.startswith((".", "/", "~")):
-            raise ModelLoadError(f"{name}: no such file or directory")
-        else:
-            directory = _hub_snapshot(name)
+    directory = converted_gguf(source) if source.is_file() else source
     return _load_directory(directory, name, requested, device)
+
+
+def model_source(name: str) -> str | Path:
+    """Where ``name`` is, without loading it: ``"tiny"``, a GGUF file or a model directory (a
+    hub id's snapshot in the local cache). Raises :class:`ModelLoadError` for a name that is
+    none of those."""
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(f"model: expected a name or a path, got {name!r}")
+    if name == TINY_MODEL:
+        return TINY_MODEL
+    if name == DEFAULT_MODEL:
+        return smollm2_gguf()
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{name}: a file that is not a .gguf file (give a GGUF file or a model directory)"
+            )
+        return path
+    if path.is_dir():
+        directory = path
+    elif name.lower().endswith(".gguf") or name.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{name}: no such file or directory")
+    else:
+        directory = _hub_snapshot(name)
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{name}: not a model directory (it has no config.json)")
+    return directory
 
 
 def auto_dtype(device: torch.device | str = "cpu", model_dtype: torch.dtype | None = None):
@@ -221,8 +232,6 @@ def _hub_snapshot(name: str) -> Path:
 
 
 def _load_directory(directory: Path, name: str, dtype: torch.dtype | None, device: torch.device):
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"{name}: not a model directory (it has no config.json)")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
