@@ -60,16 +60,17 @@ def tiny_llama(seed: int = 0, **overrides) -> torch.nn.Module:
 def byte_tokenizer():
     """A byte-level tokenizer built in code: token ``b`` is byte ``b`` (0-255) of the text's
     UTF-8, then the special tokens ``<|endoftext|>`` (padding), ``<|im_start|>`` and
-    ``<|im_end|>`` (end of sequence), with a ChatML chat template. Any text round-trips; a
-    sequence of bytes that is not UTF-8 decodes with replacement characters. A
-    ``transformers.PreTrainedTokenizerFast`` over a ``tokenizers`` BPE model without merges
-    whose every character falls back to its bytes (the byte fallback of Llama's tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models
+    ``<|im_end|>`` (end of sequence), with a ChatML chat template. Any text round-trips; bytes
+    that are not UTF-8 decode as ``bytes.decode("utf-8", "replace")`` does. A
+    ``transformers.PreTrainedTokenizerFast`` over a ``tokenizers`` BPE model without merges on
+    GPT-2's byte-level alphabet (each byte spelled as a printable character)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    bytes_vocab = {f"<0x{byte:02X}>": byte for byte in range(256)}
-    tokenizer = Tokenizer(models.BPE(vocab=bytes_vocab, merges=[], byte_fallback=True))
-    tokenizer.decoder = decoders.ByteFallback()
+    vocab = {char: byte for byte, char in _byte_level_alphabet().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(BYTE_TOKENIZER_SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -77,6 +78,22 @@ def byte_tokenizer():
         pad_token="<|endoftext|>",
         chat_template=CHATML_TEMPLATE,
     )
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte (the one ``tokenizers``' ByteLevel pre-tokenizer
+    and decoder use): printable Latin-1 bytes are themselves, the others are code points from
+    256 up, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[byte] = chr(byte)
+        else:
+            alphabet[byte] = chr(256 + extra)
+            extra += 1
+    return alphabet
 
 
 def tiny_chat_model(seed: int = 0) -> tuple[torch.nn.Module, object]:

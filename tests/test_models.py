@@ -62,10 +62,23 @@ def test_byte_tokenizer_specials_and_chat_template():
     assert plain == "system\nBe brief.\nuser\nHé\nassistant\n"
 
 
-def test_byte_tokenizer_decodes_broken_utf8_with_replacement_characters():
+@pytest.mark.parametrize(
+    "ids", [[0xE6, 0x97], [0x41, 0xE6, 0x97, 0x42], [0xFF, 0x20, 0xC3], [0x80] * 3]
+)
+def test_byte_tokenizer_decodes_broken_utf8_as_python_does(ids):
     tokenizer = byte_tokenizer()
-    assert tokenizer.decode([0xE6, 0x97]) == "\ufffd\ufffd"  # the first two bytes of 日
-    assert tokenizer.decode([0xE6, 0x97, 0xA5]) == "日"
+    assert tokenizer.decode(ids) == bytes(ids).decode("utf-8", errors="replace")
+    assert tokenizer.decode([*ids[:1], 258, *ids[1:]], skip_special_tokens=True) == (
+        bytes(ids).decode("utf-8", errors="replace")
+    )
+
+
+def test_byte_tokenizer_alphabet_is_the_byte_level_one():
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokenizer = byte_tokenizer()
+    vocab = tokenizer.get_vocab()
+    assert sorted(vocab[c] for c in ByteLevel.alphabet()) == list(range(256))
 
 
 # ---------------------------------------------------------------- the tiny model
