@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=positive_int, default=256, help="the most tokens of one answer"
     )
     parser.add_argument("--seed", type=seed_int, default=0, help="seed of the sampling")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end an answer where this text appears (left out of it); repeatable",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--kv-budget",
@@ -141,7 +148,11 @@ def sampling_params(args: argparse.Namespace, interactive: bool):
     if top_p is None:
         top_p = INTERACTIVE_TOP_P if interactive and temperature > 0 else 1.0
     return SamplingParams(
-        max_new_tokens=args.max_tokens, temperature=temperature, top_p=top_p, seed=args.seed
+        max_new_tokens=args.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
     )
 
 

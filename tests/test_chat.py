@@ -70,6 +70,15 @@ def test_json_lines(tmp_path, capsys):
         assert record["finish_reason"] in ("eos", "length")
 
 
+def test_stop_strings_end_the_answer(capsys):
+    full = transformers_answer(QUESTIONS[0], 12)
+    stop = full[1:3]  # across a multi-byte character's bytes
+    assert "\ufffd" not in stop and len(stop.encode()) > 2
+    options = ["--max-tokens", "12", "--stop", "never there", "--stop", stop]
+    code, out = chat(capsys, *options, QUESTIONS[0])
+    assert code == 0 and out == full[: full.index(stop)] + "\n"
+
+
 def test_sampling_is_seeded(capsys):
     options = ["--max-tokens", "10", "--temperature", "1.0", "--top-p", "0.9"]
     first = chat(capsys, *options, "--seed", "3", QUESTIONS[0])
