@@ -33,7 +33,7 @@ from paged_attention.testing import TINY_LLAMA, tiny_llama_config  # noqa: F401
 from paged_attention.testing import tiny_llama as default_model  # noqa: F401
 
 DEFAULT_PLOT = "results/demo_kv_memory.png"
-DEFAULT_BUDGET_TOKENS = {"chat": 2048, "tokens": 1024}
+DEFAULT_BUDGET_TOKENS = 1024
 ANSWERS_SHOWN = 6
 TIE_ULPS = 2
 """A greedy output that leaves ``generate()``'s at a token whose logit there is within this
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         conversations, workload = chat_workload(args.requests, tokenizer, args.seed)
     else:
         workload = default_workload(args.requests, model.config.vocab_size, args.seed)
-    budget = args.kv_budget or DEFAULT_BUDGET_TOKENS[kind] // args.block_size
+    budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
     check_kv_budget(model, budget, args.block_size, device)
 
     try:
@@ -584,8 +584,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-budget",
         type=positive_int,
-        help="device KV blocks (default: {chat} tokens' worth for chat, {tokens} for "
-        "tokens)".format(**DEFAULT_BUDGET_TOKENS),
+        help=f"device KV blocks (default: {DEFAULT_BUDGET_TOKENS} tokens' worth)",
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument("--seed", type=seed_int, default=0)
