@@ -26,7 +26,13 @@ import time
 import torch
 
 from paged_attention.engine import Engine, RequestOutput, SamplingParams
-from paged_attention.models import TINY_MODEL, ModelLoadError, add_model_arguments
+from paged_attention.models import (
+    TINY_MODEL,
+    ModelLoadError,
+    add_model_arguments,
+    load_model,
+    model_source,
+)
 
 # Imported from here by tests, benchmarks and examples.
 from paged_attention.testing import TINY_LLAMA, tiny_llama_config  # noqa: F401
@@ -117,8 +123,6 @@ QUESTIONS = (
 def load(args: argparse.Namespace, device: torch.device):
     """``(model, tokenizer)`` for ``--model`` on ``device`` (with ``--tp``: this rank's shard;
     transformers places it)."""
-    from paged_attention.models import load_model
-
     try:
         model, tokenizer = load_model(
             args.model, dtype=args.dtype, device="cpu" if args.tp else device
@@ -619,8 +623,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (see EXIT_STATUS). Raises UsageError for a bad
     argument, before the run where it can be told in advance."""
-    from paged_attention.models import model_source
-
     args.plot = resolve_plot_path(args.plot)
     try:
         model_source(args.model)
