@@ -475,7 +475,7 @@ def print_table(report: dict) -> None:
         greedy = "yes" if report["greedy_matches_transformers"] else "NO"
         greedy += f" ({report['greedy_matching']}/{report['greedy_requests']} token for token"
         if report["greedy_ties"]:
-            greedy += f", {report['greedy_ties']} leave it at a {report['dtype']} tie"
+            greedy += f", {report['greedy_ties']} up to a {report['dtype']} tie"
         greedy += ")"
     ranks = report["tensor_parallel_ranks"]
     split = f", tensor parallel over {ranks} ranks" if ranks > 1 else ""
