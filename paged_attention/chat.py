@@ -1,11 +1,11 @@
-"""``python -m paged_attention chat``: talk to a model through the paged engine.
+"""python -m paged_attention chat: talk to a model through the paged engine.
 
 With no question it is an interactive chat: each answer streams as the model writes it, and the
-conversation so far is the context of the next answer (``/reset`` starts over, ``/exit`` or an
-end of input ends it; Ctrl-C stops an answer). With a question (``chat "What is the capital of
-France?"``), or one prompt per line of ``--file`` (``-``: standard input), it answers them all at
-once through the engine's continuous batching and prints the answers in order. The one-shot
-form decodes greedily unless ``--temperature`` says otherwise, so its answers are reproducible.
+conversation so far is the context of the next answer (/reset starts over, /exit or an end of
+input ends it; Ctrl-C stops an answer). With a question (chat "What is the capital of
+France?"), or one prompt per line of --file (-: standard input), it answers them all at once
+through the engine's continuous batching and prints the answers in order. The one-shot form
+decodes greedily unless --temperature says otherwise, so its answers are reproducible.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=positive_int, default=256, help="the most tokens of one answer"
     )
-    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the sampling")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the sampling, in [0, 2**32)")
     parser.add_argument(
         "--stop",
         action="append",
