@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=positive_int, default=256, help="the most tokens of one answer"
     )
-    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the sampling, in [0, 2**32)")
+    parser.add_argument(
+        "--seed", type=seed_int, default=0, help="seed of the sampling, in [0, 2**32)"
+    )
     parser.add_argument(
         "--stop",
         action="append",
