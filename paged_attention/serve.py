@@ -105,6 +105,8 @@ def main(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     except ValueError as error:  # models.ModelLoadError: one line naming the problem
         raise UsageError(str(error)) from None
+    if tokenizer is None:
+        raise UsageError(f"--model {args.model}: it has no tokenizer, which the server needs")
     engine = build_engine(model, tokenizer, args)
     name = args.served_model_name or args.model
     try:
