@@ -12,7 +12,7 @@ sent as streamed chat completions in two kinds of load:
 Reported per run: request throughput, output tokens per second (the server's usage counts; wall
 time from the first request to the last answer), time to first token and inter-token latency
 (the gaps between streamed chunks) p50/p99, end-to-end latency p50, and the peak of KV blocks in
-use (the server's /metrics, sampled every 0.1 s). A table on stdout, JSON (with the CPU model,
+use (the server's /metrics, sampled every 0.05 s). A table on stdout, JSON (with the CPU model,
 the load average and the server's model) and a PNG of latency against load.
 
     python benchmarks/bench_server.py --url http://127.0.0.1:8000 [--rates 0.5,1,2,4]
@@ -136,7 +136,7 @@ async def kv_blocks_sampler(client: httpx.AsyncClient, url: str, peak: list[int]
                 peak[0] = max(peak[0], int(float(match.group(1))))
         except httpx.HTTPError:
             pass
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
 
 
 async def run_load(

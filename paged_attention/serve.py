@@ -96,6 +96,11 @@ def main(args: argparse.Namespace) -> int:
         ) from None
     from paged_attention.models import load_model
 
+    if args.max_n > args.max_num_seqs:
+        raise UsageError(
+            f"--max-n {args.max_n}: a request's samples run at once, so it may not exceed "
+            f"--max-num-seqs ({args.max_num_seqs})"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
     if args.threads:
@@ -113,9 +118,8 @@ def main(args: argparse.Namespace) -> int:
         app = create_app(
             engine, tokenizer, name, max_n=args.max_n, max_model_len=args.max_model_len
         )
-    except ValueError as error:
-        option = "--max-n" if str(error).startswith("max_n") else "--max-model-len"
-        raise UsageError(f"{option}: {error}") from None
+    except ValueError as error:  # beyond the engine's context
+        raise UsageError(f"--max-model-len: {error}") from None
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -240,14 +240,18 @@ def validation_error(error: ValidationError) -> APIError:
 
 
 def _location(loc: tuple) -> str:
-    # pydantic names the union member it tried ("str", "list[TextPart]"...): drop those
+    """``("messages", 0, "content", "str")`` as ``messages[0].content``: pydantic names the
+    member of a union it tried (``str``, ``list[int]``, ``TextPart``...), which is no field."""
     parts = []
     for part in loc:
         if isinstance(part, int):
             parts.append(f"[{part}]")
-        elif part.isidentifier():
+        elif part.isidentifier() and part.islower() and part not in _TYPE_NAMES:
             parts.append(f".{part}" if parts else part)
     return "".join(parts)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def sampling_params(
