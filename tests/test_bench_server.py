@@ -54,7 +54,9 @@ def test_poisson_and_closed_loop_runs_are_reported(url, tmp_path, capsys):
         assert row["requests_per_s"] > 0 and row["output_tokens_per_s"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert row["ttft_p50_ms"] < row["e2e_p50_ms"]
-        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+        # the tiny model's text is mostly invalid UTF-8, which the server holds back until
+        # it decodes: a request may stream one chunk, which gives no inter-token gap
+        assert row["itl_p50_ms"] is None or 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
         assert row["peak_kv_blocks_used"] <= 128
     assert max(r["peak_kv_blocks_used"] for r in rows) >= 1  # /metrics sampled during the runs
     saved = json.loads((tmp_path / "b.json").read_text())

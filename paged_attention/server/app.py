@@ -57,7 +57,8 @@ def create_app(
             f"max_n must be between 1 and the engine's max_num_seqs ({engine.max_num_seqs}), "
             f"got {max_n}"
         )
-    context = engine.max_model_len
+    # a model that sets no context is bounded by the KV pool
+    context = engine.max_model_len or engine.block_manager.num_device_blocks * engine.block_size
     if max_model_len is not None:
         if not 2 <= max_model_len <= context:
             raise ValueError(
@@ -202,7 +203,7 @@ class _Server:
         client = _ClientWatch(request)
         handed_off = False  # to the event stream, which then ends the request itself
         try:
-            output = await self._first_output(client, stream, "messages" if chat else "prompt")
+            output = await self._first_output(client, stream, body)
             request_id = protocol.completion_id(chat)
             if body.stream:
                 options = body.stream_options
@@ -222,9 +223,8 @@ class _Server:
                 self.owner.abort(stream)  # a no-op when the request already ended
                 client.close()
 
-    @staticmethod
     async def _first_output(
-        client: _ClientWatch, stream: RequestStream, prompt_param: str
+        self, client: _ClientWatch, stream: RequestStream, body
     ) -> RequestOutput:
         """The request's first output, once the engine took it and it got tokens; the APIError
         a client gets when the engine refused it (when queued, or when scheduled)."""
@@ -233,12 +233,12 @@ class _Server:
         except EngineClosedError as error:
             raise APIError(str(error), status=503, code="shutting_down") from None
         except ValueError as error:
-            raise _engine_refusal(error, prompt_param) from None
+            raise _engine_refusal(error, body, len(stream.prompt), self.owner.engine) from None
         output = await client.next(stream)
         if output.rejected is not None:
             raise APIError(
                 f"the engine could not serve the request: {output.rejected}",
-                param=prompt_param,
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 code="request_rejected",
             )
         return output
@@ -336,10 +336,19 @@ class _ClientWatch:
 _ENGINE_ARGUMENTS = {"max_new_tokens": "max_tokens", "n": "n", "seed": "seed", "stop": "stop"}
 
 
-def _engine_refusal(error: ValueError, prompt_param: str) -> APIError:
+def _engine_refusal(error: ValueError, request, prompt_len: int, engine) -> APIError:
     """The engine's ValueError for a request it can never serve, as a 400 naming the
-    request's field (the engine names its own argument: max_new_tokens is max_tokens)."""
+    request's field: the engine names its own argument (max_new_tokens is max_tokens), except
+    when the request needs more KV blocks than the pool has, where the prompt is to blame if
+    it alone overflows the pool and the completion's length otherwise."""
     message = str(error)
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    if "KV cache" in message:
+        prompt_blocks = -(-(prompt_len + 1) // engine.block_size)
+        if prompt_blocks > engine.block_manager.num_device_blocks:
+            return APIError(message, param=prompt_param, code="context_length_exceeded")
+        name = request.max_tokens_param
+        return APIError(f"{message}: ask for fewer {name}", param=name, code="kv_cache_exceeded")
     for argument, param in _ENGINE_ARGUMENTS.items():
         if re.search(rf"\b{argument}\b", message):
             return APIError(message.replace(argument, param), param=param)
