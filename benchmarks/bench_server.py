@@ -238,22 +238,28 @@ def plot(rows: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, kind, key in ((axes[0], "Poisson", "rate"), (axes[1], "closed loop", "concurrency")):
+    panels = (
+        (axes[0], "Poisson arrivals", "rate", "offered requests/s"),
+        (axes[1], "closed loop", "concurrency", "concurrent clients"),
+    )
+    for ax, kind, key, xlabel in panels:
         runs = [r for r in rows if r[key] is not None]
         if not runs:
             ax.set_visible(False)
             continue
-        throughput = [r["requests_per_s"] for r in runs]
+        load = [r[key] for r in runs]
         for metric, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-")):
-            ax.plot(throughput, [r[metric] for r in runs], style, label=metric.replace("_ms", ""))
-        for r, x in zip(runs, throughput):
-            label = f"{r['rate']:g}/s" if key == "rate" else f"x{r['concurrency']}"
-            ax.annotate(label, (x, r["ttft_p50_ms"] or 0), fontsize=8)
-        ax.set_xlabel("achieved requests/s")
+            values = [r[metric] for r in runs]
+            ax.plot(load, values, style, label=metric.replace("_ms", "").replace("_", " "))
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("ms")
-        ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(load, [f"{x:g}" for x in load])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_ylim(bottom=0)
         ax.set_title(f"latency against load: {kind}")
         ax.legend()
     fig.tight_layout()
