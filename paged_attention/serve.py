@@ -18,6 +18,7 @@ import torch
 
 from paged_attention.demo import UsageError, positive_int
 
+HELP = "an OpenAI-compatible HTTP server over the engine"
 DEFAULT_KV_MEMORY_GIB = 1.0
 EXIT_STATUS = """exit status: 0 after a graceful shutdown (SIGINT, SIGTERM); 1 when the
 address cannot be bound; 2 for bad arguments (including a --model that cannot be loaded)."""
