@@ -21,10 +21,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from paged_attention.models import load_model  # noqa: E402
-
 from paged_attention.__main__ import main as cli_main  # noqa: E402
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
+from paged_attention.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 
 MODEL = "tiny"
