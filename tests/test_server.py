@@ -463,6 +463,50 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny):
 # --------------------------------------------------------------------- the command
 
 
+def test_a_shutdown_lets_requests_finish_within_its_grace_and_aborts_the_rest(tiny):
+    """What SIGINT/SIGTERM asks of the engine's owner: refuse new requests, let the running
+    ones finish for the grace time, then abort the rest. Every step takes at least 5 ms here,
+    so the 900-token stream cannot finish within the 2 s of grace and the 4-token one must."""
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step
+    app = create_app(engine, tokenizer, MODEL)
+    live = LiveServer(app)
+    try:
+
+        async def scenario():
+            client = live.async_client()
+            long = await client.chat.completions.create(
+                model=MODEL, stream=True, temperature=0, **chat(max_tokens=900)
+            )
+            opening = await long.__anext__()  # at the first token
+            assert opening.choices[0].finish_reason is None
+            short = asyncio.ensure_future(
+                client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+            )
+            while live.metrics()["paged_attention_num_requests_running"] < 2:
+                await asyncio.sleep(0.005)
+            app.state.owner.drain(2.0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.completions.create(model=MODEL, prompt="late", max_tokens=4)
+            reasons = [c.choices[0].finish_reason async for c in long if c.choices]
+            return await short, refused.value, reasons
+
+        short, refused, reasons = asyncio.run(scenario())
+        assert short.choices[0].finish_reason in ("stop", "length")
+        assert refused.status_code == 503 and refused.body["code"] == "shutting_down"
+        assert reasons[-1] == "abort"
+        assert wait_idle(live)["paged_attention_kv_blocks_used"] == 0
+    finally:
+        live.stop()
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -471,8 +515,8 @@ def free_port() -> int:
 
 def test_serve_command_shuts_down_gracefully_on_sigterm():
     """The command in this process's main thread (where signals arrive), a client in another
-    thread: a short request is served, a long stream is aborted by the shutdown after its
-    grace second and ends properly, and the command returns exit status 0."""
+    thread: a short request is served, a long stream is aborted by the shutdown (no grace
+    time) and ends properly, and the command returns exit status 0."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     seen = {}
@@ -509,7 +553,7 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
     thread.start()
     status = cli_main(
         ["serve", "--model", MODEL, "--port", str(port), "--num-blocks", "64"]
-        + ["--shutdown-timeout", "1", "--log-level", "warning"]
+        + ["--shutdown-timeout", "0", "--log-level", "warning"]
     )
     thread.join(30)
     assert status == 0
