@@ -249,10 +249,9 @@ def test_models_and_health(served):
 def test_32_concurrent_streams_equal_the_offline_engine(served, tiny):
     contents = [f"request {i}: " + "word " * (i % 7) for i in range(32)]
     lengths = [8 + (i * 5) % 17 for i in range(32)]
-    client = served.async_client()
     steps_before = served.metrics()["paged_attention_engine_steps_total"]
 
-    async def one(content: str, max_tokens: int) -> tuple[str, int]:
+    async def one(client, content: str, max_tokens: int) -> tuple[str, int]:
         stream = await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": content}],
@@ -269,7 +268,8 @@ def test_32_concurrent_streams_equal_the_offline_engine(served, tiny):
         return text, usage.completion_tokens
 
     async def everyone():
-        return await asyncio.gather(*(one(c, n) for c, n in zip(contents, lengths)))
+        async with served.async_client() as client:
+            return await asyncio.gather(*(one(client, c, n) for c, n in zip(contents, lengths)))
 
     answers = asyncio.run(everyone())
     steps = served.metrics()["paged_attention_engine_steps_total"] - steps_before
@@ -289,7 +289,10 @@ def test_a_client_leaving_mid_stream_aborts_its_request(served, tiny):
     (expected,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=60))
 
     async def scenario():
-        client = served.async_client()
+        async with served.async_client() as client:
+            return await leave_early(client)
+
+    async def leave_early(client):
         other = asyncio.ensure_future(
             client.chat.completions.create(
                 model=MODEL,
@@ -481,7 +484,10 @@ def test_a_shutdown_lets_requests_finish_within_its_grace_and_aborts_the_rest(ti
     try:
 
         async def scenario():
-            client = live.async_client()
+            async with live.async_client() as client:
+                return await shut_down_under(client)
+
+        async def shut_down_under(client):
             long = await client.chat.completions.create(
                 model=MODEL, stream=True, temperature=0, **chat(max_tokens=900)
             )
