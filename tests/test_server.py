@@ -54,10 +54,14 @@ class LiveServer:
         assert not self.thread.is_alive()
 
     def client(self, **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **options)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **options
+        )
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60
+        )
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, and the finished-requests counter by reason."""
@@ -469,7 +473,8 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny):
 def test_a_shutdown_lets_requests_finish_within_its_grace_and_aborts_the_rest(tiny):
     """What SIGINT/SIGTERM asks of the engine's owner: refuse new requests, let the running
     ones finish for the grace time, then abort the rest. Every step takes at least 5 ms here,
-    so the 900-token stream cannot finish within the 2 s of grace and the 4-token one must."""
+    so the 900-token stream cannot finish within the 2 s of grace, and the 20-token one does
+    (unless a step takes 100 ms)."""
     model, tokenizer = tiny
     engine = make_engine(model, tokenizer)
     step = engine.step
@@ -488,24 +493,26 @@ def test_a_shutdown_lets_requests_finish_within_its_grace_and_aborts_the_rest(ti
                 return await shut_down_under(client)
 
         async def shut_down_under(client):
+            # a stream's response starts with its request's first token: both are running
             long = await client.chat.completions.create(
                 model=MODEL, stream=True, temperature=0, **chat(max_tokens=900)
             )
-            opening = await long.__anext__()  # at the first token
-            assert opening.choices[0].finish_reason is None
-            short = asyncio.ensure_future(
-                client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+            short = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "short"}],
+                max_tokens=20,
+                temperature=0,
+                stream=True,
             )
-            while live.metrics()["paged_attention_num_requests_running"] < 2:
-                await asyncio.sleep(0.005)
             app.state.owner.drain(2.0)
             with pytest.raises(openai.APIStatusError) as refused:
                 await client.completions.create(model=MODEL, prompt="late", max_tokens=4)
-            reasons = [c.choices[0].finish_reason async for c in long if c.choices]
-            return await short, refused.value, reasons
+            short_reasons = [c.choices[0].finish_reason async for c in short if c.choices]
+            long_reasons = [c.choices[0].finish_reason async for c in long if c.choices]
+            return short_reasons, refused.value, long_reasons
 
         short, refused, reasons = asyncio.run(scenario())
-        assert short.choices[0].finish_reason in ("stop", "length")
+        assert short[-1] in ("stop", "length")
         assert refused.status_code == 503 and refused.body["code"] == "shutting_down"
         assert reasons[-1] == "abort"
         assert wait_idle(live)["paged_attention_kv_blocks_used"] == 0
@@ -538,19 +545,16 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
                     pass
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.05)
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            seen["short"] = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
-            stream = client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "x"}],
-                max_tokens=900,
-                stream=True,
-            )
-            seen["first"] = next(iter(stream))  # the opening chunk, at the first token
-            os.kill(os.getpid(), signal.SIGTERM)
-            seen["reasons"] = [c.choices[0].finish_reason for c in stream if c.choices]
-            with pytest.raises(httpx.HTTPError):  # no longer listening
-                httpx.get(f"{url}/health")
+            with openai.OpenAI(
+                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60
+            ) as client:
+                seen["short"] = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+                with client.chat.completions.create(
+                    model=MODEL, stream=True, temperature=0, **chat(max_tokens=900)
+                ) as stream:
+                    seen["first"] = next(iter(stream))  # the opening chunk, at the first token
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    seen["reasons"] = [c.choices[0].finish_reason for c in stream if c.choices]
         finally:
             if "reasons" not in seen:
                 os.kill(os.getpid(), signal.SIGINT)  # end the command whatever happened
@@ -563,6 +567,8 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
     )
     thread.join(30)
     assert status == 0
+    with pytest.raises(httpx.ConnectError):  # no longer listening
+        httpx.get(f"{url}/health")
     assert seen["short"].usage.completion_tokens >= 1
     assert seen["first"].choices[0].finish_reason is None
     assert seen["reasons"][-1] == "abort"  # ended by the shutdown, not by its 900 tokens

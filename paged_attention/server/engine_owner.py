@@ -3,7 +3,7 @@ any request is unfinished (every request queued by then shares the step: continu
 across HTTP requests), and hands each output to the asyncio queue of the request it belongs to.
 
 The engine is not thread-safe and need not be: only this thread calls it. The HTTP handlers
-run on the event loop and meet the owner through :meth:`EngineOwner.submit` (a future for the
+run on the event loop and meet the owner through :meth:`EngineOwner.submit` (which returns the
 request's :class:`RequestStream`) and :meth:`EngineOwner.abort`; outputs cross back with
 ``loop.call_soon_threadsafe``. The split of vLLM's ``AsyncLLMEngine`` (an engine loop
 beside the API server's event loop), in one process.
@@ -98,19 +98,13 @@ class EngineOwner:
 
     def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns its stream at once. The request reaches the engine at the
-        owner's next turn; a request the engine refuses ends its stream with the ValueError."""
+        owner's next turn; the stream's first item is then None (queued), or the ValueError of
+        an engine that refused it (EngineClosedError when the owner stopped first)."""
         if self._closed:
             raise EngineClosedError("the server is shutting down")
         stream = RequestStream(prompt, params, asyncio.get_running_loop())
         self._commands.put(_Add(stream))
         return stream
-
-    async def admit(self, stream: RequestStream) -> None:
-        """Wait until the engine took ``stream``'s request; raises the engine's ValueError when it
-        refused it, EngineClosedError when the owner stopped first."""
-        item = await stream.outputs.get()
-        if isinstance(item, BaseException):
-            raise item
 
     def abort(self, stream: RequestStream) -> None:
         """End ``stream``'s request now (at the owner's next turn) and free its blocks; nothing
