@@ -50,7 +50,7 @@ def test_quick_run_reports_every_configuration(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    assert "| workload | arrivals | config | tokens/s |" in result.stdout
+    assert "| workload | dtype | arrivals | config | tokens/s |" in result.stdout
     rows = json.loads(out.read_text())["rows"]
     by_key = {(r["workload"], r["arrivals"].split()[0], r["config"]): r for r in rows}
     cached = by_key[("A", "offline", "prefix cache + chunked prefill")]
