@@ -765,9 +765,23 @@ def main() -> None:
         default=CHUNK_TOKENS,
         help="the per-step token budget of the chunked-prefill configs",
     )
+    parser.add_argument(
+        "--merge",
+        default=None,
+        help="comma-separated JSON files of earlier runs: print and plot their rows together "
+        "(with --json, written as one file), running nothing",
+    )
     parser.add_argument("--json", default="results/bench_serving.json")
     parser.add_argument("--plot", default="results/bench_serving.png")
     args = parser.parse_args()
+    if args.merge:
+        runs = []
+        for path in args.merge.split(","):
+            with open(path) as f:
+                runs.append(json.load(f))
+        settings = [{k: v for k, v in run.items() if k != "rows"} for run in runs]
+        report([row for run in runs for row in run["rows"]], {"runs": settings}, args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -796,6 +810,21 @@ def main() -> None:
         configs = [c for c in (chosen or known) if c in engine_configs or c in BASELINES]
         rows += run_token_workloads(args, token_workloads, configs)
     check_greedy_outputs(rows)
+    result = {
+        "machine": machine_info(args.device),
+        "chat_model": args.model if chat_workloads else None,
+        "token_model": (QUICK_MODEL if args.quick else MODEL) if token_workloads else None,
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "chunk_tokens": args.max_num_batched_tokens,
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    report(rows, result, args)
+
+
+def report(rows: list[dict], result: dict, args) -> None:
+    """The table, the step splits, the greedy checks and the compile times; the JSON (``result``
+    with the rows) and the plot."""
     print_table(rows)
     print_step_splits(rows)
     for row in rows:
@@ -809,20 +838,10 @@ def main() -> None:
     for dtype, seconds in compile_times.items():
         times = ", ".join(f"{n}: {s:.0f} s" for n, s in seconds.items())
         print(f"{dtype}, compiled decode steps: first step (compiling) per batch size: {times}")
-    result = {
-        "machine": machine_info(args.device),
-        "chat_model": args.model if chat_workloads else None,
-        "token_model": (QUICK_MODEL if args.quick else MODEL) if token_workloads else None,
-        "block_size": BLOCK_SIZE,
-        "max_num_seqs": MAX_NUM_SEQS,
-        "chunk_tokens": args.max_num_batched_tokens,
-        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rows": rows,
-    }
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
 
