@@ -15,10 +15,8 @@ from paged_attention.engine.model_runner import ModelRunner  # noqa: E402
 from paged_attention.engine.request import Request, RequestMetrics, SamplingParams  # noqa: E402
 from paged_attention.engine.request import Sequence as EngineSequence  # noqa: E402
 from paged_attention.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
-from paged_attention.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION,
-    ModelGeometry,
-)
+from paged_attention.geometry import ModelGeometry  # noqa: E402
+from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
@@ -107,7 +105,7 @@ def test_step_cache_needs_the_steps_metadata():
             model(
                 input_ids=torch.tensor([[4, 5, 6]]),
                 position_ids=torch.tensor([[0, 1, 2]]),
-                past_key_values=runner.cache,
+                cache=runner.cache,
             )
         request, seq = sequence_request(0)
         request.prompt = [4, 5, 6]
@@ -117,7 +115,7 @@ def test_step_cache_needs_the_steps_metadata():
             model(
                 input_ids=torch.tensor([[4, 5]]),
                 position_ids=torch.tensor([[0, 1]]),
-                past_key_values=runner.cache,
+                cache=runner.cache,
             )
     model.set_attn_implementation("sdpa")
 

@@ -20,8 +20,9 @@ from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
 from paged_attention.cache import PagedKVCache
 from paged_attention.engine.scheduler import SchedulerOutput
-from paged_attention.integrations.transformers import (
-    ModelGeometry,
+from paged_attention.geometry import ModelGeometry
+from paged_attention.integrations.transformers_backend import (
+    ATTN_IMPLEMENTATION,
     PagedCacheBase,
     cache_argument_name,
 )
@@ -44,7 +45,7 @@ class StepCache(PagedCacheBase):
             query_length = query_length.shape[0]
         return int(query_length), 0
 
-    def _attend_layer(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
+    def _attend_layer(self, layer_idx, query, key, value, padding, scale, sinks):
         batch, num_heads, q_len, head_size = query.shape
         metadata = self.metadata
         if metadata is None:
@@ -57,14 +58,16 @@ class StepCache(PagedCacheBase):
         packed = [
             t[0].transpose(0, 1).reshape(q_len, t.shape[1], head_size) for t in (query, key, value)
         ]
-        out = self._packed_attention(layer_idx, *packed, metadata, scale, window, cap)
+        out = self._packed_attention(layer_idx, *packed, metadata, scale, sinks)
         return out.view(1, q_len, num_heads, head_size)
 
 
 class ModelRunner:
-    """Runs ``model`` (switched to the ``"paged_attention"`` implementation by the caller) over
-    the paged cache ``kv``, one scheduler step at a time. With ``decode_graphs`` (CUDA), decode
-    steps of up to ``max_num_seqs`` sequences replay CUDA graphs instead (:class:`DecodeGraphs`)."""
+    """Runs ``model`` over the paged cache ``kv``, one scheduler step at a time; switches the
+    model to the ``"paged_attention"`` attention implementation. ``block_manager``: the manager
+    that plans the steps (what it releases bounds what a layer may attend; None: it releases
+    nothing). With ``decode_graphs`` (CUDA), decode steps of up to ``max_num_seqs`` sequences
+    replay CUDA graphs instead (:class:`DecodeGraphs`)."""
 
     def __init__(
         self,
@@ -74,8 +77,9 @@ class ModelRunner:
         *,
         decode_graphs: bool = False,
         max_num_seqs: int = 64,
-        sliding_window: int | None = None,
+        block_manager: BlockManager | None = None,
     ) -> None:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.kv_cache = kv
         self.device = geometry.device
@@ -87,7 +91,8 @@ class ModelRunner:
                 raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
             positions = getattr(model.config, "max_position_embeddings", None) or math.inf
             max_seq_len = int(min(positions, kv.num_blocks * kv.block_size))
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, sliding_window)
+            window = None if block_manager is None else block_manager.sliding_window
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, window)
 
     def execute_block_ops(self, block_ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """The copies and swaps the manager planned, in the order it planned them (a block a
