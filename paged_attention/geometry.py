@@ -96,14 +96,13 @@ class ModelGeometry:
         module attributes). Raises :class:`UnsupportedModelError` naming the reason for what
         paged attention cannot serve, and ValueError for a tensor-parallel split it cannot."""
         config = text_config(model)
-        refuse_unsupported(model, config)
-        num_layers = config.num_hidden_layers
-        kinds = layer_types(config, num_layers)
-        configs = _layer_configs(config, num_layers)
+        configs = layer_configs(config)
+        refuse_unsupported(model, configs)
+        kinds = layer_types(configs)
         modules = attention_modules(model)
         layers = [
             _read_layer(index, kinds[index], configs[index], modules.get(index))
-            for index in range(num_layers)
+            for index in range(len(configs))
         ]
         if any(layer.attention_chunk_size for layer in layers):
             raise UnsupportedModelError(
@@ -139,16 +138,17 @@ class ModelGeometry:
         return _one_or_each(layer.head_size for layer in self.layers)
 
     def released_reach(self) -> tuple[int | None, int | None]:
-        """``(sliding_window, attention_chunk_size)`` a block manager may release blocks by: no
-        layer reads what both leave behind. ``(None, None)`` when some layer attends every
-        position, or chunked layers differ in chunk size."""
-        if any(layer.attends_everything for layer in self.layers):
-            return None, None
-        windows = {layer.sliding_window for layer in self.layers if layer.sliding_window}
-        chunks = {layer.attention_chunk_size for layer in self.layers if layer.attention_chunk_size}
-        if len(chunks) > 1:
-            return None, None
-        return max(windows, default=None), min(chunks, default=None)
+        """``(sliding_window, attention_chunk_size)`` a block manager may release blocks by, so
+        that no layer reads a released block: the widest window when every layer slides, the
+        chunk size when every layer attends in chunks of one size; ``(None, None)`` (release
+        nothing) when some layer attends every position, or layers mix windows and chunks."""
+        windows = {layer.sliding_window for layer in self.layers}
+        chunks = {layer.attention_chunk_size for layer in self.layers}
+        if 0 not in windows:
+            return max(windows), None
+        if 0 not in chunks and len(chunks) == 1:
+            return None, chunks.pop()
+        return None, None
 
     # ------------------------------------------------------------------ what it builds
 
@@ -263,24 +263,36 @@ def text_config(model: torch.nn.Module):
         return getter()
 
 
-def layer_types(config, num_layers: int) -> list[str]:
+def layer_configs(config) -> list:
+    """Each decoder layer's config: transformers' per-layer view of a heterogeneous config
+    (layers that differ in heads, head size or window), else the one config for every layer.
+    Per-layer settings are read from these: a heterogeneous config refuses to give one value
+    for all layers."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * config.num_hidden_layers
+
+
+def layer_types(configs: list) -> list[str]:
     """Each layer's kind as transformers names it (``"full_attention"``,
     ``"sliding_attention"``, ``"chunked_attention"``, or a non-attention kind such as
     ``"linear_attention"``): ``config.layer_types``, else, as transformers' own caches infer it,
-    sliding when the config sets a ``sliding_window``, chunked when it sets an
+    sliding where the layer's config sets a ``sliding_window``, chunked where it sets an
     ``attention_chunk_size``."""
-    kinds = getattr(config, "layer_types", None)
+    kinds = getattr(configs[0], "layer_types", None)
     if kinds is None:
-        if getattr(config, "sliding_window", None):
-            kinds = [SLIDING] * num_layers
-        elif getattr(config, "attention_chunk_size", None):
-            kinds = [CHUNKED] * num_layers
-        else:
-            kinds = [FULL] * num_layers
+        kinds = [
+            SLIDING
+            if getattr(config, "sliding_window", None)
+            else CHUNKED
+            if getattr(config, "attention_chunk_size", None)
+            else FULL
+            for config in configs
+        ]
     kinds = [str(kind) for kind in kinds]
-    if len(kinds) != num_layers:
+    if len(kinds) != len(configs):
         raise UnsupportedModelError(
-            f"the model's config lists {len(kinds)} layer_types for its {num_layers} layers"
+            f"the model's config lists {len(kinds)} layer_types for its {len(configs)} layers"
         )
     return kinds
 
@@ -301,12 +313,13 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return found
 
 
-def refuse_unsupported(model: torch.nn.Module, config) -> None:
+def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
     """Raise :class:`UnsupportedModelError` with the reason when paged attention cannot serve
     ``model``: an encoder-decoder, a model whose attention bypasses transformers' attention
     interface, multi-head latent attention, layers with recurrent or linear-attention state, or
-    layers that reuse another layer's keys and values."""
+    layers that reuse another layer's keys and values. ``configs``: each layer's."""
     name = type(model).__name__
+    config = configs[0]
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{name} is an encoder-decoder model; paged attention serves decoder-only models "
@@ -329,7 +342,10 @@ def refuse_unsupported(model: torch.nn.Module, config) -> None:
             f"{name} has {count} layers that reuse another layer's keys and values (KV sharing, "
             "as in Gemma 3n) instead of storing their own, which a paged cache does not support"
         )
-    key_size, value_size = _latent_head_sizes(config)
+    key_size, value_size = next(
+        (sizes for sizes in map(_latent_head_sizes, configs) if sizes[0] != sizes[1]),
+        (None, None),
+    )
     if key_size != value_size:
         raise UnsupportedModelError(
             f"{name} uses multi-head latent attention (DeepSeek-V2/V3 style): its key heads "
@@ -358,16 +374,6 @@ def _latent_head_sizes(config) -> tuple[int | None, int | None]:
     if key_size is None or value_size is None:
         return None, None
     return key_size, value_size
-
-
-def _layer_configs(config, num_layers: int) -> list:
-    """Each layer's config: transformers' per-layer view of a heterogeneous config, else the
-    one config for every layer."""
-    if getattr(config, "is_heterogeneous", False):
-        per_layer = list(config.per_layer_config)
-        if len(per_layer) == num_layers:
-            return per_layer
-    return [config] * num_layers
 
 
 def _int_attribute(owner, names: Iterable[str]) -> int | None:

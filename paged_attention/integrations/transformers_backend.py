@@ -313,9 +313,9 @@ class PagedCacheBase(Cache):
             )
         if float(call.soft_cap or 0.0) != layer.logits_soft_cap:
             raise ValueError(
-                f"layer {layer_idx} of the model soft-caps its logits at {call.soft_cap}, but its "
-                f"config reads as {layer.logits_soft_cap or 'no soft-cap'}: this model is read "
-                "wrongly (please report it)"
+                f"layer {layer_idx} of the model computes {_soft_cap(call.soft_cap)}, but its "
+                f"config reads as {_soft_cap(layer.logits_soft_cap)}: this model is read wrongly "
+                "(please report it)"
             )
         if (call.sinks is not None) != layer.sinks:
             has = "has" if call.sinks is not None else "has no"
@@ -415,3 +415,7 @@ class PagedCacheBase(Cache):
     @property
     def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
+
+
+def _soft_cap(cap: float | None) -> str:
+    return f"a logit soft-cap of {cap}" if cap else "no logit soft-cap"
