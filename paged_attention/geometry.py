@@ -330,17 +330,19 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
     if other or getattr(model, "_is_stateful", False):
         what = ", ".join(repr(kind) for kind in other) or "recurrent"
         raise UnsupportedModelError(
-            f"{name} is a hybrid model: its {what} layers keep a recurrent or linear-attention "
-            "state instead of keys and values (as Qwen3-Next, Granite-MoE-Hybrid, Jamba, LFM2, "
-            "Falcon-H1, Bamba and Zamba do), which a paged KV cache does not hold"
+            f"{name} is a hybrid model: its {what} layers keep a recurrent, convolution or "
+            "linear-attention state instead of keys and values (as Qwen3-Next, "
+            "Granite-MoE-Hybrid, Jamba, LFM2, Falcon-H1, Bamba and Zamba do), which a paged KV "
+            "cache does not hold"
         )
     shared = getattr(config, "num_kv_shared_layers", 0) or 0
     modes = getattr(config, "kv_sharing_modes", None) or []
     if shared or "reuse" in modes:
         count = shared or sum(mode == "reuse" for mode in modes)
         raise UnsupportedModelError(
-            f"{name} has {count} layers that reuse another layer's keys and values (KV sharing, "
-            "as in Gemma 3n) instead of storing their own, which a paged cache does not support"
+            f"{name} shares keys and values between layers ({count} of its layers reuse another "
+            "layer's instead of storing their own, as in Gemma 3n), which a paged cache does not "
+            "support"
         )
     key_size, value_size = next(
         (sizes for sizes in map(_latent_head_sizes, configs) if sizes[0] != sizes[1]),

@@ -122,21 +122,22 @@ REFUSED = {
     "lfm2": (dict(full_attn_idxs=[1]), "hybrid model"),
     "falcon_h1": ({}, "hybrid model"),
     "bamba": ({}, "hybrid model"),
-    "zamba": ({}, "hybrid model"),
-    "gemma3n_text": (dict(num_kv_shared_layers=1), "reuse another layer's keys and values"),
+    "zamba": (dict(num_hidden_layers=3), "hybrid model"),
+    "gemma3n_text": (dict(num_kv_shared_layers=1), "shares keys and values between layers"),
 }
 
 
-def build(model_type: str, **overrides) -> torch.nn.Module:
+def build(model_type: str, device: str = "cpu", **overrides) -> torch.nn.Module:
     """A tiny random ``model_type`` causal LM: COMMON's keys its config class knows, then the
-    family's own settings, then ``overrides``."""
+    family's own settings, then ``overrides``. On the meta device it holds no weights."""
     default = AutoConfig.for_model(model_type)
     known = {*default.to_dict(), *getattr(default, "attribute_map", {})}
     common = {key: value for key, value in COMMON.items() if key in known}
     family = ZOO[model_type] if model_type in ZOO else REFUSED[model_type][0]
     config = AutoConfig.for_model(model_type, **{**common, **family, **overrides})
     torch.manual_seed(0)
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).eval()
+    with torch.device(device):
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).eval()
 
 
 def left_padded(lengths, seed=0, repeat=None):
@@ -267,7 +268,7 @@ def test_engine_matches_the_default_cache(zoo):
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_unsupported_families_are_refused_with_the_reason(model_type):
-    model = build(model_type)
+    model = build(model_type, device="meta")  # refused before any weight is read
     message = REFUSED[model_type][1]
     with pytest.raises(UnsupportedModelError, match=message):
         PagedCache(model, block_size=BLOCK, num_blocks=8)
