@@ -9,7 +9,7 @@
 // block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
 // of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
 // For the varlen op a unit may also serve several query rows of its sequence: q_len x
-// queries_per_kv rows per KV head, each with its own causal end (and window), the tiles still
+// queries_per_kv rows per KV head, each with its own causal end (window, chunk), the tiles still
 // read once for all.
 //
 // The kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA,
@@ -61,6 +61,7 @@ struct AttentionParams {
   float scale;
   float logits_soft_cap;   // 0: none
   int64_t sliding_window;  // 0: none
+  int64_t attention_chunk_size;  // 0: none; else a query at p attends [p - p % C, p] only
   int64_t num_seqs;
   int64_t num_heads;
   int64_t num_kv_heads;
@@ -145,11 +146,22 @@ struct Scratch {
   }
 };
 
+// The first position a query at `position` attends: the start of its sliding window and of its
+// chunk, whichever is later (0 without either).
+inline int64_t first_attended(const AttentionParams& p, int64_t position) {
+  int64_t first = 0;
+  if (p.sliding_window > 0) first = std::max<int64_t>(first, position - p.sliding_window + 1);
+  if (p.attention_chunk_size > 0 && position > 0) {
+    first = std::max(first, position - position % p.attention_chunk_size);
+  }
+  return first;
+}
+
 // Attends the query rows of KV heads [kv_head, kv_head + heads) to tokens [begin, end) of one
 // sequence (end > begin). A KV head serves q_len x queries_per_kv rows: row
 // hh * head_rows + i * queries_per_kv + g
 // is query row i of the sequence (at position seq_len - q_len + i) and query head g of KV head
-// kv_head + hh. Row i attends [begin, end) clipped to its causal end and window. Writes, per
+// kv_head + hh. Row i attends [begin, end) clipped to its causal end, window and chunk. Writes, per
 // row, the normalised output (float), the max logit and the exp sum (a sink included).
 // kSplit (the AVX2 variant): 16-lane vectors have no register of their own there, and GCC keeps
 // them on the stack; the multiply-add loops then hold every vector as two 8-lane halves, in
@@ -345,8 +357,8 @@ inline void attend_tokens(const AttentionParams& p, Scratch& s, int64_t seq, int
     const int64_t i = r % head_rows / queries_per_kv;  // query row within the sequence
     const int64_t head = (kv_head + r / head_rows) * queries_per_kv + r % queries_per_kv;
     const int64_t position = seq_len - q_len + i;
-    const int32_t lo = static_cast<int32_t>(
-        p.sliding_window > 0 ? std::max<int64_t>(0, position - p.sliding_window + 1 - begin) : 0);
+    const int32_t lo =
+        static_cast<int32_t>(std::max<int64_t>(0, first_attended(p, position) - begin));
     const int32_t hi = static_cast<int32_t>(std::min(end, position + 1) - begin);
     const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.0f;
     // A lane is valid when its offset minus lo, as unsigned, is below hi - lo: one compare of a
@@ -650,9 +662,8 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
     const int64_t head_rows = q_len * queries_per_kv;
     const int64_t rows = kv_heads * head_rows;
     const int64_t seq_len = p.seq_lens[seq];
-    // The first query row's window start: later rows attend a suffix of what it attends.
-    int64_t begin =
-        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - q_len + 1 - p.sliding_window) : 0;
+    // Where the first query row's window and chunk start: later rows attend no further back.
+    int64_t begin = first_attended(p, seq_len - q_len);
     int64_t end = seq_len;
     begin = std::max(begin, partition * p.partition_size);
     end = std::min(end, (partition + 1) * p.partition_size);

@@ -62,9 +62,9 @@ inline std::vector<PrefillUnit> plan_prefill_units(const AttentionParams& p) {
     const int64_t seq_len = p.seq_lens[seq];
     for (int64_t first = 0; first < q_len; first += positions_per_unit) {
       const int64_t count = std::min(positions_per_unit, q_len - first);
-      const int64_t last_position = seq_len - q_len + first + count - 1;
-      int64_t span = last_position + 1;
-      if (p.sliding_window > 0) span = std::min(span, p.sliding_window + count - 1);
+      const int64_t first_position = seq_len - q_len + first;
+      // From the first row's window and chunk start to the last row.
+      const int64_t span = first_position + count - first_attended(p, first_position);
       for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
         units.push_back({seq, kv_head, first, count, count * span});
       }
@@ -86,6 +86,7 @@ struct PrefillScratch {
   AlignedFloats row_sum;
   AlignedFloats row_slope;
   AlignedFloats row_position;  // float: positions fit exactly below 2^24
+  AlignedFloats row_chunk_start;  // the first position of the row's chunk (with chunks)
   AlignedFloats row_rescale;
 
   void resize(int64_t head_size, int64_t max_rows) {
@@ -95,7 +96,8 @@ struct PrefillScratch {
     values_t.resize(head_size * kPrefillTokens);
     logits_t.resize(kPrefillTokens * rows_pad);
     out_t.resize(head_size * rows_pad);
-    for (AlignedFloats* row : {&row_max, &row_sum, &row_slope, &row_position, &row_rescale}) {
+    for (AlignedFloats* row :
+         {&row_max, &row_sum, &row_slope, &row_position, &row_chunk_start, &row_rescale}) {
       row->resize(rows_pad);
     }
   }
@@ -163,10 +165,14 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
   float* query_t = s.query_t.data();
   float* row_slope = s.row_slope.data();
   float* row_position = s.row_position.data();
+  float* row_chunk_start = s.row_chunk_start.data();
+  const int64_t chunk = p.attention_chunk_size;
   for (int64_t m = 0; m < rows_pad; ++m) {
     const int64_t real = std::min(m, rows - 1);  // padding rows repeat the last row's metadata
     const int64_t head = unit.kv_head * queries_per_kv + real % queries_per_kv;
-    row_position[m] = static_cast<float>(first_position + real / queries_per_kv);
+    const int64_t position = first_position + real / queries_per_kv;
+    row_position[m] = static_cast<float>(position);
+    if (chunk > 0) row_chunk_start[m] = static_cast<float>(position - position % chunk);
     row_slope[m] = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.0f;
     const scalar_t* q = static_cast<const scalar_t*>(p.query) +
                         (first_query_row(p, seq) + unit.first + real / queries_per_kv) *
@@ -190,7 +196,9 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
   const cache_t* value_base = static_cast<const cache_t*>(p.value_cache) +
                               unit.kv_head * p.value_head_stride;
   const int64_t window = p.sliding_window;
-  const int64_t kv_begin = window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
+  const int64_t kv_begin = first_attended(p, first_position);
+  // Tiles from here on lie in the chunk of every row (the last row's chunk starts last).
+  const int64_t last_chunk_start = chunk > 0 ? last_position - last_position % chunk : 0;
   const int64_t kv_end = last_position + 1;
   float* keys = s.keys.data();
   float* values_t = s.values_t.data();
@@ -203,10 +211,11 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
     gemm(tokens, rows_pad, head_size, head_size, rows_pad, rows_pad, false, keys, query_t,
          logits_t);
     // Every row attends every token of the tile: no mask to apply.
-    const bool whole =
-        t1 - 1 <= first_position && (window == 0 || t0 > last_position - window);
+    const bool whole = t1 - 1 <= first_position && (window == 0 || t0 > last_position - window) &&
+                       t0 >= last_chunk_start;
     for (int64_t m0 = 0; m0 < rows_pad; m0 += kVectorLanes) {
       const V position = load_vector<V>(row_position + m0);
+      const V chunk_start = chunk > 0 ? load_vector<V>(row_chunk_start + m0) : V{};
       const V slope = load_vector<V>(row_slope + m0);
       V tile_max = splat<V>(-kInf);
       for (int64_t t = 0; t < tokens; ++t) {
@@ -219,6 +228,7 @@ inline void attend_prefill_unit(const AttentionParams& p, GemmF32 gemm, PrefillS
           const V key = splat<V>(key_position);
           I visible = key <= position;
           if (window > 0) visible &= key > position - static_cast<float>(window);
+          if (chunk > 0) visible &= key >= chunk_start;
           v = visible ? v : splat<V>(-kInf);
         }
         store_vector(row, v);
