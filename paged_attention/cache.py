@@ -326,6 +326,7 @@ class PagedKVCache:
             device=self.device,
             seq_lens_tensor=seq_lens,
             manager_window=manager.sliding_window,
+            manager_chunk=manager.attention_chunk_size,
         )
 
     def decode_metadata(self, manager: BlockManager, seq_ids: Sequence[int]) -> AttentionMetadata:
@@ -343,6 +344,7 @@ class PagedKVCache:
             device=self.device,
             seq_lens_tensor=seq_lens,
             manager_window=manager.sliding_window,
+            manager_chunk=manager.attention_chunk_size,
         )
 
     def _check_manager(self, manager: BlockManager) -> None:

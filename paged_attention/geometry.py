@@ -104,11 +104,6 @@ class ModelGeometry:
             _read_layer(index, kinds[index], configs[index], modules.get(index))
             for index in range(len(configs))
         ]
-        if any(layer.attention_chunk_size for layer in layers):
-            raise UnsupportedModelError(
-                f"{type(model).__name__} has chunked-attention layers, which the attention ops "
-                "do not compute yet"
-            )
         parameter = next(model.parameters())
         first = layers[0]
         split = TensorParallel.of(model, first.num_heads, first.num_kv_heads, first.head_size)

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_model_zoo import BLOCK, WINDOW, build  # noqa: E402
+from test_model_zoo import BLOCK, CHUNK, WINDOW, build  # noqa: E402
 
 from paged_attention.geometry import (  # noqa: E402
     LayerGeometry,
@@ -82,3 +82,13 @@ def test_layer_types_that_do_not_match_the_layers_are_refused():
     model.config.layer_types = ["full_attention"] * 3
     with pytest.raises(UnsupportedModelError, match="3 layer_types for its 2 layers"):
         ModelGeometry.of(model)
+
+
+def test_chunked_layers_are_read_with_their_chunk_size():
+    llama4 = layers("llama4_text")
+    assert [(layer.attention_chunk_size, layer.sliding_window) for layer in llama4] == [
+        (CHUNK, 0),
+        (0, 0),
+    ]
+    only_chunks = ModelGeometry.of(build("llama4_text", layer_types=["chunked_attention"] * 2))
+    assert only_chunks.released_reach() == (None, CHUNK)

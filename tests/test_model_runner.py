@@ -131,7 +131,7 @@ def test_a_padded_decode_step_on_the_static_buffers_equals_the_eager_step():
     for i, prompt in enumerate([[5, 6, 7, 8, 9], list(range(10, 33)), [40, 41]]):
         engine.add_request(prompt, SamplingParams(20, temperature=1.0, n=1 + i % 2, seed=i))
     engine.step()  # the prompts; decode steps from here on
-    graphs = DecodeGraphs(engine.runner, max_batch=8, max_seq_len=256, window=None)
+    graphs = DecodeGraphs(engine.runner, max_batch=8, max_seq_len=256, block_manager=None)
     for _ in range(3):
         out = engine.scheduler.schedule()
         assert out.decode and not out.prefill and graphs.fits(out)

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: E402
 
+from paged_attention.block_manager import RELEASED  # noqa: E402
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
 from paged_attention.geometry import ModelGeometry, UnsupportedModelError  # noqa: E402
 from paged_attention.integrations.transformers import (  # noqa: E402
@@ -108,6 +109,14 @@ ZOO = {
     "arcee": {},
     "seed_oss": {},
     "hunyuan_v1_dense": {},
+    # a chunked layer (with rotary embeddings) and a full one (without: NoPE)
+    "llama4_text": dict(
+        MOE,
+        attention_chunk_size=CHUNK,
+        layer_types=["chunked_attention", "full_attention"],
+        no_rope_layers=[1, 0],
+        intermediate_size_mlp=128,
+    ),
 }
 # Per refused family: its tiny config and the reason the refusal must name.
 REFUSED = {
@@ -284,6 +293,7 @@ def test_unsupported_families_are_refused_with_the_reason(model_type):
 FEATURES = [
     ("mistral", dict(sliding_window=None), "sliding window"),
     ("gemma2", dict(attn_logit_softcapping=None), "logit soft-cap"),
+    ("llama4_text", dict(attention_chunk_size=4 * CHUNK), "chunks longer than the prompts"),
 ]
 
 
@@ -307,3 +317,23 @@ def test_attention_sinks_change_the_tokens():
         for parameter in sinks:
             parameter.fill_(-1e4)  # a sink that takes no share of the softmax: as if absent
     assert not torch.equal(zoo.generate(False, **kwargs), right)
+
+
+def test_a_model_of_chunked_layers_only_releases_what_no_chunk_reads():
+    zoo = Zoo("llama4_text")
+    zoo.model = build("llama4_text", layer_types=["chunked_attention"] * 2, no_rope_layers=[1, 1])
+    ids, mask = left_padded([5, 11, 19])
+    greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    zoo.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(zoo.model, block_size=BLOCK, num_blocks=96)
+    try:
+        got = zoo.model.generate(**greedy, cache=cache, pad_token_id=0, eos_token_id=None)
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+    assert torch.equal(got, zoo.generate(False, **greedy, eos_token_id=None))
+    assert cache.block_manager.attention_chunk_size == CHUNK
+    # The longest row holds 19 + 30 - 1 tokens: the blocks before its last token's chunk (from
+    # position 32) went back to the pool.
+    released = cache.block_manager.block_table(cache._rows[2])[: 32 // BLOCK]
+    assert released == [RELEASED] * (32 // BLOCK)
+    test_engine_matches_the_default_cache(zoo)  # releasing blocks there too

@@ -91,8 +91,7 @@ class ModelRunner:
                 raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
             positions = getattr(model.config, "max_position_embeddings", None) or math.inf
             max_seq_len = int(min(positions, kv.num_blocks * kv.block_size))
-            window = None if block_manager is None else block_manager.sliding_window
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, window)
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, block_manager)
 
     def execute_block_ops(self, block_ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """The copies and swaps the manager planned, in the order it planned them (a block a
@@ -108,7 +107,6 @@ class ModelRunner:
     def metadata(self, out: SchedulerOutput, manager: BlockManager) -> AttentionMetadata:
         """One AttentionMetadata for the step's packed rows: the decode rows first, as
         ``decode_step`` described them, then the prompt chunks."""
-        window = manager.sliding_window
         query_lens = [1] * len(out.decode) + [c.count for c in out.prefill]
         parts = []  # (block tables, seq lens, slots)
         if out.decode:
@@ -132,7 +130,14 @@ class ModelRunner:
             seq_lens = torch.cat([p[1] for p in parts])
             slots = torch.cat([p[2] for p in parts])
         return AttentionMetadata.build(
-            query_lens, seq_lens.tolist(), tables, slots, self.device, seq_lens, window
+            query_lens,
+            seq_lens.tolist(),
+            tables,
+            slots,
+            self.device,
+            seq_lens,
+            manager.sliding_window,
+            manager.attention_chunk_size,
         )
 
     def forward(self, input_ids, position_ids, metadata: AttentionMetadata, keep) -> torch.Tensor:
@@ -180,15 +185,22 @@ class DecodeGraphs:
     and slot -1, so they store and attend nothing (their logits are dropped). Every graph is
     captured with ``max_seq_len`` (the longest context the cache and the model allow) and block
     tables that wide, so it serves every step of its batch size; a step that does not fit runs
-    eagerly. A size is captured at its first step: warmed up on a side stream, then captured."""
+    eagerly. A size is captured at its first step: warmed up on a side stream, then captured.
+    ``block_manager``: the manager that plans the steps (what it releases, None: nothing)."""
 
     def __init__(
-        self, runner: ModelRunner, max_batch: int, max_seq_len: int, window: int | None
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        max_seq_len: int,
+        block_manager: BlockManager | None,
     ) -> None:
         device = runner.device
         self.runner = runner
         self.max_seq_len = max_seq_len
-        self.window = window
+        # What the manager releases bounds what a layer may attend (AttentionMetadata).
+        self.manager_window = None if block_manager is None else block_manager.sliding_window
+        self.manager_chunk = None if block_manager is None else block_manager.attention_chunk_size
         self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if s < max_batch]
         self.sizes.append(max_batch)
         self.max_blocks = -(-max_seq_len // runner.kv_cache.block_size)
@@ -240,7 +252,8 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
-            manager_window=self.window,
+            manager_window=self.manager_window,
+            manager_chunk=self.manager_chunk,
         )
         return self.runner.forward(self.input_ids[:, :size], self.positions[:, :size], metadata, 0)
 

@@ -228,6 +228,7 @@ class PagedCache(PagedCacheBase):
                     self.kv_cache.device,
                     seq_lens,
                     self.block_manager.sliding_window,
+                    self.block_manager.attention_chunk_size,
                 )
             else:
                 metadata = self._grow_rows(counts, duplicates)
@@ -291,6 +292,7 @@ class PagedCache(PagedCacheBase):
             self.kv_cache.device,
             seq_lens,
             self.block_manager.sliding_window,
+            self.block_manager.attention_chunk_size,
         )
 
     @staticmethod

@@ -356,6 +356,7 @@ class PagedCacheBase(Cache):
                 layer.num_kv_heads,
                 scale=scale,
                 sliding_window=layer.sliding_window,
+                attention_chunk_size=layer.attention_chunk_size,
                 logits_soft_cap=layer.logits_soft_cap,
                 kv_cache_dtype=self.kv_cache.kv_cache_dtype,
                 sinks=None if sinks is None else sinks.detach(),
