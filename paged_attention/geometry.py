@@ -293,10 +293,13 @@ def layer_types(configs: list) -> list[str]:
 
 
 def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The self-attention module of each layer index: a module with an integer ``layer_idx``
-    whose class is an attention (transformers' convention), the first one per index."""
+    """The self-attention module of each layer index of the model's text decoder (transformers'
+    ``get_decoder()``: not a vision tower's): a module with an integer ``layer_idx`` whose class
+    is an attention (transformers' convention), the first one per index."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
     found: dict[int, torch.nn.Module] = {}
-    for module in model.modules():
+    for module in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
         index = getattr(module, "layer_idx", None)
         if (
             isinstance(index, int)
