@@ -276,20 +276,21 @@ def layer_types(configs: list) -> list[str]:
     ``attention_chunk_size``."""
     kinds = getattr(configs[0], "layer_types", None)
     if kinds is None:
-        kinds = [
-            SLIDING
-            if getattr(config, "sliding_window", None)
-            else CHUNKED
-            if getattr(config, "attention_chunk_size", None)
-            else FULL
-            for config in configs
-        ]
+        kinds = [_inferred_layer_type(config) for config in configs]
     kinds = [str(kind) for kind in kinds]
     if len(kinds) != len(configs):
         raise UnsupportedModelError(
             f"the model's config lists {len(kinds)} layer_types for its {len(configs)} layers"
         )
     return kinds
+
+
+def _inferred_layer_type(config) -> str:
+    if getattr(config, "sliding_window", None):
+        return SLIDING
+    if getattr(config, "attention_chunk_size", None):
+        return CHUNKED
+    return FULL
 
 
 def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -175,9 +175,9 @@ def left_padded(lengths, seed=0, repeat=None):
 class Zoo:
     """A model and the attention implementation it came with (transformers' default)."""
 
-    def __init__(self, model_type: str) -> None:
+    def __init__(self, model_type: str, **overrides) -> None:
         self.model_type = model_type
-        self.model = build(model_type)
+        self.model = build(model_type, **overrides)
         self.default = self.model.config._attn_implementation
 
     def generate(self, paged: bool, seed: int = 7, **kwargs) -> torch.Tensor:
@@ -291,18 +291,17 @@ def test_unsupported_families_are_refused_with_the_reason(model_type):
 # Each attention feature, removed from the config: the tokens change, so a paged attention that
 # ignored it would fail the equality tests above.
 FEATURES = [
-    ("mistral", dict(sliding_window=None), "sliding window"),
-    ("gemma2", dict(attn_logit_softcapping=None), "logit soft-cap"),
-    ("llama4_text", dict(attention_chunk_size=4 * CHUNK), "chunks longer than the prompts"),
+    pytest.param("mistral", dict(sliding_window=None), id="sliding window"),
+    pytest.param("gemma2", dict(attn_logit_softcapping=None), id="logit soft-cap"),
+    pytest.param("llama4_text", dict(attention_chunk_size=4 * CHUNK), id="attention chunks"),
 ]
 
 
-@pytest.mark.parametrize("model_type, without, feature", FEATURES)
-def test_ignoring_an_attention_feature_changes_the_tokens(model_type, without, feature):
+@pytest.mark.parametrize("model_type, without", FEATURES)
+def test_ignoring_an_attention_feature_changes_the_tokens(model_type, without):
     ids, mask = left_padded([5, 11, 19])
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    with_it, without_it = Zoo(model_type), Zoo(model_type)
-    without_it.model = build(model_type, **without)
+    with_it, without_it = Zoo(model_type), Zoo(model_type, **without)
     assert not torch.equal(with_it.generate(False, **kwargs), without_it.generate(False, **kwargs))
 
 
@@ -320,8 +319,7 @@ def test_attention_sinks_change_the_tokens():
 
 
 def test_a_model_of_chunked_layers_only_releases_what_no_chunk_reads():
-    zoo = Zoo("llama4_text")
-    zoo.model = build("llama4_text", layer_types=["chunked_attention"] * 2, no_rope_layers=[1, 1])
+    zoo = Zoo("llama4_text", layer_types=["chunked_attention"] * 2, no_rope_layers=[1, 1])
     ids, mask = left_padded([5, 11, 19])
     greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     zoo.model.set_attn_implementation(ATTN_IMPLEMENTATION)
