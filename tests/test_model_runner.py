@@ -4,6 +4,8 @@ Mistral (sliding window) and Qwen2 (mixed layers) models."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -151,3 +153,25 @@ def test_cuda_graphs_need_a_cuda_model():
 
     with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
         Engine(build("llama"), num_blocks=16, block_size=BLOCK, cuda_graphs=True)
+
+
+def test_the_step_cache_checks_each_layer_against_the_geometry():
+    # Mistral slides over a window in every layer; a geometry that read it as full attention
+    # (the Phi-MoE mistake: a window only the mask applies) is caught at the first layer, with
+    # prefix caching (no window in the manager) as without.
+    model = build("mistral")
+    geometry = ModelGeometry.of(model)
+    misread = dataclasses.replace(
+        geometry,
+        layers=tuple(dataclasses.replace(layer, sliding_window=0) for layer in geometry.layers),
+    )
+    kv = misread.kv_cache(BLOCK, 16, None)
+    manager = misread.block_manager(kv, enable_prefix_caching=True)
+    runner = ModelRunner(model, misread, kv)
+    request, seq = sequence_request(0)
+    request.prompt = [4, 5, 6]
+    manager.allocate(0, 3)
+    out = SchedulerOutput(prefill=[ScheduledChunk(request, seq, 0, 3, allocated=True)])
+    with pytest.raises(ValueError, match="attends with a sliding window of 12, but its config"):
+        runner.run(out, manager)
+    model.set_attn_implementation("sdpa")
