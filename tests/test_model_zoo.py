@@ -4,13 +4,12 @@ Each model type gets a tiny random model built from transformers' own config cla
 a mix of full and windowed or chunked layers where the family has one, fixed seeds) with weights
 large enough (``initializer_range=0.1``) that attention is far from uniform: for every type a
 25% error in the softmax scale changes the tokens, and for each attention feature (window,
-chunks, soft-cap, sinks) ignoring it does. Through ``generate()`` (greedy,
-sampling, beams on a left-padded batch, prompt-lookup decoding, which crops rejected drafts) and
-through the Engine (prefix caching, chunked prefill, swap and recompute preemption), a model on a
+chunks, soft-cap, sinks) ignoring it does. Through ``generate()`` (greedy, sampling, beams on a
+left-padded batch, prompt-lookup decoding, which crops rejected drafts) and through the Engine
+(prefix caching, chunked prefill, swap and recompute preemption, released blocks), a model on a
 :class:`PagedCache` gives exactly the tokens of the same model on its default cache and attention
 implementation. The families paged attention cannot serve are refused at construction, each with
-its reason.
-"""
+its reason."""
 
 from __future__ import annotations
 
