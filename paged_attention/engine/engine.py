@@ -31,7 +31,7 @@ from paged_attention.engine.request import (
 from paged_attention.engine.request import Sequence as EngineSequence
 from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
-from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, ModelGeometry
+from paged_attention.geometry import ModelGeometry
 
 
 @dataclass
@@ -116,7 +116,6 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.runner = ModelRunner(
             model,
@@ -124,7 +123,7 @@ class Engine:
             self.kv_cache,
             decode_graphs=cuda_graphs,
             max_num_seqs=max_num_seqs,
-            sliding_window=self.block_manager.sliding_window,
+            block_manager=self.block_manager,
         )
         self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
