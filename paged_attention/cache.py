@@ -20,19 +20,24 @@ import os
 import sys
 from collections.abc import Sequence
 from itertools import groupby
+from math import inf
 
 import torch
 
 from paged_attention import _ops
 from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
-from paged_attention.supported import check_block_size, check_head_size, is_fp8
+from paged_attention.supported import FP8_FORMATS, check_block_size, check_head_size, is_fp8
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+FP8_SCALE_HEADROOM = 4.0
+"""A calibrated fp8 scale maps the first keys' (values') largest magnitude to this fraction of
+the format's largest value: later tokens up to this many times larger still fit."""
+_SMALLEST_SCALE = 1e-8  # a first prompt of all-zero keys still gets a usable scale
 _HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h>
 
@@ -156,8 +161,12 @@ class PagedKVCache:
     Size it with ``num_blocks`` or with a memory budget: ``memory_budget`` bytes, or
     ``memory_fraction`` of free CUDA memory (of ``memory_budget`` when both are given; of the
     host's available memory on CPU). ``dtype`` is the model's dtype; ``kv_cache_dtype`` is
-    ``"auto"`` (store ``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"`` with ``k_scale`` and
-    ``v_scale``. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
+    ``"auto"`` (store ``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"``. An fp8 cache stores
+    ``x / scale``, one key scale and one value scale per layer (:meth:`scales`): ``k_scale`` and
+    ``v_scale`` give every layer the same fixed scales; left ``None``, each layer's scales are
+    calibrated from the first keys and values it stores (:meth:`calibrate`, as vLLM's
+    ``calculate_kv_scales`` does), so that their largest magnitude uses a quarter of the
+    format's range. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
     Blocks start zeroed: an unwritten slot never holds NaN. On a CPU device the caches are
     allocated with :func:`advise_huge_pages`.
     """
@@ -173,8 +182,8 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
         kv_cache_dtype: str = "auto",
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
         num_host_blocks: int = 0,
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
@@ -225,8 +234,39 @@ class PagedKVCache:
         self._host_value_groups, self.host_value_caches = self._allocate(
             num_host_blocks, host, pin=pin
         )
-        self.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=self.device)
-        self.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=self.device)
+        if (k_scale is None) != (v_scale is None):
+            raise ValueError("give both k_scale and v_scale, or neither (calibrated)")
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < inf):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        fixed = k_scale is not None
+        self.k_scales = torch.full(
+            (num_layers,), float(k_scale) if fixed else 1.0, dtype=torch.float32, device=self.device
+        )
+        self.v_scales = torch.full(
+            (num_layers,), float(v_scale) if fixed else 1.0, dtype=torch.float32, device=self.device
+        )
+        self._calibrated = [fixed or not is_fp8(kv_cache_dtype)] * num_layers
+
+    # ------------------------------------------------------------------ fp8 scales
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_scale, v_scale)`` of one layer: one-element float32 tensors on the cache's
+        device, as the ops take them (1.0 for a cache that is not fp8)."""
+        return self.k_scales[layer : layer + 1], self.v_scales[layer : layer + 1]
+
+    def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Set an fp8 layer's scales from the keys and values about to be stored in it, the
+        first time only (and never when they were given): the largest magnitude maps to
+        ``1 / FP8_SCALE_HEADROOM`` of the format's largest value, leaving room for later tokens
+        (vLLM's ``calculate_kv_scales`` leaves 2-4x). Runs on the device, without a host sync."""
+        if self._calibrated[layer] or key.numel() == 0:
+            return
+        largest = FP8_FORMATS[self.kv_cache_dtype][1]
+        for scales, states in ((self.k_scales, key), (self.v_scales, value)):
+            amax = states.detach().abs().amax().to(torch.float32)
+            scales[layer] = (amax * FP8_SCALE_HEADROOM / largest).clamp_min(_SMALLEST_SCALE)
+        self._calibrated[layer] = True
 
     def _allocate(
         self, blocks: int, device: torch.device, keys: bool = False, pin: bool = False

@@ -155,10 +155,14 @@ class ModelGeometry:
         *,
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> PagedKVCache:
         """The model's :class:`PagedKVCache`: ``num_blocks``, or as many as ``max_memory``
         allows (bytes, or a fraction of free CUDA / available host memory), or by default 90% of
         free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB.
+        An fp8 ``kv_cache_dtype`` takes fixed ``k_scale``/``v_scale`` or, without them,
+        calibrates each layer's scales from the first keys and values it stores.
 
         Tensor parallel: the cache holds this rank's KV heads, so a block takes ``1 / size`` of
         the bytes and a budget (``max_memory`` is per rank) holds ``size`` times the blocks. The
@@ -201,6 +205,8 @@ class ModelGeometry:
             dtype=self.dtype,
             device=self.device,
             kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
             num_host_blocks=num_host_blocks,
             memory_budget=memory_budget,
             memory_fraction=memory_fraction,

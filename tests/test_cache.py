@@ -49,7 +49,32 @@ def test_layout_matches_design(dtype, kv_cache_dtype, x, storage):
     assert cache.bytes_per_block == 2 * LAYERS * KV_HEADS * HEAD * BLOCK * element
     held = sum(t.numel() * t.element_size() for t in (*cache.key_caches, *cache.value_caches))
     assert held == cache.device_bytes == 5 * cache.bytes_per_block
-    assert cache.k_scale.dtype == torch.float32 and cache.k_scale.shape == (1,)
+    for scale in cache.scales(LAYERS - 1):
+        assert scale.dtype == torch.float32 and scale.shape == (1,)
+
+
+def test_fp8_scales_are_given_or_calibrated_per_layer():
+    fixed = make_cache(kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.25)
+    assert [s.item() for s in fixed.scales(1)] == [0.5, 0.25]
+    fixed.calibrate(1, torch.full((3, KV_HEADS, HEAD), 100.0), torch.ones(3, KV_HEADS, HEAD))
+    assert [s.item() for s in fixed.scales(1)] == [0.5, 0.25]  # given scales stay
+    calibrated = make_cache(kv_cache_dtype="fp8_e4m3")
+    key = torch.randn(5, KV_HEADS, HEAD) * 30
+    value = torch.randn(5, KV_HEADS, HEAD)
+    calibrated.calibrate(0, key, value)
+    k_scale, v_scale = calibrated.scales(0)
+    assert k_scale.item() == pytest.approx(key.abs().max().item() * 4 / 448)
+    assert v_scale.item() == pytest.approx(value.abs().max().item() * 4 / 448)
+    assert [s.item() for s in calibrated.scales(1)] == [1.0, 1.0]  # not calibrated yet
+    calibrated.calibrate(0, key * 10, value * 10)  # only the first keys and values count
+    assert calibrated.scales(0)[0].item() == k_scale.item()
+    auto = make_cache()
+    auto.calibrate(0, key, value)
+    assert [s.item() for s in auto.scales(0)] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="give both k_scale and v_scale"):
+        make_cache(kv_cache_dtype="fp8", k_scale=0.5)
+    with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
+        make_cache(kv_cache_dtype="fp8", k_scale=0.0, v_scale=1.0)
 
 
 def test_layers_are_views_of_one_allocation():

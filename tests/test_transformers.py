@@ -549,3 +549,46 @@ def test_generate_takes_the_cache_under_transformers_current_keyword(llama):
     finally:
         llama.set_attn_implementation("sdpa")
     assert cache.get_seq_length() == 5
+
+
+def test_fp8_generate_matches_an_fp8_reference_with_calibrated_scales(llama):
+    # Issue 28: fp8 through PagedCache used scales of 1.0 with no way to pass others. Each
+    # layer's scales now come from the prompt's keys and values (or are given); generate()
+    # equals transformers' own attention over keys and values quantised with those scales.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from paged_attention import reference
+
+    small = build("llama")  # keys and values far below 1: scale 1.0 leaves them subnormal
+    with torch.no_grad():
+        for layer in small.model.layers:
+            layer.self_attn.k_proj.weight.mul_(0.01)
+            layer.self_attn.v_proj.weight.mul_(0.01)
+    ids, _ = left_padded([20], seed=3)
+    small.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dense = small(ids).logits
+    small.set_attn_implementation(ATTN_IMPLEMENTATION)
+    calibrated = PagedCache(small, BLOCK, 32, kv_cache_dtype="fp8")
+    fixed = PagedCache(small, BLOCK, 32, kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0)
+    with torch.no_grad():
+        errors = [(small(ids, cache=c).logits - dense).abs().max() for c in (calibrated, fixed)]
+    assert errors[0] < errors[1] / 5
+    scales = calibrated.kv_cache.scales
+    assert all(0 < s.item() < 1e-3 for layer in range(2) for s in scales(layer))
+
+    def fp8_reference(module, query, key, value, attention_mask, **kwargs):
+        quantised = []
+        for states, scale in zip((key, value), scales(module.layer_idx)):
+            stored = reference.quantize(states, "fp8", scale)
+            quantised.append(reference.dequantize(stored, "fp8", scale).to(states.dtype))
+        return sdpa_attention_forward(module, query, *quantised, attention_mask, **kwargs)
+
+    AttentionInterface.register("fp8_reference", fp8_reference)
+    small.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(small, BLOCK, 32, kv_cache_dtype="fp8")
+    got = small.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
+    small.set_attn_implementation("fp8_reference")
+    want = small.generate(ids, max_new_tokens=12, do_sample=False)
+    assert got.tolist() == want.tolist()

@@ -77,7 +77,9 @@ class Engine:
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
     longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
     a model on one CUDA device, off for a tensor-parallel one): decode steps replay CUDA graphs
-    captured per padded batch size.
+    captured per padded batch size. ``kv_cache_dtype`` (``"auto"`` or an fp8 format) with
+    ``k_scale``/``v_scale`` as :class:`~paged_attention.cache.PagedKVCache` takes them (without
+    them, each layer's scales are calibrated from the first step's keys and values).
     Logits stay on the model's device; only sampled token ids come back to the host. Switches
     ``model`` to the ``"paged_attention"`` attention implementation.
 
@@ -100,6 +102,9 @@ class Engine:
         eos_token_id: int | Sequence[int] | None = None,
         cuda_graphs: bool | None = None,
         tokenizer=None,
+        kv_cache_dtype: str = "auto",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> None:
         geometry = ModelGeometry.of(model)
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
@@ -109,6 +114,9 @@ class Engine:
             num_blocks,
             None,
             num_host_blocks=4 * num_blocks if num_host_blocks is None else num_host_blocks,
+            kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         self.block_manager = geometry.block_manager(self.kv_cache, enable_prefix_caching)
         self.scheduler = Scheduler(

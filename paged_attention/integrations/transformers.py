@@ -48,8 +48,10 @@ class PagedCache(PagedCacheBase):
     (int) or a fraction (float) of free CUDA memory (of available host memory on CPU). With
     neither: 90% of free memory on CUDA; on CPU a quarter of the available host memory, at most
     4 GiB. ``num_host_blocks`` adds host swap space, ``kv_cache_dtype`` is ``"auto"`` or an fp8
-    format, and ``enable_prefix_caching`` lets sequences allocated with their token ids share
-    cached prompt blocks.
+    format (with fixed ``k_scale``/``v_scale``, or without them each layer's scales calibrated
+    from the prompt's keys and values: :class:`~paged_attention.cache.PagedKVCache`), and
+    ``enable_prefix_caching`` lets sequences allocated with their token ids share cached prompt
+    blocks.
 
     Supports decoder-only models whose attention goes through transformers' attention
     interface (docs/models.md: GQA/MQA, sliding windows, soft-caps, sinks, per-layer shapes),
@@ -73,6 +75,8 @@ class PagedCache(PagedCacheBase):
         *,
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
         enable_prefix_caching: bool = False,
     ) -> None:
         geometry = ModelGeometry.of(model)
@@ -82,6 +86,8 @@ class PagedCache(PagedCacheBase):
             max_memory,
             num_host_blocks=num_host_blocks,
             kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         super().__init__(model, geometry, kv)
         self.block_manager = geometry.block_manager(kv, enable_prefix_caching)

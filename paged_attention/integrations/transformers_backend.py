@@ -364,14 +364,16 @@ class PagedCacheBase(Cache):
             self._modules[layer_idx] = module
         elif sinks is not None:  # the learned sinks, as they are now
             module.sinks = sinks.detach().to(torch.float32).flatten()
+        self.kv_cache.calibrate(layer_idx, key, value)
+        k_scale, v_scale = self.kv_cache.scales(layer_idx)
         return module(
             query,
             key,
             value,
             self.kv_cache.layer(layer_idx),
             metadata,
-            k_scale=self.kv_cache.k_scale,
-            v_scale=self.kv_cache.v_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def _check_step_on_every_rank(self, metadata: AttentionMetadata) -> None:
