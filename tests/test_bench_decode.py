@@ -52,13 +52,14 @@ def run_bench_decode(args: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_gpu_check_runs_the_benchmark_twice():
+def test_gpu_check_runs_the_benchmark_three_times():
+    """The grid against the peers, one 128K-token sequence (v2's reduce) and FlexAttention."""
     commands = gpu_check_bench_commands()
-    assert len(commands) == 2
+    assert len(commands) == 3
     assert all(shlex.join(c).count("--device cuda") == 1 for c in commands)
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["grid", "flex"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["grid", "reduce", "flex"])
 def test_gpu_check_bench_arguments_run(index, tmp_path):
     args = on_a_tiny_cpu_grid(gpu_check_bench_commands()[index], tmp_path)
     run_bench_decode(args)
