@@ -312,7 +312,8 @@ inline RequestsAhead plan_requests_ahead(const DecodeUnit<cache_t, kSplit>& u,
                                          int64_t tile_index) {
   RequestsAhead ahead;
   for (int i = 0; i < kPrefetchTiles; ++i) {
-    ahead.tiles[i] = u.tile_in_reading_order((tile_index / kPrefetchTiles + 1) * kPrefetchTiles + i);
+    const int64_t next_set = (tile_index / kPrefetchTiles + 1) * kPrefetchTiles;
+    ahead.tiles[i] = u.tile_in_reading_order(next_set + i);
   }
   ahead.first_request = tile_index % kPrefetchTiles * u.tile_lines;
   return ahead;

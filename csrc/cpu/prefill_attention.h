@@ -546,8 +546,8 @@ inline void attend_prefill_unit(const AttentionParams& p, const PrefillProducts&
                   s.keys_bf16.data(), values_t);
       for (int64_t d = 0; d < head_size && tokens < tokens_pad; ++d) {
         // padding tokens: finite values, times probability 0
-        std::fill(values_t + d * kPrefillTokens + tokens, values_t + d * kPrefillTokens + tokens_pad,
-                  uint16_t{0});
+        uint16_t* row = values_t + d * kPrefillTokens;
+        std::fill(row + tokens, row + tokens_pad, uint16_t{0});
       }
       products.bf16(round_up(tokens, kBf16MatmulRows), r.rows_pad, s.head_pad,
                     s.keys_bf16.data(), s.head_pad, s.query_pairs.data(), 2 * r.rows_pad,

@@ -143,8 +143,9 @@ std::vector<std::string> kernel_variants() {
   return {isa_name(isa), bf16_matmul_name(selected_bf16_matmul(isa))};
 }
 
-// a [M, K] (bf16) x b [K, N] (bf16, or float32 rounded to bf16 as it is packed; any strides) -> float32 [M, N] through one bf16 product variant,
-// with the operands padded and b packed into pairs as the attention kernels do.
+// a [M, K] (bf16) x b [K, N] (bf16, or float32 rounded to bf16 as it is packed; any strides)
+// -> float32 [M, N] through one bf16 product variant, with the operands padded and b packed into
+// pairs as the attention kernels do.
 at::Tensor bf16_matmul(const at::Tensor& a, const at::Tensor& b, const std::string& variant) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0),
               "_cpu_bf16_matmul: a must be [M, K] and b [K, N], got ", a.sizes(), " and ",
