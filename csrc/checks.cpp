@@ -23,6 +23,9 @@ void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
 
 void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
                        const char* ref_name) {
+  // An undefined tensor (None passed for a Tensor argument) has no device to compare.
+  TORCH_CHECK(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK(ref.defined(), ref_name, " must be a tensor, got None");
   TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name,
               " (", ref.device(), "), got ", t.device());
 }
@@ -88,11 +91,14 @@ void check_block_size(int64_t block_size) {
 
 // The kernels compute in float32: a value that is finite or non-zero only in double precision
 // would silently become inf (scale) or "no cap" (logits_soft_cap).
-void check_logit_args(double scale, int64_t sliding_window, double logits_soft_cap) {
+void check_logit_args(double scale, int64_t sliding_window, double logits_soft_cap,
+                      int64_t attention_chunk_size) {
   TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale)),
                     "scale must be finite in float32, got ", scale);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ",
                     sliding_window);
+  TORCH_CHECK_VALUE(attention_chunk_size >= 0,
+                    "attention_chunk_size must be >= 0 (0 = none), got ", attention_chunk_size);
   TORCH_CHECK_VALUE(logits_soft_cap >= 0 && std::isfinite(static_cast<float>(logits_soft_cap)),
                     "logits_soft_cap must be >= 0 and finite in float32 (0 = none), got ",
                     logits_soft_cap);
@@ -230,7 +236,7 @@ AttentionDims check_common_attention_args(const AttentionArgs& args, int64_t num
                                           int64_t block_size) {
   const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-               logits_soft_cap] = args;
+               logits_soft_cap, attention_chunk_size] = args;
   AttentionDims dims{};
   dims.cache_dtype = parse_cache_dtype(kv_cache_dtype);
   dims.num_seqs = num_seqs;
@@ -300,7 +306,7 @@ AttentionDims check_common_attention_args(const AttentionArgs& args, int64_t num
                       slopes.sizes());
     TORCH_CHECK(slopes.is_contiguous(), "alibi_slopes must be contiguous");
   }
-  check_logit_args(scale, sliding_window, logits_soft_cap);
+  check_logit_args(scale, sliding_window, logits_soft_cap, attention_chunk_size);
   check_no_overlap(out, "out", query, "query");
   check_no_overlap(out, "out", key_cache, "key_cache");
   check_no_overlap(out, "out", value_cache, "value_cache");
@@ -365,7 +371,7 @@ VarlenDims check_varlen_args(const AttentionArgs& args, const at::Tensor& query_
 
 void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const VarlenDims& dims,
-                          int64_t sliding_window) {
+                          int64_t sliding_window, int64_t attention_chunk_size) {
   const at::Tensor starts = query_start_loc.cpu();
   const int32_t* start = starts.data_ptr<int32_t>();
   TORCH_CHECK_VALUE(start[0] == 0, "query_start_loc[0] must be 0, got ", start[0]);
@@ -392,9 +398,9 @@ void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_
                       " query rows of sequence ", s,
                       " (query_start_loc): seq_len counts the new tokens too");
     if (q_len == 0) continue;  // reads nothing
-    // Row 0 sits at position len - q_len and attends back to the window's start.
+    // Row 0 sits at position len - q_len; the later rows attend no further back.
     const int64_t first_pos =
-        sliding_window > 0 ? std::max<int64_t>(0, len - q_len - sliding_window + 1) : 0;
+        first_attended_position(len - q_len, sliding_window, attention_chunk_size);
     const int32_t* row = tables.data_ptr<int32_t>() + s * tables.stride(0);
     for (int64_t b = first_pos / dims.block_size; b < (len + dims.block_size - 1) / dims.block_size;
          ++b) {
@@ -454,7 +460,8 @@ void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
 }
 
 void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const AttentionDims& dims, int64_t sliding_window) {
+                             const AttentionDims& dims, int64_t sliding_window,
+                             int64_t attention_chunk_size) {
   const at::Tensor tables = block_tables.cpu();
   const at::Tensor lens = seq_lens.cpu();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
@@ -462,7 +469,9 @@ void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& s
     const int64_t len = len_ptr[s];
     TORCH_CHECK_VALUE(len >= 0 && len <= dims.max_seq_len, "seq_lens[", s, "] = ", len,
                       " must be in [0, max_seq_len = ", dims.max_seq_len, "]");
-    const int64_t first_pos = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    // The query sits at len - 1 (a sequence of length 0 reads nothing).
+    const int64_t first_pos =
+        len > 0 ? first_attended_position(len - 1, sliding_window, attention_chunk_size) : 0;
     const int64_t first_block = first_pos / dims.block_size;
     const int64_t end_block = (len + dims.block_size - 1) / dims.block_size;
     const int32_t* row = tables.data_ptr<int32_t>() + s * tables.stride(0);

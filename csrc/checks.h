@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -58,15 +59,27 @@ struct AttentionArgs {
   const at::Tensor& v_scale;
   int64_t sliding_window;
   double logits_soft_cap;
+  int64_t attention_chunk_size;
 };
+
+// The first position a query at `pos` (>= 0) attends: with a sliding window W the last W
+// positions, with a chunk size C its own chunk [pos - pos % C, pos], with both the later start
+// (0 = none for either).
+inline int64_t first_attended_position(int64_t pos, int64_t sliding_window,
+                                       int64_t attention_chunk_size) {
+  int64_t first = 0;
+  if (sliding_window > 0) first = std::max<int64_t>(first, pos - sliding_window + 1);
+  if (attention_chunk_size > 0) first = std::max(first, pos - pos % attention_chunk_size);
+  return first;
+}
 
 // Checks everything but tensor contents for paged_attention_v1/v2 and returns the dimensions.
 // Requirements: query [num_seqs, num_heads, head_size] with unit stride in the last dim (it may be
 // a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the layout of
 // docs/design.md, contiguous within a block (dims 0 and 1 may be strided); block_tables int32
 // 2-D with unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32
-// [num_heads]; scale finite and logits_soft_cap 0 or positive, both in float32; out sharing no
-// memory with any input.
+// [num_heads]; scale finite and logits_soft_cap 0 or positive, both in float32; sliding_window
+// and attention_chunk_size >= 0; out sharing no memory with any input.
 AttentionDims check_attention_args(const AttentionArgs& args, int64_t block_size);
 
 struct VarlenDims : AttentionDims {
@@ -82,10 +95,10 @@ VarlenDims check_varlen_args(const AttentionArgs& args, const at::Tensor& query_
 
 // Contents: query_start_loc starts at 0, never decreases and ends within query's rows; each
 // sequence's q_len <= max_query_len and <= seq_len <= max_seq_len; every block id a row reads
-// in range.
+// in range (from the first position row 0 attends, inside its window and chunk).
 void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const VarlenDims& dims,
-                          int64_t sliding_window);
+                          int64_t sliding_window, int64_t attention_chunk_size);
 
 // exp_sums, max_logits: float32 [num_seqs, num_heads, >= max_partitions];
 // tmp_out: query dtype [num_seqs, num_heads, same partitions, head_size]; all contiguous, sharing
@@ -95,9 +108,10 @@ void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
                       const AttentionArgs& args);
 
 // Contents: 0 <= seq_lens[i] <= max_seq_len and <= max_blocks_per_seq * block_size; every block
-// id a sequence reads (inside the sliding window, if any) in [0, num_blocks).
+// id a sequence reads (inside the sliding window and the chunk, if any) in [0, num_blocks).
 void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const AttentionDims& dims, int64_t sliding_window);
+                             const AttentionDims& dims, int64_t sliding_window,
+                             int64_t attention_chunk_size);
 
 struct CacheDims {
   int64_t num_tokens;

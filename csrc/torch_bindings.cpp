@@ -17,19 +17,19 @@ TORCH_LIBRARY(paged_attention, m) {
       "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
       "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, "
-      "int sliding_window=0, float logits_soft_cap=0.0) -> ()");
+      "int sliding_window=0, float logits_soft_cap=0.0, int attention_chunk_size=0) -> ()");
   m.def(
       "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums, Tensor(c!) max_logits, "
       "Tensor(d!) tmp_out, Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
       "float scale, Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len, "
       "Tensor? alibi_slopes, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, "
-      "int sliding_window=0, float logits_soft_cap=0.0) -> ()");
+      "int sliding_window=0, float logits_soft_cap=0.0, int attention_chunk_size=0) -> ()");
   m.def(
       "paged_attention_varlen(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, int max_query_len, int max_seq_len, Tensor? alibi_slopes, "
       "str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int sliding_window=0, "
-      "float logits_soft_cap=0.0, Tensor? sinks=None) -> ()");
+      "float logits_soft_cap=0.0, Tensor? sinks=None, int attention_chunk_size=0) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");

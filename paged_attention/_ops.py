@@ -205,6 +205,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    attention_chunk_size: int = 0,
     out: torch.Tensor | None = None,
     version: int | None = None,
 ) -> torch.Tensor:
@@ -216,6 +217,9 @@ def paged_attention(
     ``head_size ** -0.5``. Pass ``max_seq_len`` (an int >= every seq_len) to avoid reading
     ``seq_lens`` back from the GPU, which synchronises and cannot be captured in a CUDA graph.
     ``version`` forces the v1 or v2 kernel; by default :func:`use_v2` chooses.
+    ``sliding_window = W > 0`` attends the last ``W`` positions; ``attention_chunk_size = C > 0``
+    (chunked local attention, Llama 4) only the query's own chunk of ``C`` positions, ``[p - p %
+    C, p]`` for the query at ``p = seq_len - 1``; with both, positions both allow.
     An fp8 ``kv_cache_dtype`` requires ``k_scale`` and ``v_scale`` (a ``ValueError`` otherwise).
     ``scale`` and ``logits_soft_cap`` are used in float32 and checked there: a scale that is inf
     in float32, or a cap that rounds to 0, raises.
@@ -256,6 +260,7 @@ def paged_attention(
         v_scale,
         sliding_window,
         float(logits_soft_cap),
+        attention_chunk_size,
     )
     if version == 1:
         ops.paged_attention_v1(out, *common)
@@ -290,6 +295,7 @@ def paged_attention_varlen(
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of any number of new query rows per sequence over a paged KV cache (one
@@ -300,8 +306,9 @@ def paged_attention_varlen(
     ``query_start_loc[s] .. query_start_loc[s + 1] - 1`` (int32 ``[num_seqs + 1]``, starting at
     0, non-decreasing; a sequence may have none). ``seq_lens[s]`` counts every token of ``s`` in
     the cache, its new ones included (store them first, e.g. with :func:`reshape_and_cache`):
-    row ``i`` sits at position ``seq_len - q_len + i`` and attends the positions up to its own
-    (the last ``sliding_window`` of them, if set). Logits as in :func:`paged_attention`, with
+    row ``i`` sits at position ``p = seq_len - q_len + i`` and attends the positions up to its
+    own (the last ``sliding_window`` of them, if set; with ``attention_chunk_size = C``, only
+    those of its own chunk, ``[p - p % C, p]``). Logits as in :func:`paged_attention`, with
     ALiBi ``slope * (key position - query position)``. ``sinks`` (float32 ``[num_heads]``) adds
     one logit per head to the softmax's denominator only. Rows past ``query_start_loc[-1]``
     belong to no sequence: the op leaves them untouched (zeros in the ``out`` allocated here).
@@ -347,5 +354,6 @@ def paged_attention_varlen(
         sliding_window,
         float(logits_soft_cap),
         sinks,
+        attention_chunk_size,
     )
     return out

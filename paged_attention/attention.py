@@ -15,7 +15,9 @@ so a step can be captured in a CUDA graph.
 
 Logit semantics are those of reference.py: ``s = scale * q.k``, then the soft-cap, then ALiBi
 ``slope * (p - query_position)``, and a sliding window of ``W`` keeps the last ``W`` positions up
-to and including the query's own; ``sinks`` add one logit per head to the softmax's denominator.
+to and including the query's own; chunked local attention of ``C`` keeps only the query's own
+chunk, positions ``q - q % C .. q`` for the query at ``q``; ``sinks`` add one logit per head to the
+softmax's denominator.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class AttentionMetadata:
 
     ``manager_window`` is the sliding window of the block manager that planned the step: it
     releases blocks wholly before the last ``manager_window`` positions, so no module may attend
-    further back (``None``: every block is kept).
+    further back (``None``: every block is kept). ``manager_chunk`` is its attention chunk size:
+    it releases blocks wholly before the chunk of a sequence's first new token, so only modules
+    with that chunk size may read the cache (``None``: no such release).
     """
 
     query_lens: list[int]
@@ -61,6 +65,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's rows start
     max_query_len: int
     manager_window: int | None = None
+    manager_chunk: int | None = None
 
     @classmethod
     def build(
@@ -72,6 +77,7 @@ class AttentionMetadata:
         device: torch.device | str | None = None,
         seq_lens_tensor: torch.Tensor | None = None,
         manager_window: int | None = None,
+        manager_chunk: int | None = None,
     ) -> AttentionMetadata:
         """Validate the host lists and move the tensors to ``device`` (default: where
         ``block_tables`` is)."""
@@ -104,6 +110,7 @@ class AttentionMetadata:
             query_start_loc=starts.to(device=device, non_blocking=True),
             max_query_len=max(query_lens, default=0),
             manager_window=manager_window,
+            manager_chunk=manager_chunk,
         )
 
     @property
@@ -129,7 +136,9 @@ class PagedAttention(nn.Module):
 
     ``num_kv_heads`` defaults to ``num_heads``; ``scale`` to ``head_size ** -0.5``;
     ``alibi_slopes`` is ``None`` or ``[num_heads]`` floats; ``sliding_window = W > 0`` attends the
-    last ``W`` positions; ``logits_soft_cap = c > 0`` maps logits to ``c * tanh(s / c)``;
+    last ``W`` positions; ``attention_chunk_size = C > 0`` attends only the query's own chunk of
+    ``C`` positions (chunked local attention, as Llama 4's; with a window too, positions both
+    allow); ``logits_soft_cap = c > 0`` maps logits to ``c * tanh(s / c)``;
     ``kv_cache_dtype`` is ``"auto"`` or an fp8 format (then pass ``k_scale``/``v_scale`` to
     ``forward``, as :class:`~paged_attention.cache.PagedKVCache` holds them); ``sinks`` is
     ``None`` or ``[num_heads]`` floats, one extra logit per head that only joins the softmax's
@@ -147,6 +156,7 @@ class PagedAttention(nn.Module):
         logits_soft_cap: float = 0.0,
         kv_cache_dtype: str = "auto",
         sinks: Sequence[float] | torch.Tensor | None = None,
+        attention_chunk_size: int = 0,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -157,6 +167,10 @@ class PagedAttention(nn.Module):
             )
         if sliding_window is None or sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0 (0 = none), got {sliding_window}")
+        if attention_chunk_size is None or attention_chunk_size < 0:
+            raise ValueError(
+                f"attention_chunk_size must be >= 0 (0 = none), got {attention_chunk_size}"
+            )
         if logits_soft_cap is None or logits_soft_cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 (0 = none), got {logits_soft_cap}")
         check_head_size(head_size, kv_cache_dtype)  # validates the cache format's name too
@@ -165,6 +179,7 @@ class PagedAttention(nn.Module):
         self.head_size = head_size
         self.scale = float(head_size**-0.5 if scale is None else scale)
         self.sliding_window = int(sliding_window)
+        self.attention_chunk_size = int(attention_chunk_size)
         self.logits_soft_cap = float(logits_soft_cap)
         self.kv_cache_dtype = kv_cache_dtype
         if alibi_slopes is not None:
@@ -186,7 +201,8 @@ class PagedAttention(nn.Module):
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, scale={self.scale}, sliding_window="
-            f"{self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, "
+            f"{self.sliding_window}, attention_chunk_size={self.attention_chunk_size}, "
+            f"logits_soft_cap={self.logits_soft_cap}, "
             f"alibi={self.alibi_slopes is not None}, sinks={self.sinks is not None}, "
             f"kv_cache_dtype={self.kv_cache_dtype!r}"
         )
@@ -252,13 +268,30 @@ class PagedAttention(nn.Module):
         return out.view(shape)
 
     def _check_window(self, metadata: AttentionMetadata) -> None:
+        """Refuses a step whose block manager may have released blocks this module reads."""
         kept = metadata.manager_window
-        if kept is not None and (self.sliding_window == 0 or self.sliding_window > kept):
-            reach = f"the last {self.sliding_window}" if self.sliding_window else "every"
+        # A query reads at most this many positions back, its own included (0: all of them).
+        reach = min(
+            (n for n in (self.sliding_window, self.attention_chunk_size) if n > 0), default=0
+        )
+        if kept is not None and (reach == 0 or reach > kept):
+            what = f"the last {reach}" if reach else "every"
             raise ValueError(
-                f"this PagedAttention attends {reach} position(s) but its block manager keeps "
+                f"this PagedAttention attends {what} position(s) but its block manager keeps "
                 f"only the last {kept} (BlockManager(sliding_window={kept}) releases older "
                 "blocks): give the manager the module's window, or none"
+            )
+        chunk = metadata.manager_chunk
+        if chunk is not None and self.attention_chunk_size != chunk:
+            what = (
+                f"in chunks of {self.attention_chunk_size}"
+                if self.attention_chunk_size
+                else "across chunks"
+            )
+            raise ValueError(
+                f"this PagedAttention attends {what} but its block manager releases the blocks "
+                f"before the current chunk of {chunk} positions: give the module the manager's "
+                "chunk size, or the manager none"
             )
 
     # ------------------------------------------------------------------ attention
@@ -295,6 +328,7 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             sinks=self.sinks,
+            attention_chunk_size=self.attention_chunk_size,
         )
 
     def _decode(
@@ -314,4 +348,5 @@ class PagedAttention(nn.Module):
             v_scale=v_scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            attention_chunk_size=self.attention_chunk_size,
         )

@@ -177,13 +177,23 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         )
     except ValueError as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {model_name}: {error}") from error
-    ids = [engine.add_request(prompt, params) for prompt, params in workload]
-    results: dict[int, RequestOutput] = {}
+    ids, results = [], {}
+    for prompt, params in workload:
+        try:
+            ids.append(engine.add_request(prompt, params))
+        except ValueError as error:  # a request that can never run in this KV budget
+            ids.append(("refused", len(ids)))
+            results[ids[-1]] = RequestOutput(-1, prompt, [], [], finished=True, rejected=str(error))
     with tqdm(
-        total=len(ids), desc="serving", unit="req", file=sys.stderr, disable=not reporting
+        total=len(ids),
+        initial=len(results),
+        desc="serving",
+        unit="req",
+        file=sys.stderr,
+        disable=not reporting,
     ) as bar:
         while engine.has_unfinished():
-            ended = engine.step()
+            ended = [r for r in engine.step() if r.finished]
             results.update((r.request_id, r) for r in ended)
             bar.update(len(ended))
     outputs = [results[i] for i in ids]
@@ -221,7 +231,7 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         "beam_search_requests": sum(p.beam_width > 1 for _, p in workload),
         "generated_tokens": stats.generated_tokens,
         "seconds": stats.seconds,
-        "tokens_per_s": stats.generated_tokens / stats.seconds,
+        "tokens_per_s": stats.generated_tokens / stats.seconds if stats.seconds else 0.0,
         "steps": stats.steps,
         "block_size": args.block_size,
         "kv_budget_blocks": budget,
@@ -303,7 +313,7 @@ def plot_timeline(timeline: list[tuple[int, int]], budget: int, path: str) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paged, contiguous = zip(*timeline)
+    paged, contiguous = zip(*timeline) if timeline else ((), ())
     steps = range(1, len(timeline) + 1)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, contiguous, label="contiguous reservation of max length", color="tab:gray")

@@ -8,7 +8,9 @@ Semantics fixed here (and followed by the kernels):
 
 * logit of query head ``h`` for the token at position ``p`` of a sequence of length ``L``:
   ``s = scale * (q . k_p)``; with ``logits_soft_cap = c > 0``, ``s = c * tanh(s / c)``; with ALiBi,
-  ``s += slope[h] * (p - L + 1)``; with ``sliding_window = W > 0`` only ``p >= L - W`` is attended.
+  ``s += slope[h] * (p - L + 1)``; with ``sliding_window = W > 0`` only ``p >= L - W`` is attended;
+  with ``attention_chunk_size = C > 0`` (chunked local attention, Llama 4) only the query's own
+  chunk, ``p >= q - q % C`` for the query at ``q = L - 1``; with both, their intersection.
 * a sequence of length 0 produces an all-zero output row.
 * fp8 caches (``uint8`` tensors): ``stored = fp8(clamp(x / scale, -max, max))`` rounded to nearest
   even, ``x' = float(stored) * scale``; e4m3 is the ``float8_e4m3fn`` format (max 448), e5m2 is
@@ -19,8 +21,8 @@ Semantics fixed here (and followed by the kernels):
 * v2 partition outputs: for partition ``j`` (tokens ``[512 j, 512 (j + 1))``), ``max_logits`` is
   the largest attended logit, ``exp_sums`` is ``sum(exp(s - max_logit))`` and ``tmp_out`` is the
   partition's softmax-weighted value sum divided by its ``exp_sum``. A partition with no attended
-  token (past the sequence end or wholly outside the sliding window) holds ``max_logit = -inf``,
-  ``exp_sum = 0`` and a zero ``tmp_out`` row.
+  token (past the sequence end, or wholly outside the sliding window or the query's chunk) holds
+  ``max_logit = -inf``, ``exp_sum = 0`` and a zero ``tmp_out`` row.
 """
 
 from __future__ import annotations
@@ -166,6 +168,20 @@ def gather_kv(
     return keys, values
 
 
+def first_attended_position(
+    position: int, sliding_window: int = 0, attention_chunk_size: int = 0
+) -> int:
+    """The first key position a query at ``position`` attends: the start of its sliding window
+    (the last ``sliding_window`` positions) and of its chunk (``position - position %
+    attention_chunk_size``), whichever is later; 0 without either (0 = none for each)."""
+    first = 0
+    if sliding_window > 0:
+        first = max(first, position - sliding_window + 1)
+    if attention_chunk_size > 0 and position > 0:
+        first = max(first, position - position % attention_chunk_size)
+    return first
+
+
 def attention_logits(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -173,9 +189,11 @@ def attention_logits(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    attention_chunk_size: int = 0,
 ) -> torch.Tensor:
-    """Logits ``[num_heads, seq_len]`` of one sequence's query ``[num_heads, head_size]`` against
-    its keys ``[seq_len, num_kv_heads, head_size]``; unattended positions are ``-inf``."""
+    """Logits ``[num_heads, seq_len]`` of one sequence's query ``[num_heads, head_size]``, at
+    position ``seq_len - 1``, against its keys ``[seq_len, num_kv_heads, head_size]``;
+    unattended positions are ``-inf``."""
     num_heads = query.shape[0]
     seq_len, num_kv_heads, _ = keys.shape
     keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
@@ -185,9 +203,8 @@ def attention_logits(
     positions = torch.arange(seq_len, device=query.device)
     if alibi_slopes is not None:
         logits = logits + alibi_slopes.float()[:, None] * (positions - seq_len + 1)[None, :]
-    if sliding_window > 0:
-        logits = logits.masked_fill((positions < seq_len - sliding_window)[None, :], -math.inf)
-    return logits
+    first = first_attended_position(seq_len - 1, sliding_window, attention_chunk_size)
+    return logits.masked_fill((positions < first)[None, :], -math.inf)
 
 
 def _attend(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -198,10 +215,10 @@ def _attend(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def _sequences(
-    block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale, window
+    block_tables, seq_lens, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale, window, chunk
 ):
     for s, seq_len in enumerate(seq_lens.tolist()):
-        start = max(0, seq_len - window) if window > 0 else 0  # the first attended position
+        start = first_attended_position(seq_len - 1, window, chunk)
         keys, values = gather_kv(
             key_cache,
             value_cache,
@@ -232,6 +249,7 @@ def paged_attention_v1(
     v_scale: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    attention_chunk_size: int = 0,
 ) -> None:
     """Decode attention: one query token per sequence against its paged context."""
     for s, seq_len, keys, values in _sequences(
@@ -243,12 +261,19 @@ def paged_attention_v1(
         k_scale,
         v_scale,
         sliding_window,
+        attention_chunk_size,
     ):
         if seq_len == 0:
             out[s] = 0
             continue
         logits = attention_logits(
-            query[s], keys, scale, alibi_slopes, sliding_window, logits_soft_cap
+            query[s],
+            keys,
+            scale,
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            attention_chunk_size,
         )
         out[s] = _attend(logits, values).to(out.dtype)
 
@@ -273,6 +298,7 @@ def paged_attention_v2(
     v_scale: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    attention_chunk_size: int = 0,
 ) -> None:
     """Split-K decode attention: per-partition results, then their exact combination."""
     num_partitions = exp_sums.shape[2]
@@ -285,9 +311,16 @@ def paged_attention_v2(
         k_scale,
         v_scale,
         sliding_window,
+        attention_chunk_size,
     ):
         logits = attention_logits(
-            query[s], keys, scale, alibi_slopes, sliding_window, logits_soft_cap
+            query[s],
+            keys,
+            scale,
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            attention_chunk_size,
         )
         for j in range(num_partitions):
             part = logits[:, j * PARTITION_SIZE : (j + 1) * PARTITION_SIZE]
@@ -334,21 +367,22 @@ def paged_attention_varlen(
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = 0,
 ) -> None:
     """Causal attention of every sequence's query rows over its paged context.
 
     Sequence ``s`` owns query rows ``query_start_loc[s] .. query_start_loc[s + 1] - 1``; row ``i``
     of ``q_len`` sits at position ``p = seq_len - q_len + i`` and attends positions ``j <= p``
-    (and ``j > p - W`` with a window ``W``), logit as in v1 with ALiBi ``slope * (j - p)``. A sink
-    is one more logit per head in the softmax's denominator, with no value. Rows of no sequence
-    are left as they are."""
+    (and ``j > p - W`` with a window ``W``, ``j >= p - p % C`` with a chunk size ``C``), logit as
+    in v1 with ALiBi ``slope * (j - p)``. A sink is one more logit per head in the softmax's
+    denominator, with no value. Rows of no sequence are left as they are."""
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
         rows = slice(starts[s], starts[s + 1])
         q_len = starts[s + 1] - starts[s]
         if q_len == 0:
             continue
-        first = max(0, seq_len - q_len - sliding_window + 1) if sliding_window > 0 else 0
+        first = first_attended_position(seq_len - q_len, sliding_window, attention_chunk_size)
         keys, values = gather_kv(
             key_cache,
             value_cache,
@@ -374,6 +408,9 @@ def paged_attention_varlen(
         hidden = distance > 0
         if sliding_window > 0:
             hidden |= distance <= -sliding_window
+        if attention_chunk_size > 0:
+            chunk_start = query_pos - query_pos % attention_chunk_size
+            hidden |= key_pos[None, :] < chunk_start[:, None]
         logits = logits.masked_fill(hidden[None], -math.inf)
         if sinks is not None:
             sink = sinks.float()[:, None, None].expand(-1, q_len, 1)

@@ -42,7 +42,8 @@ class Call(ctypes.Structure):
             "key_block_stride key_head_stride value_block_stride value_head_stride block_tables "
             "block_table_stride max_blocks_per_seq seq_lens num_seqs num_heads num_kv_heads "
             "head_size block_size max_seq_len scale logits_soft_cap sliding_window alibi_slopes "
-            "k_scale v_scale num_partitions query_start_loc num_tokens max_query_len sinks"
+            "k_scale v_scale num_partitions query_start_loc num_tokens max_query_len sinks "
+            "attention_chunk_size"
         ).split()
     ]
 
@@ -160,6 +161,7 @@ def run(
     v_scale: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    attention_chunk_size: int = 0,
     *,
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
@@ -230,6 +232,7 @@ def run(
         num_tokens=query.shape[0],
         max_query_len=max_query_len,
         sinks=_pointer(sinks),
+        attention_chunk_size=attention_chunk_size,
     )
     report = Report()
     error = ctypes.create_string_buffer(4096)
@@ -268,6 +271,7 @@ def paged_attention_varlen(
     sliding_window=0,
     logits_soft_cap=0.0,
     sinks=None,
+    attention_chunk_size=0,
     **options,
 ) -> Report:
     """The varlen op's arguments in its schema's order (block_size from value_cache)."""
@@ -292,6 +296,7 @@ def paged_attention_varlen(
         v_scale,
         sliding_window,
         logits_soft_cap,
+        attention_chunk_size,
         query_start_loc=query_start_loc,
         max_query_len=max_query_len,
         sinks=sinks,

@@ -44,7 +44,7 @@ def make_query(num_seqs, num_heads, head_size, dtype, seed=1, fused_qkv=False):
 
 
 def attention_args(
-    query, kv, num_heads, *, alibi=False, sliding_window=0, soft_cap=0.0, scale=None
+    query, kv, num_heads, *, alibi=False, sliding_window=0, soft_cap=0.0, scale=None, chunk=0
 ):
     slopes = None
     if alibi:
@@ -65,6 +65,7 @@ def attention_args(
         kv.v_scale,
         sliding_window,
         soft_cap,
+        chunk,
     )
 
 
@@ -164,6 +165,14 @@ def test_fp8_cache(kv_cache_dtype, dtype, block_size):
         dict(soft_cap=5.0),
         dict(soft_cap=30.0, alibi=True, sliding_window=100),
         dict(scale=0.5),
+        dict(chunk=1),
+        dict(chunk=5),  # chunks cutting blocks
+        dict(chunk=32),  # at block edges
+        dict(chunk=512),  # at v2 partition edges
+        dict(chunk=700),  # across partitions
+        dict(chunk=5000),  # longer than every context
+        dict(chunk=100, sliding_window=37),  # the window inside the chunk
+        dict(chunk=40, sliding_window=600, soft_cap=30.0, alibi=True),  # the chunk inside it
     ],
     ids=str,
 )
@@ -172,6 +181,45 @@ def test_features(features, dtype):
     kv = make_paged_kv(4, [1, 40, 513, 1200], 2, 64, 16, dtype, seed=3)
     query = make_query(4, 8, 64, dtype)
     check_v1_v2(attention_args(query, kv, 8, **features))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_chunks_with_fp8_caches(kv_cache_dtype, block_size):
+    kv = make_paged_kv(3, [9, 100, 600], 2, 64, block_size, torch.bfloat16, kv_cache_dtype)
+    query = make_query(3, 8, 64, torch.bfloat16)
+    for chunk in (7, 64):
+        check_v1_v2(attention_args(query, kv, 8, chunk=chunk, soft_cap=20.0))
+
+
+def test_chunk_is_applied():
+    """Guards against a chunk that is silently ignored: it must change the result, and equal
+    attention over the chunk's tokens alone."""
+    kv = make_paged_kv(1, 100, 1, 64, 16, torch.float32)
+    query = make_query(1, 2, 64, torch.float32)
+    full = run_v1(attention_args(query, kv, 2))
+    chunked = run_v1(attention_args(query, kv, 2, chunk=30))  # positions 90 .. 99
+    window = run_v1(attention_args(query, kv, 2, sliding_window=10))
+    assert (full - chunked).abs().max() > 1e-3
+    torch.testing.assert_close(chunked, window, rtol=0, atol=0)
+
+
+def test_blocks_before_the_chunk_are_never_read():
+    """The block manager may release the blocks before the query's chunk: their table entries
+    are not checked or read, and the blocks may hold anything."""
+    kv = make_paged_kv(2, [70, 200], 2, 64, 16, torch.float32)
+    query = make_query(2, 4, 64, torch.float32)
+    expected = run_reference_v1(attention_args(query, kv, 4, chunk=64))
+    released = kv.block_tables.clone()
+    released[0, :4] = -1  # row 69 attends 64 .. 69
+    released[1, :12] = 10**6  # row 199 attends 192 .. 199
+    for seq, blocks in ((0, 4), (1, 12)):
+        for cache in (kv.key_cache, kv.value_cache):
+            cache[kv.block_tables[seq, :blocks].long()] = math.nan
+    kv.block_tables = released
+    args = attention_args(query, kv, 4, chunk=64)
+    torch.testing.assert_close(run_v1(args), expected, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(run_v2(args)[0], expected, **TOLERANCES[torch.float32])
 
 
 def test_soft_cap_is_applied():
@@ -221,8 +269,8 @@ def test_nan_slots_never_reach_the_output():
     kv = make_paged_kv(3, [7, 45, 520], 2, 64, 32, torch.float32)
     assert kv.value_cache.isnan().any()
     query = make_query(3, 8, 64, torch.float32)
-    for window in (0, 11):
-        args = attention_args(query, kv, 8, sliding_window=window)
+    for window, chunk in ((0, 0), (11, 0), (0, 13), (11, 20)):
+        args = attention_args(query, kv, 8, sliding_window=window, chunk=chunk)
         assert not run_v1(args).isnan().any()
         assert not run_v2(args)[0].isnan().any()
 
@@ -257,6 +305,7 @@ def test_units_of_several_kv_heads(num_heads, num_kv_heads, num_seqs, threads, d
         torch.set_num_threads(threads)
         check_v1_v2(attention_args(query, kv, num_heads, alibi=True))
         check_v1_v2(attention_args(query, kv, num_heads, sliding_window=40, soft_cap=20.0))
+        check_v1_v2(attention_args(query, kv, num_heads, chunk=24, alibi=True))
     finally:
         torch.set_num_threads(previous)
 
@@ -316,6 +365,7 @@ def test_long_context(context, dtype, block_size):
     sliding_window=st.sampled_from([0, 0, 5, 300]),
     alibi=st.booleans(),
     soft_cap=st.sampled_from([0.0, 0.0, 10.0]),
+    chunk=st.sampled_from([0, 0, 3, 64, 200]),
 )
 def test_random_shapes(
     lens,
@@ -328,6 +378,7 @@ def test_random_shapes(
     sliding_window,
     alibi,
     soft_cap,
+    chunk,
 ):
     if kv_cache_dtype != "auto" and head_size % 16:
         head_size = 128  # fp8 keys come in 16-element chunks: head_size must be a multiple of 16
@@ -337,7 +388,13 @@ def test_random_shapes(
     )
     query = make_query(len(lens), num_heads, head_size, dtype)
     args = attention_args(
-        query, kv, num_heads, alibi=alibi, sliding_window=sliding_window, soft_cap=soft_cap
+        query,
+        kv,
+        num_heads,
+        alibi=alibi,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        chunk=chunk,
     )
     expected = run_reference_v1(args)
     tol = TOLERANCES[dtype]
@@ -373,10 +430,13 @@ def test_narrower_instruction_sets_agree():
             kv = make_paged_kv(3, [1, 77, 700], 2, head_size, block_size, dtype, cache)
             check_v1_v2(attention_args(make_query(3, 8, head_size, dtype), kv, 8,
                                        sliding_window=100))
+            check_v1_v2(attention_args(make_query(3, 8, head_size, dtype), kv, 8, chunk=20,
+                                       sliding_window=300, alibi=True))
         torch.set_num_threads(2)  # 4 sequences x 8 KV heads: units of 4 KV heads
         for dtype in (torch.float32, torch.bfloat16):
             kv = make_paged_kv(4, [1, 37, 300, 513], 8, 64, 16, dtype)
             check_v1_v2(attention_args(make_query(4, 32, 64, dtype), kv, 32, alibi=True))
+            check_v1_v2(attention_args(make_query(4, 32, 64, dtype), kv, 32, chunk=9))
         print("ok", torch.backends.cpu.get_cpu_capability())
         """
     )
@@ -419,10 +479,18 @@ def test_built_to_run_in_parallel():
 # Tracing
 
 
-def test_opcheck():
-    kv = make_paged_kv(2, [20, 600], 2, 64, 16, torch.float32)
-    query = make_query(2, 4, 64, torch.float32)
-    args = attention_args(query, kv, 4, alibi=True)
+@pytest.mark.parametrize(
+    "features",
+    [dict(alibi=True), dict(sliding_window=300, soft_cap=10.0), dict(chunk=40, alibi=True),
+     dict(chunk=40, sliding_window=300, soft_cap=10.0)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_opcheck(features, kv_cache_dtype):
+    """Schema, fake kernel and the op agree (torch.library.opcheck), with and without chunks."""
+    kv = make_paged_kv(2, [20, 600], 2, 64, 16, torch.bfloat16, kv_cache_dtype)
+    query = make_query(2, 4, 64, torch.bfloat16)
+    args = attention_args(query, kv, 4, **features)
     out = torch.empty_like(query)
     torch.library.opcheck(ops.paged_attention_v1, (out, *args))
     torch.library.opcheck(ops.paged_attention_v2, (out, *v2_scratch(query, args[8]), *args))
@@ -469,6 +537,7 @@ def bad_call(version=1, **changes):
         "v_scale",
         "sliding_window",
         "logits_soft_cap",
+        "attention_chunk_size",
     ]
     scratch = list(v2_scratch(query, 40))
     out = torch.empty_like(query)
@@ -504,6 +573,13 @@ def bad_call(version=1, **changes):
         (dict(kv_cache_dtype=lambda d: "int8"), "kv_cache_dtype must be one of"),
         (dict(out=lambda o: o.half()), "out must have the dtype of query"),
         (dict(alibi_slopes=lambda a: torch.ones(3)), "alibi_slopes must have shape"),
+        (dict(out=lambda o: None), "out must be a tensor, got None"),
+        (dict(key_cache=lambda k: None), "key_cache must be a tensor, got None"),
+        (dict(sliding_window=lambda w: -1), r"sliding_window must be >= 0 \(0 = none\)"),
+        (
+            dict(attention_chunk_size=lambda c: -1),
+            r"attention_chunk_size must be >= 0 \(0 = none\)",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -580,8 +656,17 @@ def _wrapper_inputs(dtype=torch.float32, kv_cache_dtype="auto"):
         (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap must be >= 0 and finite"),
         (dict(scale=1e39), ValueError, "scale must be finite in float32"),
         (dict(scale=math.nan), ValueError, "scale must be finite in float32"),
+        (dict(attention_chunk_size=-8), ValueError, "attention_chunk_size must be >= 0"),
     ],
-    ids=["2-D query", "3-D value_cache", "cap underflows", "cap overflows", "scale", "nan scale"],
+    ids=[
+        "2-D query",
+        "3-D value_cache",
+        "cap underflows",
+        "cap overflows",
+        "scale",
+        "nan scale",
+        "negative chunk",
+    ],
 )
 @pytest.mark.parametrize("version", [1, 2])
 def test_wrapper_errors_name_the_argument(change, error, message, version):
@@ -598,6 +683,17 @@ def test_wrapper_errors_name_the_argument(change, error, message, version):
             tensors["query"], kv.key_cache, tensors["value_cache"], kv.block_tables, kv.seq_lens,
             max_seq_len=kv.max_seq_len, version=version, **options,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("version", [1, 2, None])
+def test_wrapper_passes_the_chunk(version):
+    query, kv = _wrapper_inputs()
+    out = paged_attention.paged_attention(
+        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max_seq_len=40,
+        attention_chunk_size=16, sliding_window=30, version=version,
+    )  # fmt: skip
+    expected = run_reference_v1(attention_args(query, kv, 4, chunk=16, sliding_window=30))
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
 def test_fp8_attention_requires_scales():

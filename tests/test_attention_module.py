@@ -4,6 +4,7 @@ built on reference.attention_logits and against SDPA on the whole unpaged sequen
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -28,6 +29,8 @@ OPTIONS = {
     "window": dict(sliding_window=11),
     "softcap": dict(logits_soft_cap=2.0),
     "all": dict(alibi=True, sliding_window=11, logits_soft_cap=2.0),
+    "chunk": dict(attention_chunk_size=6),  # chunks cutting blocks of 8
+    "chunk+all": dict(alibi=True, sliding_window=11, logits_soft_cap=2.0, attention_chunk_size=16),
 }
 
 
@@ -93,6 +96,7 @@ def oracle(module, q, k, v, query_positions, kv_cache_dtype="auto", cache=None):
             module.alibi_slopes,
             module.sliding_window,
             module.logits_soft_cap,
+            module.attention_chunk_size,
         )
         weights = torch.softmax(logits, dim=-1)
         values = v[: p + 1].float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -156,7 +160,7 @@ def test_chunked_prefill_then_decode_match_dense_oracle(option, dtype, heads):
             done[s] += q.shape[0]
 
 
-@pytest.mark.parametrize("option", ["plain", "alibi", "window", "softcap"])
+@pytest.mark.parametrize("option", ["plain", "alibi", "window", "softcap", "chunk", "chunk+all"])
 def test_decode_matches_reference_paged_attention(option):
     gen = torch.Generator().manual_seed(1)
     module = make_module(8, 2, **OPTIONS[option])
@@ -185,6 +189,7 @@ def test_decode_matches_reference_paged_attention(option):
         cache.v_scale,
         module.sliding_window,
         module.logits_soft_cap,
+        module.attention_chunk_size,
     )
     torch.testing.assert_close(out, want, **TOL[torch.float32])
 
@@ -286,6 +291,9 @@ def test_bad_arguments_raise():
         PagedAttention(4, HEAD, sliding_window=-1)
     with pytest.raises(ValueError, match="logits_soft_cap"):
         PagedAttention(4, HEAD, logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match=r"attention_chunk_size must be >= 0 \(0 = none\)"):
+        PagedAttention(4, HEAD, attention_chunk_size=-1)
+    assert "attention_chunk_size=8192" in repr(PagedAttention(4, HEAD, attention_chunk_size=8192))
     with pytest.raises(ValueError, match="alibi_slopes"):
         PagedAttention(4, HEAD, alibi_slopes=[0.5, 0.25])
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -395,6 +403,50 @@ def test_module_attending_further_back_than_its_manager_keeps_is_refused(module_
         module(q, k, v, cache.layer(0), cache.metadata(manager, [0], 3))
     narrower = make_module(4, 2, sliding_window=4)  # attends no further back than kept
     narrower(q, k, v, cache.layer(0), cache.metadata(manager, [0], 3))
+
+
+def test_a_chunked_module_reads_within_its_managers_window():
+    """A chunk of C positions reads at most C back: a manager window of at least C suffices."""
+    cache = make_cache(2)
+    manager = cache.make_manager(watermark=0.0, sliding_window=8)
+    manager.allocate(0, 3)
+    q, k, v = random_seq(3, 4, 2, torch.float32, torch.Generator().manual_seed(10))
+    make_module(4, 2, attention_chunk_size=8)(
+        q, k, v, cache.layer(0), cache.metadata(manager, [0], 3)
+    )
+    with pytest.raises(ValueError, match="attends the last 9 position"):
+        make_module(4, 2, attention_chunk_size=9)(
+            q, k, v, cache.layer(0), cache.metadata(manager, [0], 3)
+        )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(attention_chunk_size=8), dict(attention_chunk_size=32), dict(sliding_window=4)],
+    ids=str,
+)
+def test_module_reading_across_its_managers_chunks_is_refused(options):
+    """A manager with chunks releases the blocks before the current chunk: only a module with
+    the same chunk size reads nothing released."""
+    cache = make_cache(2)
+    manager = cache.make_manager(watermark=0.0)
+    manager.allocate(0, 3)
+    meta = dataclasses.replace(cache.metadata(manager, [0], 3), manager_chunk=16)
+    q, k, v = random_seq(3, 4, 2, torch.float32, torch.Generator().manual_seed(10))
+    with pytest.raises(ValueError, match="releases the blocks before the current chunk of 16"):
+        make_module(4, 2, **options)(q, k, v, cache.layer(0), meta)
+    same = make_module(4, 2, attention_chunk_size=16, sliding_window=5)
+    same(q, k, v, cache.layer(0), meta)
+
+
+def test_metadata_build_carries_the_managers_chunk():
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    meta = AttentionMetadata.build([1], [1], tables, torch.zeros(1, dtype=torch.int64))
+    assert meta.manager_chunk is None
+    meta = AttentionMetadata.build(
+        [1], [1], tables, torch.zeros(1, dtype=torch.int64), manager_chunk=8192
+    )
+    assert meta.manager_chunk == 8192
 
 
 def test_gradients_enabled_raise_instead_of_dropping_key_and_value_gradients():

@@ -184,6 +184,15 @@ def test_reshape_and_cache_rejects_bad_input(overrides, message):
     assert torch.equal(args["key_cache"], before_k) and torch.equal(args["value_cache"], before_v)
 
 
+def test_reshape_and_cache_names_a_missing_cache():
+    args = _reshape_args()
+    value_cache = args["value_cache"].clone()
+    args["key_cache"] = None
+    with pytest.raises(RuntimeError, match="key_cache must be a tensor, got None"):
+        ops.reshape_and_cache(*args.values())
+    assert torch.equal(args["value_cache"], value_cache)
+
+
 def test_reshape_and_cache_rejects_bad_fp8_scale():
     key_cache, value_cache = _caches(4, 2, 64, 16, torch.float16, "fp8")
     args = _reshape_args(key_cache=key_cache, value_cache=value_cache, kv_cache_dtype="fp8",

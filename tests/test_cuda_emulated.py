@@ -7,7 +7,8 @@ CTA runs the body, mma.sync/ldmatrix move elements as the PTX ISA's fragment lay
 cp.async lands only at its wait (NaN before). These tests need no GPU: they check the
 primitives against the PTX ISA's tables (restated here independently of the C++), then the
 kernels against reference.py over head sizes, block sizes, dtypes, GQA groups, fp8, ALiBi,
-sliding windows, soft-cap, NaN-filled caches, v1 (with and without splits) and v2.
+sliding windows, attention chunks, soft-cap, NaN-filled caches, v1 (with and without splits) and
+v2.
 """
 
 from __future__ import annotations
@@ -198,11 +199,13 @@ def run_case(
     alibi: bool = False,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    attention_chunk_size: int = 0,
     query_scale: float = 1.0,
     num_sms: int = emu.H200_SMS,
     ctas_per_sm: int = 0,
     seed: int = 0,
     strided_query: bool = False,
+    release_before_chunk: bool = False,
 ) -> emu.Report:
     """The emulated kernels and reference.py on one case; asserts they agree. Returns the
     kernels' report."""
@@ -216,6 +219,12 @@ def run_case(
         kv_cache_dtype,
         seed=seed,
     )
+    if release_before_chunk:
+        # Blocks wholly before the query's chunk may be released: an id that is out of range
+        # there makes any read of it an error under the emulation.
+        for s, n in enumerate(seq_lens):
+            first = reference.first_attended_position(n - 1, sliding_window, attention_chunk_size)
+            kv.block_tables[s, : first // block_size] = 10**6
     gen = torch.Generator().manual_seed(seed + 1)
     if strided_query:  # the query heads of a fused [tokens, heads + 2 kv_heads, head_size] QKV
         qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_size, generator=gen)
@@ -240,6 +249,7 @@ def run_case(
         kv.v_scale,
         sliding_window,
         logits_soft_cap,
+        attention_chunk_size,
     )
     options = dict(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
     out = torch.full((len(seq_lens), num_heads, head_size), math.nan, dtype=dtype)
@@ -351,6 +361,39 @@ def test_sliding_window(version, window, block_size, dtype):
 
 
 @pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("chunk", [1, 5, 16, 100, 512, 5000])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_attention_chunks(version, chunk, block_size):
+    """Chunks cutting blocks and 16-token tiles, at their edges, at v2's partition edges and
+    longer than the context, on both kernels; the blocks before each query's chunk are
+    released."""
+    run_case(
+        version,
+        seq_lens=[1, 20, 513, 1100],
+        block_size=block_size,
+        dtype=torch.float32 if chunk in (5, 512) else torch.bfloat16,
+        attention_chunk_size=chunk,
+        release_before_chunk=True,
+        seed=chunk,
+    )
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("window", [7, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_chunks_with_a_window(version, window, dtype):
+    run_case(
+        version,
+        seq_lens=[3, 200, 700],
+        dtype=dtype,
+        sliding_window=window,
+        attention_chunk_size=64,
+        release_before_chunk=True,
+        alibi=True,
+    )
+
+
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("cap", [5.0, 30.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_soft_cap(version, cap, dtype):
@@ -372,6 +415,21 @@ def test_all_options_together(version, dtype):
         alibi=True,
         sliding_window=600,
         logits_soft_cap=20.0,
+    )
+    run_case(
+        version,
+        seq_lens=[0, 1, 33, 1500],
+        num_heads=12,
+        num_kv_heads=1,
+        head_size=96,
+        block_size=32,
+        dtype=dtype,
+        kv_cache_dtype="fp8_e4m3",
+        alibi=True,
+        sliding_window=600,
+        logits_soft_cap=20.0,
+        attention_chunk_size=250,
+        release_before_chunk=True,
     )
 
 
@@ -395,6 +453,9 @@ def test_v1_splits_to_fill_the_gpu_and_runs_whole_sequences_when_it_is_full(dtyp
     # times.
     whole = run_case(1, seq_lens=[2000, 1337], dtype=dtype, num_sms=1, ctas_per_sm=1)
     assert whole.splits == 1
+    # Splits wholly before the query's chunk attend nothing.
+    chunked = run_case(1, seq_lens=[2000, 1337], dtype=dtype, attention_chunk_size=300)
+    assert chunked.splits > 1
 
 
 def test_a_cta_takes_a_long_context_whole_when_the_gpu_is_full():

@@ -6,7 +6,8 @@ cores with one or four warps of rows for fp16/bf16, CUDA cores for fp32), the sc
 queries longer than a CTA, the split plan of an H200 and the reduce kernel; every global access
 is checked against the tensors' memory. The grid covers query lengths 0, 1, 2-16 and up to a few
 hundred mixed in one batch, every head size, block size, query dtype, fp8 format and several GQA
-groups, with sliding windows, ALiBi, soft-cap and sinks, on caches whose slots outside the
+groups, with sliding windows, attention chunks, ALiBi, soft-cap and sinks, on caches whose
+slots outside the
 stored tokens are NaN. Rows of `out` that belong to no sequence must keep what they held.
 """
 
@@ -48,6 +49,8 @@ def run_case(
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
     sinks: bool = False,
+    attention_chunk_size: int = 0,
+    release_before_chunk: bool = False,
     query_scale: float = 1.0,
     spare_rows: int = 3,
     fused_qkv: bool = False,
@@ -60,6 +63,12 @@ def run_case(
     seq_lens = [q + c for q, c in seqs]
     kv = make_paged_kv(len(seqs), seq_lens, num_kv_heads, head_size, block_size, dtype,
                        kv_cache_dtype, seed=seed)  # fmt: skip
+    if release_before_chunk:
+        # Blocks wholly before the first new row's chunk may be released: an id that is out of
+        # range there makes any read of it an error under the emulation.
+        for s, (_, context) in enumerate(seqs):
+            first = reference.first_attended_position(context, sliding_window, attention_chunk_size)
+            kv.block_tables[s, : first // block_size] = 10**6
     rows = sum(query_lens) + spare_rows
     gen = torch.Generator().manual_seed(seed + 1)
     if fused_qkv:  # the query heads of a fused [tokens, heads + 2 kv_heads, head_size] QKV
@@ -86,6 +95,7 @@ def run_case(
         sliding_window,
         logits_soft_cap,
         torch.linspace(-2.0, 3.0, num_heads) if sinks else None,
+        attention_chunk_size,
     )
     out = torch.full((rows, num_heads, head_size), UNTOUCHED, dtype=dtype)
     report = emu.paged_attention_varlen(out, *args, num_sms=num_sms)
@@ -214,6 +224,23 @@ def test_sliding_window(window, block_size):
              sliding_window=window, seed=window)  # fmt: skip
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100, 5000])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_attention_chunks(chunk, block_size):
+    """Chunks cutting blocks and 16-token tiles, at their edges and longer than the context,
+    for rows of one sequence spanning several chunks; the blocks before the first row's chunk
+    are released."""
+    dtype = torch.float32 if block_size == 8 else torch.bfloat16
+    run_case([(1, 150), (20, 130), (90, 0), (130, 150)], block_size=block_size, dtype=dtype,
+             attention_chunk_size=chunk, release_before_chunk=True, seed=chunk)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_chunks_with_a_window(dtype):
+    run_case(MIXED, dtype=dtype, sliding_window=30, attention_chunk_size=48,
+             release_before_chunk=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_alibi(dtype):
     run_case([(1, 90), (30, 50)], dtype=dtype, alibi=True)
@@ -246,6 +273,9 @@ def test_all_options_together(dtype):
     run_case(MIXED, num_heads=12, num_kv_heads=2, head_size=96, block_size=32, dtype=dtype,
              kv_cache_dtype="fp8_e5m2", alibi=True, sliding_window=40, logits_soft_cap=20.0,
              sinks=True)  # fmt: skip
+    run_case(MIXED, num_heads=12, num_kv_heads=2, head_size=96, block_size=32, dtype=dtype,
+             kv_cache_dtype="fp8_e4m3", alibi=True, sliding_window=40, logits_soft_cap=20.0,
+             sinks=True, attention_chunk_size=24, release_before_chunk=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -265,6 +295,10 @@ def test_small_batches_with_long_contexts_split_the_kv(dtype, q_len):
     # On a one-SM GPU the same launch has fewer CTAs to fill.
     fewer = run_case([(q_len, 2500)], dtype=dtype, sinks=True, num_sms=1, seed=q_len)
     assert fewer.splits < report.splits
+    # Splits wholly before the rows' chunks attend nothing.
+    chunked = run_case([(q_len, 2500)], dtype=dtype, sinks=True, attention_chunk_size=700,
+                       release_before_chunk=True, seed=q_len)  # fmt: skip
+    assert chunked.splits > 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,6 +311,7 @@ def test_lying_lengths_stay_inside_the_tensors():
     common = (kv.key_cache, kv.value_cache, 2, 0.125, kv.block_tables)
     tail = (None, "auto", kv.k_scale, kv.v_scale, 0, 0.0, None)
     lying_lens = torch.tensor([20, 10_000_000, -5], dtype=torch.int32)
+    unwritten_rows = 0
     for starts, max_query_len in [
         ([0, 5, 40, 99], 64),  # rows past num_tokens
         ([0, 8, 4, 12], 3),  # decreasing, and q_len past max_query_len
@@ -285,3 +320,15 @@ def test_lying_lengths_stay_inside_the_tensors():
         out = torch.full_like(query, UNTOUCHED)
         qsl = torch.tensor(starts, dtype=torch.int32)
         emu.paged_attention_varlen(out, query, *common, lying_lens, qsl, max_query_len, 50, *tail)
+        # The kernels clamp each sequence's rows to [0, num_tokens] and to max_query_len rows
+        # (csrc/cuda/attention/plan.h): those rows get finite results, every other row keeps
+        # what it held.
+        written = torch.zeros(query.shape[0], dtype=torch.bool)
+        for s in range(len(starts) - 1):
+            start = min(max(starts[s], 0), query.shape[0])
+            end = min(max(starts[s + 1], start), query.shape[0])
+            written[start : start + min(end - start, max_query_len)] = True
+        assert (out[~written] == UNTOUCHED).all(), starts
+        assert torch.isfinite(out[written]).all(), starts
+        unwritten_rows += int((~written).sum())
+    assert unwritten_rows > 0  # some rows belonged to no sequence

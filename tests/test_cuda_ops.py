@@ -145,6 +145,7 @@ class PagedKV:
             v_scale=self.v_scale,
             sliding_window=0,
             logits_soft_cap=0.0,
+            attention_chunk_size=0,
         )
         args.update(overrides)
         return args
@@ -167,6 +168,7 @@ def _positional(kv: PagedKV, query: torch.Tensor, args: dict) -> tuple:
         args["v_scale"],
         args["sliding_window"],
         args["logits_soft_cap"],
+        args["attention_chunk_size"],
     )
 
 
@@ -288,6 +290,20 @@ def test_attention_sliding_window(version, window, block_size):
 
 
 @pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("chunk", [1, 5, 16, 100, 512, 700, 5000])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_chunks(version, chunk, block_size, dtype):
+    kv = PagedKV(seq_lens=[1, 20, 513, 1600], block_size=block_size, dtype=dtype, seed=chunk)
+    # The blocks before each query's chunk may be released: ids out of range there.
+    for s, n in enumerate(kv.seq_lens.tolist()):
+        first = reference.first_attended_position(n - 1, 0, chunk)
+        kv.block_tables[s, : first // block_size] = 10**6
+    assert_attention(kv, version, attention_chunk_size=chunk)
+    assert_attention(kv, version, attention_chunk_size=chunk, sliding_window=chunk // 2 + 3)
+
+
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("cap", [5.0, 30.0])
 def test_attention_soft_cap(version, cap):
     kv = PagedKV(seq_lens=[7, 800], dtype=torch.float32, seed=3)
@@ -308,6 +324,14 @@ def test_attention_all_options_together(version):
     )
     slopes = torch.linspace(0.01, 0.3, 12, device=kv.query.device)
     assert_attention(kv, version, alibi_slopes=slopes, sliding_window=600, logits_soft_cap=20.0)
+    assert_attention(
+        kv,
+        version,
+        alibi_slopes=slopes,
+        sliding_window=600,
+        logits_soft_cap=20.0,
+        attention_chunk_size=250,
+    )
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -347,6 +371,7 @@ def test_nan_in_unused_cache_slots_never_reaches_output(version, kv_cache_dtype,
     )
     assert_attention(kv, version)
     assert_attention(kv, version, sliding_window=7)
+    assert_attention(kv, version, attention_chunk_size=13)
 
 
 def test_seq_len_beyond_max_seq_len_is_clamped_not_read_out_of_bounds():
@@ -388,6 +413,7 @@ def test_v1_serves_long_contexts_with_few_or_no_splits():
     kv = PagedKV(seq_lens=[9000, 20000], num_heads=4, num_kv_heads=1, block_size=8, seed=5)
     assert_attention(kv, 1)
     assert_attention(kv, 1, sliding_window=8500)
+    assert_attention(kv, 1, attention_chunk_size=8192)
     out = pa_ops.paged_attention(
         kv.query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens
     )
@@ -420,6 +446,7 @@ def test_cpu_and_cuda_kernels_agree(version, kv_cache_dtype):
         k_scale=kv.k_scale,
         v_scale=kv.v_scale,
         sliding_window=300,
+        attention_chunk_size=200,
         version=version,
     )
     cuda_out = pa_ops.paged_attention(
@@ -520,10 +547,11 @@ def test_decode_step_in_cuda_graph(version):
             torch.testing.assert_close(values[-1].to(kv.dtype), static_value[s], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [0, 64])
 @pytest.mark.parametrize("version", [1, 2])
-def test_opcheck_attention(version):
+def test_opcheck_attention(version, chunk):
     kv = PagedKV(seq_lens=[5, 600], kv_cache_dtype="fp8_e4m3")
-    args = kv.attention_args(sliding_window=100, logits_soft_cap=10.0)
+    args = kv.attention_args(sliding_window=100, logits_soft_cap=10.0, attention_chunk_size=chunk)
     pos = _positional(kv, kv.query, args)
     out = torch.empty_like(kv.query)
     if version == 1:

@@ -73,7 +73,7 @@ class Case:
         self.starts = torch.tensor(starts, dtype=torch.int32, device=device)
         self.num_heads, self.dtype = num_heads, dtype
 
-    def args(self, *, alibi=False, sliding_window=0, logits_soft_cap=0.0, sinks=False):
+    def args(self, *, alibi=False, sliding_window=0, logits_soft_cap=0.0, sinks=False, chunk=0):
         h, dev = self.num_heads, self.query.device
         return (
             self.query,
@@ -93,6 +93,7 @@ class Case:
             sliding_window,
             logits_soft_cap,
             torch.linspace(-2.0, 3.0, h, device=dev) if sinks else None,
+            chunk,
         )
 
     def run(self, args):
@@ -142,9 +143,16 @@ def test_gqa_groups(group, dtype):
         dict(logits_soft_cap=5.0),
         dict(sinks=True),
         dict(alibi=True, sliding_window=64, logits_soft_cap=20.0, sinks=True),
+        dict(chunk=1),
+        dict(chunk=7),
+        dict(chunk=16),
+        dict(chunk=100),
+        dict(chunk=5000),
+        dict(alibi=True, sliding_window=64, logits_soft_cap=20.0, sinks=True, chunk=48),
     ],
-    ids=["window1", "window100", "alibi", "softcap", "sinks", "all"],
-)
+    ids=["window1", "window100", "alibi", "softcap", "sinks", "all", "chunk1", "chunk7",
+         "chunk16", "chunk100", "chunk5000", "all+chunk"],
+)  # fmt: skip
 def test_options(dtype, options):
     Case(MIXED, dtype=dtype).check(**options)
 
@@ -153,12 +161,24 @@ def test_options(dtype, options):
 @pytest.mark.parametrize("q_len", [1, 4, 40, 300])
 def test_small_batch_long_context_splits(dtype, q_len):
     Case([(q_len, 9000)], dtype=dtype).check(sinks=True)
+    Case([(q_len, 9000)], dtype=dtype).check(sinks=True, chunk=2048)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 100])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_blocks_before_the_first_rows_chunk_are_never_read(chunk, block_size):
+    seqs = [(1, 150), (20, 130), (90, 0), (130, 150)]
+    case = Case(seqs, block_size=block_size, dtype=torch.bfloat16, seed=chunk)
+    for s, (_, context) in enumerate(seqs):
+        first = reference.first_attended_position(context, 0, chunk)
+        case.kv.block_tables[s, : first // block_size] = 10**6  # released
+    case.check(chunk=chunk, alibi=True)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
 def test_cuda_and_cpu_kernels_agree(kv_cache_dtype):
     case = Case(MIXED, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
-    args = case.args(alibi=True, sliding_window=50, sinks=True)
+    args = case.args(alibi=True, sliding_window=50, sinks=True, chunk=24)
     cuda_out = case.run(args)
     cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
     cpu_out = torch.full_like(cpu_args[0], UNTOUCHED)
@@ -237,9 +257,10 @@ def test_varlen_step_in_cuda_graph():
         torch.testing.assert_close(static_out, expected, **TOLERANCES[case.dtype])
 
 
-def test_opcheck():
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_opcheck(chunk):
     case = Case([(1, 20), (30, 40)], kv_cache_dtype="fp8_e4m3")
-    args = case.args(sliding_window=16, logits_soft_cap=10.0, sinks=True)
+    args = case.args(sliding_window=16, logits_soft_cap=10.0, sinks=True, chunk=chunk)
     torch.library.opcheck(ops.paged_attention_varlen, (torch.empty_like(case.query), *args))
 
 
@@ -284,7 +305,7 @@ def test_module_steps_on_cuda_equal_the_cpu_and_use_one_varlen_call(dtype, monke
 
         monkeypatch.setattr(pa_ops, "paged_attention_varlen", counted)
         module = PagedAttention(num_heads, head_size, num_kv_heads, sinks=[0.5] * num_heads,
-                                sliding_window=40).to(device)  # fmt: skip
+                                sliding_window=40, attention_chunk_size=24).to(device)  # fmt: skip
         cache = PagedKVCache(1, num_kv_heads, head_size, block_size, 64, dtype=dtype,
                              device=device)  # fmt: skip
         manager = cache.make_manager(watermark=0.0)

@@ -19,7 +19,7 @@ def model():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,
         eos_token_id=2,
         pad_token_id=0,
     )
@@ -202,23 +202,33 @@ def test_requests_wait_when_the_pool_is_full(model):
         assert after.metrics.first_scheduled_step > before.metrics.finished_step
 
 
-def test_request_that_can_never_fit_is_rejected(model):
-    work = [
-        (prompts(1, low=60, high=61)[0], SamplingParams(30)),
-        (prompts(1)[0], SamplingParams(4)),
-    ]
-    _, (too_long, fine) = serve(model, work, num_blocks=8)
-    assert too_long.outputs == [] and "need 12 blocks of 8" in too_long.rejected
+def test_request_that_can_never_fit_is_refused_when_added(model):
+    engine = Engine(model, num_blocks=8, block_size=BLOCK)
+    with pytest.raises(ValueError, match="needs 12 blocks of 8; the pool has 8"):
+        engine.add_request(prompts(1, low=60, high=61)[0], SamplingParams(30))
+    with pytest.raises(ValueError, match="needs 12 blocks of 8"):
+        engine.generate([prompts(1)[0], prompts(1, low=60, high=61)[0]], SamplingParams(30))
+    assert not engine.has_unfinished()
+    (fine,) = engine.generate([prompts(1)[0]], SamplingParams(4))
     assert fine.rejected is None and len(fine.outputs[0]) == 4
 
 
-def test_samples_that_together_outgrow_the_pool_are_rejected_up_front(model):
+def test_request_beyond_the_models_context_is_refused(model):
+    engine = Engine(model, num_blocks=512, block_size=BLOCK)
+    assert engine.max_model_len == 2048
+    with pytest.raises(ValueError, match="need 2049 positions; the model's context holds 2048"):
+        engine.add_request([5] * 2000, SamplingParams(49))
+    engine.add_request([5] * 2000, SamplingParams(48))
+
+
+def test_samples_that_together_outgrow_the_pool_are_refused_up_front(model):
     # The prompt fits, but four samples growing private blocks cannot: 3 shared prompt blocks
-    # plus 5 own blocks per sample need 23 of 8 blocks. Rejected at admission, nothing computed.
-    work = [(prompts(1, low=30, high=31)[0], SamplingParams(30, temperature=1.0, n=4))]
-    engine, (out,) = serve(model, work, num_blocks=8)
-    assert "4 sequences of up to 59 tokens need 23 blocks of 8 together" in out.rejected
-    assert engine.stats.prompt_tokens_computed == 0
+    # plus 5 own blocks per sample need 23 of 8 blocks.
+    engine = Engine(model, num_blocks=8, block_size=BLOCK)
+    prompt = prompts(1, low=30, high=31)[0]
+    with pytest.raises(ValueError, match="4 sequences of up to 59 tokens need 23 blocks of 8"):
+        engine.add_request(prompt, SamplingParams(30, temperature=1.0, n=4))
+    assert engine.stats.prompt_tokens_computed == 0 and not engine.has_unfinished()
 
 
 def test_request_needing_the_whole_pool_runs_alone_without_a_watermark(model):
@@ -235,11 +245,10 @@ def test_request_needing_the_whole_pool_runs_alone_without_a_watermark(model):
     assert wide.rejected is None and [len(o) for o in wide.outputs] == [24] * 4
     assert engine.stats.swaps_out + engine.stats.preemptions_by_recompute > 0
     assert_all_freed(engine)
-    # With 200 blocks the same request can never run: rejected with the reason, no hang.
+    # With 200 blocks the same request can never run: refused with the reason.
     engine = Engine(model, num_blocks=200, block_size=BLOCK, eos_token_id=[])
-    short, wide = serve_stepwise(engine, work)
-    assert short.rejected is None and "need 207 blocks of 8 together" in wide.rejected
-    assert_all_freed(engine)
+    with pytest.raises(ValueError, match="need 207 blocks of 8 together"):
+        engine.add_request(*work[1])
 
 
 def test_preemption_without_swap_space_recomputes_and_loses_nothing(model):
@@ -282,6 +291,11 @@ def test_sampling_params_are_validated(kwargs):
         ({"temperature": float("nan")}, "temperature must be a finite number"),
         ({"top_p": "0.5"}, "top_p must be a finite number"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids entries must be >= 0"),
+        ({"seed": 2**64}, "seed must fit in 64 bits"),
+        ({"seed": -(2**63) - 1}, "seed must fit in 64 bits"),
+        ({"stop": ["ok", ""]}, "stop entries must be non-empty strings"),
+        ({"stop": [3]}, "stop entries must be non-empty strings"),
+        ({"stop": ["x"], "beam_width": 2}, "stop strings are not supported with beam search"),
     ],
 )
 def test_sampling_params_need_integer_counts(kwargs, message):
@@ -544,3 +558,319 @@ def test_cuda_graphs_and_device_sampling_change_no_output(model):
                 attention_mask=torch.ones_like(ids),
             )[0, len(prompt) :].tolist()
             assert out.outputs == [want]
+
+
+# ------------------------------------------------------------- issue 28: streams, sampling, faults
+
+
+def no_eos_greedy(model, prompt, max_new_tokens):
+    """Greedy tokens of a fresh engine that ignores EOS (the engine's greedy decoding equals
+    transformers', which test_greedy_matches_transformers_generate checks)."""
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=[])
+    return engine.generate([prompt], SamplingParams(max_new_tokens))[0].outputs[0]
+
+
+def bounded(iterator, limit=500):
+    """The items of ``iterator``, failing the test instead of hanging past ``limit``."""
+    items = []
+    for item in iterator:
+        items.append(item)
+        assert len(items) < limit, "the iterator did not end"
+    return items
+
+
+def drain(engine, max_steps=500):
+    """step() until nothing is unfinished (bounded); the outputs by request id, merged."""
+    got = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return got
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(10, temperature=1e-300),
+        SamplingParams(10, temperature=1e-6, seed=4),
+        SamplingParams(10, temperature=1.0, top_p=1e-300, seed=5),
+    ],
+    ids=["temperature-1e-300", "temperature-1e-6", "top_p-1e-300"],
+)
+def test_values_that_cannot_be_sampled_decode_greedily(model, params):
+    # Issue 28, defect 1: these wedged the engine (inf logits, or every token masked).
+    greedy_prompt, prompt = prompts(2, seed=20)
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    ids = [engine.add_request(greedy_prompt, SamplingParams(10))]
+    ids.append(engine.add_request(prompt, params))
+    got = drain(engine)
+    assert got[ids[0]][-1].outputs == [hf_greedy(model, greedy_prompt, 10)]
+    assert got[ids[1]][-1].outputs == [hf_greedy(model, prompt, 10)]
+    assert_all_freed(engine)
+
+
+class FailingDraw:
+    """Stands in for the sampler's ``draw``: raises at its ``fail_at``-th call."""
+
+    def __init__(self, draw, fail_at):
+        self.draw, self.fail_at, self.calls = draw, fail_at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected sampling failure")
+        return self.draw(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 8])
+def test_a_failed_sampling_rolls_the_step_back(model, monkeypatch, fail_at):
+    # Issue 28, defect 1: an exception in sampling (after the forward pass) is rolled back like
+    # a failed forward; the generators are restored, so even sampled tokens come out the same.
+    from paged_attention.engine import engine as engine_module
+
+    work = mixed_workload()[:6]
+    _, expected = serve(model, work, num_blocks=40)
+    engine = Engine(model, num_blocks=40, block_size=BLOCK)
+    monkeypatch.setattr(engine_module, "draw", FailingDraw(engine_module.draw, fail_at))
+    ids = [engine.add_request(p, s) for p, s in work]
+    results, failures = {}, 0
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        try:
+            results.update((o.request_id, o) for o in engine.step() if o.finished)
+        except RuntimeError as error:
+            assert "injected sampling failure" in str(error)
+            failures += 1
+    assert failures == 1
+    assert [results[i].outputs for i in ids] == [o.outputs for o in expected]
+    assert_all_freed(engine)
+
+
+def test_two_streams_consumed_in_turn_both_finish(model):
+    # Issue 28, defect 2: both requests finish in the same step; the one that drove it used to
+    # drop the other's final output, whose stream then stepped an idle engine forever.
+    p1, p2 = prompts(2, seed=21)
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=[])
+    a = engine.stream(p1, SamplingParams(6))
+    b = engine.stream(p2, SamplingParams(6))
+    seen = {a.request_id: [], b.request_id: []}
+    live = [a, b]
+    for _ in range(100):
+        if not live:
+            break
+        for stream in list(live):
+            try:
+                seen[stream.request_id].append(next(stream))
+            except StopIteration:
+                live.remove(stream)
+    assert not live
+    for stream, prompt in ((a, p1), (b, p2)):
+        outs = seen[stream.request_id]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert [t for o in outs for t in o.new_tokens[0]] == no_eos_greedy(model, prompt, 6)
+    assert_all_freed(engine)
+
+
+def test_a_stream_that_aborts_its_own_request_ends(model):
+    # Issue 28, defect 3.
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=[])
+    outs = []
+    for out in engine.stream(prompts(1, seed=22)[0], SamplingParams(50)):
+        outs.append(out)
+        assert len(outs) < 10, "the stream did not end"
+        if len(outs) == 3:
+            aborted = engine.abort(out.request_id)
+            assert aborted.finish_reasons == ["abort"]
+    assert len(outs) == 4 and outs[-1].finished and outs[-1].finish_reasons == ["abort"]
+    assert outs[-1].outputs[0] == outs[2].outputs[0]
+    assert_all_freed(engine)
+
+
+def test_a_request_finishing_in_a_streams_last_step_reaches_step(model):
+    # Issue 28, defect 4.
+    p1, p2 = prompts(2, seed=23)
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=[])
+    stream = engine.stream(p1, SamplingParams(5))
+    next(stream)
+    other = engine.add_request(p2, SamplingParams(4))  # its last token comes in stream's last step
+    rest = bounded(stream)
+    assert rest[-1].finished
+    assert engine.has_unfinished()  # B's outputs wait for step()
+    outs = drain(engine)[other]
+    assert [o.finished for o in outs] == [True]  # merged: one output with every token
+    assert outs[0].new_tokens[0] == outs[0].outputs[0] == no_eos_greedy(model, p2, 4)
+    assert_all_freed(engine)
+
+
+def test_a_failed_step_keeps_the_outputs_it_had_taken(model):
+    # Issue 28, defect 5: outputs waiting for step() survive a step whose forward pass raises.
+    p1, p2 = prompts(2, seed=24)
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=[])
+    other = engine.add_request(p2, SamplingParams(2))
+    bounded(engine.stream(p1, SamplingParams(3)))  # drives the steps that finish ``other``
+    mlp = model.model.layers[1].mlp
+    later = engine.add_request(p1, SamplingParams(2))
+    mlp.forward = FailOnce(mlp, 1)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.step()
+    finally:
+        del mlp.forward
+    got = drain(engine)
+    assert got[other][0].finished and got[other][0].outputs == [no_eos_greedy(model, p2, 2)]
+    assert got[later][-1].outputs == [no_eos_greedy(model, p1, 2)]
+    assert_all_freed(engine)
+
+
+def test_closing_or_dropping_a_stream_aborts_its_request(model):
+    # Issue 28, defect 6: a closed stream's request used to keep its blocks and run on.
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, eos_token_id=[])
+    stream = engine.stream(prompts(1, seed=25)[0], SamplingParams(200))
+    next(stream)
+    assert engine.block_manager.num_free_device_blocks() < 64
+    stream.close()
+    assert_all_freed(engine)
+    assert list(stream) == []
+    with engine.stream(prompts(1, seed=26)[0], SamplingParams(200)) as stream:
+        next(stream)
+    assert_all_freed(engine)
+    stream = engine.stream(prompts(1, seed=27)[0], SamplingParams(200))
+    next(stream)
+    del stream  # dropped unfinished: aborted at the next step
+    assert engine.step() == []
+    assert_all_freed(engine)
+
+
+def test_stream_validates_when_called(model):
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    with pytest.raises(ValueError, match="prompt must hold at least one token"):
+        engine.stream([], SamplingParams())
+    assert not engine.has_unfinished()
+
+
+def test_generate_aborts_its_requests_when_a_step_raises(model):
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    mlp = model.model.layers[1].mlp
+    mlp.forward = FailOnce(mlp, 2)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.generate(prompts(3, seed=28), SamplingParams(5))
+    finally:
+        del mlp.forward
+    assert_all_freed(engine)
+    assert engine.step() == []
+
+
+# ------------------------------------------------------------------------ text in, text out
+
+
+@pytest.fixture(scope="module")
+def text_model():
+    """A tiny random Llama over the test tokenizer's vocabulary, and the tokenizer."""
+    from text_tokenizer import byte_level_test_tokenizer
+
+    tokenizer = byte_level_test_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(config).eval(), tokenizer
+
+
+def test_text_and_chat_prompts(text_model):
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, tokenizer=tokenizer)
+    chat = [{"role": "user", "content": "The capital of France?"}]
+    text_out, chat_out, ids_out = engine.generate(
+        ["hello wörld", chat, tokenizer("hello wörld")["input_ids"]], SamplingParams(12)
+    )
+    assert text_out.prompt == tokenizer("hello wörld")["input_ids"]
+    formatted = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert formatted.endswith("<|im_start|>assistant\n")
+    assert chat_out.prompt == tokenizer(formatted, add_special_tokens=False)["input_ids"]
+    assert ids_out.outputs == text_out.outputs
+    for out in (text_out, chat_out):
+        assert out.text == tokenizer.decode(out.outputs[0], skip_special_tokens=True)
+        assert out.texts == [out.text]
+
+
+def test_text_outputs_equal_decoding_the_ids_and_stream_pieces_add_up(text_model):
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=128, block_size=BLOCK, tokenizer=tokenizer)
+    params = SamplingParams(40, temperature=1.0, n=3, seed=3)
+    pieces, last = ["", "", ""], None
+    for out in bounded(engine.stream("naïve 日本", params)):
+        pieces = [a + b for a, b in zip(pieces, out.new_texts)]
+        assert out.texts == pieces
+        last = out
+    assert len(last.outputs) == 3
+    for ids, text in zip(last.outputs, last.texts):
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    (beams,) = engine.generate(["café"], SamplingParams(10, beam_width=2))
+    assert beams.texts == [tokenizer.decode(o, skip_special_tokens=True) for o in beams.outputs]
+
+
+def test_stop_strings_end_outputs_where_they_appear(text_model):
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=128, block_size=BLOCK, tokenizer=tokenizer, eos_token_id=[])
+    (free,) = engine.generate(["hello"], SamplingParams(30))
+    ids, text = free.outputs[0], free.text
+
+    # A stop string across a token boundary: the last character of token i's text and the
+    # first of token i + 1's, at a boundary where both decode to whole characters.
+    def decoded(count):
+        return tokenizer.decode(ids[:count], skip_special_tokens=True)
+
+    def clean_boundary(i):
+        before, after = decoded(i), decoded(i + 1)
+        return (
+            before
+            and after.startswith(before)
+            and len(after) > len(before)
+            and "\ufffd" not in (before[-1], after[len(before)])
+        )
+
+    boundary = next(i for i in range(2, 29) if clean_boundary(i))
+    cut = len(decoded(boundary))
+    stop = decoded(boundary + 1)[cut - 1 : cut + 1]
+    where = text.index(stop)
+    for params in (SamplingParams(30, stop=(stop,)), SamplingParams(30, stop=stop)):
+        (out,) = engine.generate(["hello"], params)
+        assert out.finish_reasons == ["stop"] and out.text == text[:where]
+        ended = next(i for i in range(1, 31) if stop in decoded(i))
+        assert out.outputs[0] == ids[:ended]  # the token that completed the stop string is kept
+    streamed = "".join(o.new_texts[0] for o in bounded(engine.stream("hello", params)))
+    assert streamed == text[:where]
+
+
+def test_text_needs_a_tokenizer(model):
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    with pytest.raises(ValueError, match="a prompt of text needs an engine with a tokenizer"):
+        engine.add_request("hello", SamplingParams())
+    with pytest.raises(ValueError, match="chat messages needs an engine with a tokenizer"):
+        engine.add_request([{"role": "user", "content": "hi"}], SamplingParams())
+    with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
+        engine.add_request([5, 6], SamplingParams(stop=("x",)))
+    (out,) = engine.generate([[5, 6]], SamplingParams(2))
+    assert out.texts is None and out.text is None
+
+
+def test_chat_messages_are_checked(text_model):
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="string 'role' and 'content'"):
+        engine.add_request([{"role": "user", "content": 5}], SamplingParams())
+    with pytest.raises(ValueError, match="prompt must hold at least one token"):
+        engine.add_request("", SamplingParams())
+    assert not engine.has_unfinished()

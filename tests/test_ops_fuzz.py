@@ -107,6 +107,7 @@ def _child(report_path: str, current_path: str, examples: int) -> None:
             v_scale=kv.v_scale,
             sliding_window=data.draw(st.sampled_from([0, 0, 1, 5, 100]), "sliding_window"),
             logits_soft_cap=data.draw(st.sampled_from([0.0, 0.0, 10.0]), "logits_soft_cap"),
+            attention_chunk_size=data.draw(st.sampled_from([0, 0, 1, 5, 32]), "chunk"),
         )
         written = dict(out=torch.full_like(query, 7.0))
         if version == 2:
@@ -130,6 +131,7 @@ def _child(report_path: str, current_path: str, examples: int) -> None:
         sinks = torch.randn(num_heads) if data.draw(st.booleans(), "sinks") else None
         block_size = args.pop("block_size")
         del block_size  # the op reads it from value_cache
+        chunk = args.pop("attention_chunk_size")  # after sinks in the schema
         ordered = {}
         for name, value in args.items():
             ordered[name] = query if name == "query" else value
@@ -139,6 +141,7 @@ def _child(report_path: str, current_path: str, examples: int) -> None:
                 ordered["query_start_loc"] = torch.tensor(starts, dtype=torch.int32)
                 ordered["max_query_len"] = max(query_lens, default=0)
         ordered["sinks"] = sinks
+        ordered["attention_chunk_size"] = chunk
         return ordered, ["out"], dtype
 
     def wrapper_call(data):
@@ -359,6 +362,7 @@ def _child(report_path: str, current_path: str, examples: int) -> None:
                 args["block_tables"], args["seq_lens"], args["value_cache"].shape[3],
                 args["max_seq_len"], args["alibi_slopes"], args["kv_cache_dtype"],
                 args["k_scale"], args["v_scale"], args["sliding_window"], args["logits_soft_cap"],
+                args["attention_chunk_size"],
             )  # fmt: skip
             return out
         getattr(reference, op)(*args.values())

@@ -32,7 +32,7 @@ def _paged_from_dense(keys, values, block_size, num_blocks, x, seed):
     return key_cache, value_cache, block_tables
 
 
-def _dense_attention(q, k, v, scale, slopes, window, soft_cap):
+def _dense_attention(q, k, v, scale, slopes, window, soft_cap, chunk=0):
     """q [H, D], k/v [L, Hkv, D] -> [H, D] with plain SDPA (or explicit math for soft-cap)."""
     seq_len = k.shape[0]
     positions = torch.arange(seq_len)
@@ -41,6 +41,8 @@ def _dense_attention(q, k, v, scale, slopes, window, soft_cap):
         bias += slopes[:, None, None] * (positions - seq_len + 1)
     if window:
         bias[..., positions < seq_len - window] = -math.inf
+    if chunk:  # the query's own chunk: positions in the chunk of seq_len - 1
+        bias[..., positions // chunk != (seq_len - 1) // chunk] = -math.inf
     q4 = q[None, :, None, :]  # [1, H, 1, D]
     k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
     if soft_cap == 0:
@@ -55,17 +57,22 @@ def _dense_attention(q, k, v, scale, slopes, window, soft_cap):
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_size,block_size,alibi,window,soft_cap",
+    "num_heads,num_kv_heads,head_size,block_size,alibi,window,soft_cap,chunk",
     [
-        (4, 4, 64, 16, False, 0, 0.0),
-        (8, 2, 128, 8, False, 0, 0.0),  # GQA
-        (8, 1, 32, 32, True, 0, 0.0),  # MQA + ALiBi
-        (4, 2, 80, 16, False, 37, 0.0),  # sliding window
-        (4, 4, 96, 16, True, 100, 30.0),  # all three
+        (4, 4, 64, 16, False, 0, 0.0, 0),
+        (8, 2, 128, 8, False, 0, 0.0, 0),  # GQA
+        (8, 1, 32, 32, True, 0, 0.0, 0),  # MQA + ALiBi
+        (4, 2, 80, 16, False, 37, 0.0, 0),  # sliding window
+        (4, 4, 96, 16, True, 100, 30.0, 0),  # all three
+        (4, 2, 64, 16, False, 0, 0.0, 24),  # chunks cutting blocks
+        (8, 2, 128, 8, True, 0, 0.0, 512),  # chunks of a v2 partition, ALiBi
+        (4, 4, 96, 16, True, 100, 30.0, 64),  # chunks inside a window, and the rest
+        (4, 4, 64, 32, False, 300, 0.0, 256),  # chunks and a longer window
+        (4, 1, 64, 32, False, 0, 0.0, 5000),  # one chunk longer than every context
     ],
 )
 def test_reference_matches_dense_attention(
-    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap
+    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, chunk
 ):
     torch.manual_seed(0)
     seq_lens = [1, block_size, 3 * block_size + 5, 700, 1200]
@@ -94,6 +101,7 @@ def test_reference_matches_dense_attention(
         unit,
         window,
         soft_cap,
+        chunk,
     )
     out_v1 = torch.empty_like(query)
     reference.paged_attention_v1(out_v1, *args)
@@ -104,13 +112,22 @@ def test_reference_matches_dense_attention(
     out_v2 = torch.empty_like(query)
     reference.paged_attention_v2(out_v2, exp_sums, max_logits, tmp_out, *args)
 
-    for s in range(len(seq_lens)):
-        expected = _dense_attention(query[s], keys[s], values[s], scale, slopes, window, soft_cap)
+    for s, seq_len in enumerate(seq_lens):
+        expected = _dense_attention(
+            query[s], keys[s], values[s], scale, slopes, window, soft_cap, chunk
+        )
         torch.testing.assert_close(out_v1[s], expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out_v2[s], expected, atol=1e-5, rtol=1e-5)
-    # Partitions past a sequence's end hold no token.
-    assert torch.isneginf(max_logits[0, :, 1:]).all()
-    assert (exp_sums[0, :, 1:] == 0).all() and (tmp_out[0, :, 1:] == 0).all()
+        # Partitions past the sequence's end, or wholly before its window or chunk, hold no
+        # token; the others some.
+        first = reference.first_attended_position(seq_len - 1, window, chunk)
+        for j in range(partitions):
+            size = reference.PARTITION_SIZE
+            if j * size >= seq_len or (j + 1) * size <= first:
+                assert torch.isneginf(max_logits[s, :, j]).all()
+                assert (exp_sums[s, :, j] == 0).all() and (tmp_out[s, :, j] == 0).all()
+            else:
+                assert torch.isfinite(max_logits[s, :, j]).all() and (exp_sums[s, :, j] > 0).all()
 
 
 def test_reference_zero_length_sequence_gives_zeros():
@@ -149,7 +166,7 @@ def test_unknown_kv_cache_dtype_is_rejected():
         reference.quantize(torch.zeros(1), "int4", 1.0)
 
 
-def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks):
+def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks, chunk=0):
     """One query row [H, D] at `position` over dense k/v [L, Hkv, D], written out per head."""
     group = q.shape[0] // k.shape[1]
     out = torch.empty_like(q)
@@ -163,6 +180,8 @@ def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks)
             logits = logits + slopes[h] * (positions - position)
         if window:
             logits = logits.masked_fill(positions <= position - window, -math.inf)
+        if chunk:
+            logits = logits.masked_fill(positions // chunk != position // chunk, -math.inf)
         weights = torch.exp(logits - logits.max())
         denominator = weights.sum()
         if sinks is not None:
@@ -174,17 +193,21 @@ def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks)
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_size,block_size,alibi,window,soft_cap,with_sinks",
+    "num_heads,num_kv_heads,head_size,block_size,alibi,window,soft_cap,with_sinks,chunk",
     [
-        (4, 4, 64, 16, False, 0, 0.0, False),
-        (8, 2, 128, 8, False, 0, 0.0, True),  # GQA + sinks
-        (8, 1, 32, 32, True, 0, 0.0, False),  # MQA + ALiBi
-        (4, 2, 80, 16, False, 37, 0.0, False),  # sliding window
-        (4, 4, 96, 16, True, 20, 30.0, True),  # all of them
+        (4, 4, 64, 16, False, 0, 0.0, False, 0),
+        (8, 2, 128, 8, False, 0, 0.0, True, 0),  # GQA + sinks
+        (8, 1, 32, 32, True, 0, 0.0, False, 0),  # MQA + ALiBi
+        (4, 2, 80, 16, False, 37, 0.0, False, 0),  # sliding window
+        (4, 4, 96, 16, True, 20, 30.0, True, 0),  # all of them
+        (4, 2, 64, 16, False, 0, 0.0, False, 24),  # chunks cutting blocks
+        (8, 2, 128, 8, True, 0, 0.0, True, 32),  # chunks at block edges, ALiBi, sinks
+        (4, 4, 96, 16, True, 20, 30.0, True, 48),  # chunks and a window, and the rest
+        (4, 1, 64, 32, False, 0, 0.0, False, 1000),  # one chunk longer than every context
     ],
 )
 def test_varlen_reference_matches_dense_attention(
-    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, with_sinks
+    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, with_sinks, chunk
 ):
     torch.manual_seed(0)
     seq_lens = [1, block_size, 3 * block_size + 5, 130, 200, 9]
@@ -207,18 +230,20 @@ def test_varlen_reference_matches_dense_attention(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
         torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
         max(query_lens), max(seq_lens), slopes, "auto", unit, unit, window, soft_cap, sinks,
+        chunk,
     )  # fmt: skip
     for s, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for i in range(q_len):
             expected = _dense_varlen_row(
                 query[starts[s] + i], keys[s], values[s], seq_len - q_len + i, scale, slopes,
-                window, soft_cap, sinks,
+                window, soft_cap, sinks, chunk,
             )  # fmt: skip
             torch.testing.assert_close(out[starts[s] + i], expected, atol=1e-5, rtol=1e-5)
     assert (out[starts[-1] :] == 5.0).all()  # rows of no sequence are left as they were
 
 
-def test_varlen_reference_with_one_row_per_sequence_is_v1():
+@pytest.mark.parametrize("chunk", [0, 5, 16])
+def test_varlen_reference_with_one_row_per_sequence_is_v1(chunk):
     torch.manual_seed(1)
     seq_lens = [1, 17, 100]
     keys = [torch.randn(n, 2, 64) for n in seq_lens]
@@ -231,9 +256,42 @@ def test_varlen_reference_with_one_row_per_sequence_is_v1():
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     args = (key_cache, value_cache, 2, 0.2, block_tables, lens)
     v1, varlen = torch.empty_like(query), torch.empty_like(query)
-    reference.paged_attention_v1(v1, query, *args, 16, 100, slopes, "auto", unit, unit, 7, 3.0)
+    reference.paged_attention_v1(
+        v1, query, *args, 16, 100, slopes, "auto", unit, unit, 7, 3.0, chunk
+    )
     reference.paged_attention_varlen(
         varlen, query, *args, torch.arange(4, dtype=torch.int32), 1, 100, slopes, "auto", unit,
-        unit, 7, 3.0,
+        unit, 7, 3.0, None, chunk,
     )  # fmt: skip
     torch.testing.assert_close(varlen, v1, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_reads_no_block_before_the_chunk():
+    """Blocks wholly before the first attended position may be released: their table entries
+    are never read (an out-of-range id there would raise)."""
+    torch.manual_seed(2)
+    seq_lens, chunk, block_size = [70, 45], 32, 8  # decode rows at 69 and 44
+    keys = [torch.randn(n, 1, 32) for n in seq_lens]
+    key_cache, value_cache, block_tables = _paged_from_dense(
+        keys, [torch.randn_like(k) for k in keys], block_size, num_blocks=32, x=4, seed=4
+    )
+    released = block_tables.clone()
+    released[0, : 64 // block_size] = 10**6  # row 69 attends 64 .. 69
+    released[1, : 32 // block_size] = 10**6  # rows 35 .. 44 (varlen) and 44 attend from 32
+    query = torch.randn(11, 2, 32)
+    unit = torch.ones(1)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 11], dtype=torch.int32)
+    outputs = []
+    for tables in (block_tables, released):
+        v1, varlen = torch.empty(2, 2, 32), torch.empty(11, 2, 32)
+        common = (key_cache, value_cache, 1, 0.3, tables, lens)
+        reference.paged_attention_v1(
+            v1, query[[0, 10]], *common, block_size, 70, None, "auto", unit, unit, 0, 0.0, chunk
+        )
+        reference.paged_attention_varlen(
+            varlen, query, *common, starts, 10, 70, None, "auto", unit, unit, 0, 0.0, None, chunk
+        )
+        outputs.append((v1, varlen))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outputs[0][1][[0, 10]], outputs[0][0], atol=1e-6, rtol=1e-6)

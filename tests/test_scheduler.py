@@ -131,7 +131,7 @@ def test_a_request_that_can_never_run_is_rejected_and_the_next_one_admitted():
     scheduler.add(too_big)
     scheduler.add(fine)
     out = scheduler.schedule()
-    assert [(r.request_id, "need 6 blocks of 4" in why) for r, why in out.rejected] == [(0, True)]
+    assert [(r.request_id, "needs 6 blocks of 4" in why) for r, why in out.rejected] == [(0, True)]
     assert out.admitted == [fine]
 
 

@@ -68,7 +68,7 @@ def make_case(
     return kv
 
 
-def features(kv, *, alibi=False, sinks=False, sliding_window=0, soft_cap=0.0, scale=None):
+def features(kv, *, alibi=False, sinks=False, sliding_window=0, soft_cap=0.0, scale=None, chunk=0):
     h = kv.num_heads
     return dict(
         scale=kv.head_size**-0.5 if scale is None else scale,
@@ -76,6 +76,7 @@ def features(kv, *, alibi=False, sinks=False, sliding_window=0, soft_cap=0.0, sc
         sinks=torch.linspace(-2.0, 3.0, h) if sinks else None,
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
+        attention_chunk_size=chunk,
     )  # fmt: skip
 
 
@@ -85,6 +86,7 @@ def op_args(kv, options):
         kv.block_tables, kv.seq_lens, kv.query_start_loc, kv.max_query_len, kv.max_seq_len,
         options["alibi_slopes"], kv.kv_cache_dtype, kv.k_scale, kv.v_scale,
         options["sliding_window"], options["logits_soft_cap"], options["sinks"],
+        options["attention_chunk_size"],
     )  # fmt: skip
 
 
@@ -156,6 +158,13 @@ def test_fp8_cache(kv_cache_dtype, dtype, block_size):
         dict(soft_cap=5.0),
         dict(scale=0.5),
         dict(soft_cap=30.0, alibi=True, sliding_window=20, sinks=True),
+        dict(chunk=1),
+        dict(chunk=5),  # chunks cutting blocks
+        dict(chunk=16),  # at block edges
+        dict(chunk=100),
+        dict(chunk=1000),  # longer than every context
+        dict(chunk=50, sliding_window=37),  # the window inside the chunk
+        dict(chunk=24, sliding_window=40, soft_cap=30.0, alibi=True, sinks=True),
     ],
     ids=str,
 )
@@ -180,6 +189,17 @@ def test_query_lengths(query_lens):
     check(make_case(seq_lens, query_lens, 8, 2, 64, 16, torch.float32, seed=sum(query_lens)))
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 100, 256, 300])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_chunked_prompts(chunk, block_size):
+    """Whole prompts and prompt chunks whose rows span several chunks and several of the tiled
+    kernel's key tiles, and short queries across a chunk boundary (the decode kernel's rows)."""
+    seq_lens, query_lens = [600, 300, 130, 70], [600, 170, 3, 8]
+    kv = make_case(seq_lens, query_lens, 8, 2, 64, block_size, seed=chunk)
+    check(kv, chunk=chunk, alibi=True)
+    check(kv, chunk=chunk, sliding_window=90)
+
+
 def test_a_query_group_larger_than_a_tile():
     """264 query heads on one KV head: one query position's rows fill more than the tiled
     kernel's 256-row unit, so a unit takes a single position."""
@@ -192,8 +212,12 @@ BF16_MATMUL = "PAGED_ATTENTION_CPU_BF16_MATMUL"
 @pytest.mark.parametrize("variant", ["none", "reference", "avx512bf16", "amx"])
 @pytest.mark.parametrize(
     ("head_size", "flags"),
-    [(80, dict(alibi=True, sinks=True)), (120, dict(soft_cap=30.0, sliding_window=200)), (64, {})],
-    ids=["80-alibi-sinks", "120-softcap-window", "64"],
+    [
+        (80, dict(alibi=True, sinks=True)),
+        (120, dict(soft_cap=30.0, sliding_window=200)),
+        (64, dict(chunk=96)),
+    ],
+    ids=["80-alibi-sinks", "120-softcap-window", "64-chunks"],
 )
 def test_bf16_products(variant, head_size, flags, monkeypatch):
     """Every bf16 product variant of the tiled kernel, forced (csrc/cpu/variants.h): a whole
@@ -218,16 +242,32 @@ def test_a_bad_bf16_product_switch_raises_and_leaves_out(monkeypatch):
     check(kv)
 
 
-def test_one_row_per_sequence_equals_v1():
+@pytest.mark.parametrize("chunk", [0, 48])
+def test_one_row_per_sequence_equals_v1(chunk):
     kv = make_case([1, 37, 300, 513], [1, 1, 1, 1], 8, 2, 64, spare_rows=0)
-    options = features(kv, alibi=True, sliding_window=100, soft_cap=20.0)
+    options = features(kv, alibi=True, sliding_window=100, soft_cap=20.0, chunk=chunk)
     v1 = torch.empty_like(kv.query)
     ops.paged_attention_v1(
         v1, kv.query, kv.key_cache, kv.value_cache, 2, options["scale"], kv.block_tables,
         kv.seq_lens, 16, kv.max_seq_len, options["alibi_slopes"], "auto", kv.k_scale, kv.v_scale,
-        100, 20.0,
+        100, 20.0, chunk,
     )  # fmt: skip
     assert torch.equal(run_op(kv, options), v1)
+
+
+def test_blocks_before_the_first_rows_chunk_are_never_read():
+    """The block manager may release the blocks before the chunk of a sequence's first new row:
+    their table entries are not checked or read, and the blocks may hold anything."""
+    kv = make_case([300, 90], [100, 4], 4, 2, 64, 16)  # rows at 200 .. 299 and 86 .. 89
+    expected = run_reference(kv, features(kv, chunk=64))  # rows attend from 192 and 64
+    released = kv.block_tables.clone()
+    released[0, :12] = -1
+    released[1, :4] = 10**6
+    for seq, blocks in ((0, 12), (1, 4)):
+        for cache in (kv.key_cache, kv.value_cache):
+            cache[kv.block_tables[seq, :blocks].long()] = math.nan
+    kv.block_tables = released
+    torch.testing.assert_close(run_op(kv, features(kv, chunk=64)), expected)
 
 
 def test_sinks_take_weight_from_every_token():
@@ -252,8 +292,8 @@ def test_nan_slots_never_reach_the_output():
     kernel reads, for short and long query rows."""
     kv = make_case([7, 45, 520, 100], [3, 45, 20, 100], 8, 2, 64, 32)
     assert kv.value_cache.isnan().any()
-    for window in (0, 11):
-        out = run_op(kv, features(kv, sliding_window=window))
+    for window, chunk in ((0, 0), (11, 0), (0, 13), (11, 20)):
+        out = run_op(kv, features(kv, sliding_window=window, chunk=chunk))
         assert not out.isnan().any()
 
 
@@ -302,6 +342,9 @@ def test_narrower_instruction_sets_agree():
             kv = make_case(*MIXED, 6, 2, head_size, block_size, dtype, cache)
             check(kv, alibi=True, soft_cap=20.0, sinks=True)
             check(kv, sliding_window=30)
+            check(kv, chunk=24, sliding_window=30, alibi=True, sinks=True)
+            check(make_case([600, 130], [600, 8], 6, 2, head_size, block_size, dtype, cache),
+                  chunk=100)
         print("ok", torch.backends.cpu.get_cpu_capability())
         """
     )
@@ -328,6 +371,17 @@ def test_wrapper_defaults_and_zeroed_spare_rows():
     rows = int(kv.query_start_loc[-1])
     torch.testing.assert_close(out[:rows], expected[:rows], **TOLERANCES[torch.float32])
     assert (out[rows:] == 0).all()
+
+
+def test_wrapper_passes_the_chunk():
+    kv = make_case(*MIXED, 8, 2, 64)
+    out = paged_attention.paged_attention_varlen(
+        kv.query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, kv.query_start_loc,
+        attention_chunk_size=16, sliding_window=30,
+    )  # fmt: skip
+    expected = run_reference(kv, features(kv, chunk=16, sliding_window=30))
+    rows = int(kv.query_start_loc[-1])
+    torch.testing.assert_close(out[:rows], expected[:rows], **TOLERANCES[torch.float32])
 
 
 def test_wrapper_requires_fp8_scales():
@@ -357,10 +411,13 @@ def test_wrapper_passes_a_cuda_query_to_the_op():
         assert out.shape == query.shape and out.device.type == "cuda"
 
 
-def test_opcheck():
-    kv = make_case([20, 600, 9], [1, 40, 9], 4, 2, 64)
-    options = features(kv, alibi=True, sinks=True)
+@pytest.mark.parametrize("chunk", [0, 16])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_opcheck(chunk, kv_cache_dtype):
+    """Schema, fake kernel and the op agree (torch.library.opcheck), with and without chunks."""
+    kv = make_case([20, 600, 9], [1, 40, 9], 4, 2, 64, 16, torch.bfloat16, kv_cache_dtype)
     out = torch.empty_like(kv.query)
+    options = features(kv, alibi=True, sinks=True, sliding_window=30, soft_cap=10.0, chunk=chunk)
     torch.library.opcheck(ops.paged_attention_varlen, (out, *op_args(kv, options)))
 
 
@@ -395,7 +452,7 @@ def bad_call(**changes):
     names = ["query", "key_cache", "value_cache", "num_kv_heads", "scale", "block_tables",
              "seq_lens", "query_start_loc", "max_query_len", "max_seq_len", "alibi_slopes",
              "kv_cache_dtype", "k_scale", "v_scale", "sliding_window", "logits_soft_cap",
-             "sinks"]  # fmt: skip
+             "sinks", "attention_chunk_size"]  # fmt: skip
     args = list(op_args(kv, options))
     out = torch.full(kv.query.shape, UNTOUCHED)
     for name, change in changes.items():
@@ -437,6 +494,7 @@ def _starts(*values):
         (dict(kv_cache_dtype=lambda d: "fp8"), "key_cache must be Byte"),
         (dict(logits_soft_cap=lambda c: 1e-50), "underflows to 0 in float32"),
         (dict(num_kv_heads=lambda n: 3), "positive multiple of num_kv_heads"),
+        (dict(attention_chunk_size=lambda c: -1), r"attention_chunk_size must be >= 0 \(0 = none"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

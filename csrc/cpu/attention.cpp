@@ -116,7 +116,7 @@ void fill_params_and_run(AttentionParams& p, const AttentionDims& dims, const At
                          Bf16Matmul bf16_matmul = Bf16Matmul::kNone) {
   const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-               logits_soft_cap] = args;
+               logits_soft_cap, attention_chunk_size] = args;
   p.query = query.data_ptr();
   p.query_row_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
@@ -133,6 +133,7 @@ void fill_params_and_run(AttentionParams& p, const AttentionDims& dims, const At
   p.scale = static_cast<float>(scale);
   p.logits_soft_cap = static_cast<float>(logits_soft_cap);
   p.sliding_window = sliding_window;
+  p.attention_chunk_size = attention_chunk_size;
   p.num_seqs = dims.num_seqs;
   p.num_heads = dims.num_heads;
   p.num_kv_heads = dims.num_kv_heads;
@@ -142,6 +143,10 @@ void fill_params_and_run(AttentionParams& p, const AttentionDims& dims, const At
   if (sliding_window > 0) {
     // The first query row's window, plus the positions of the rows after it.
     p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window + p.max_query_len - 1);
+  }
+  if (attention_chunk_size > 0 && attention_chunk_size < p.max_unit_tokens) {
+    // Likewise from the start of the first query row's chunk.
+    p.max_unit_tokens = std::min(p.max_unit_tokens, attention_chunk_size + p.max_query_len - 1);
   }
   // Up to kMaxUnitKvHeads KV heads per unit (see decode_attention.h), fewer while that would
   // leave fewer than 4 units per thread to share out; with several query rows per sequence, as
@@ -224,13 +229,14 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
-                        double logits_soft_cap) {
-  const AttentionArgs args{out,          query,          key_cache,    value_cache,
-                           num_kv_heads, scale,          block_tables, seq_lens,
-                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
-                           v_scale,      sliding_window, logits_soft_cap};
+                        double logits_soft_cap, int64_t attention_chunk_size) {
+  const AttentionArgs args{out,          query,          key_cache,       value_cache,
+                           num_kv_heads, scale,          block_tables,    seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype,  k_scale,
+                           v_scale,      sliding_window, logits_soft_cap, attention_chunk_size};
   const AttentionDims dims = check_attention_args(args, block_size);
-  check_attention_indices(block_tables, seq_lens, dims, sliding_window);
+  check_attention_indices(block_tables, seq_lens, dims, sliding_window,
+                          attention_chunk_size);
   AttentionParams p{};
   p.out = out.data_ptr();
   p.num_partitions = 1;
@@ -247,14 +253,15 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
-                        double logits_soft_cap) {
-  const AttentionArgs args{out,          query,          key_cache,    value_cache,
-                           num_kv_heads, scale,          block_tables, seq_lens,
-                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
-                           v_scale,      sliding_window, logits_soft_cap};
+                        double logits_soft_cap, int64_t attention_chunk_size) {
+  const AttentionArgs args{out,          query,          key_cache,       value_cache,
+                           num_kv_heads, scale,          block_tables,    seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype,  k_scale,
+                           v_scale,      sliding_window, logits_soft_cap, attention_chunk_size};
   const AttentionDims dims = check_attention_args(args, block_size);
   check_v2_scratch(exp_sums, max_logits, tmp_out, dims, args);
-  check_attention_indices(block_tables, seq_lens, dims, sliding_window);
+  check_attention_indices(block_tables, seq_lens, dims, sliding_window,
+                          attention_chunk_size);
   AttentionParams p{};
   p.out = tmp_out.data_ptr();
   p.max_logits = max_logits.data_ptr<float>();
@@ -277,13 +284,15 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, int64_t sliding_window,
-                            double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
-  const AttentionArgs args{out,          query,          key_cache,    value_cache,
-                           num_kv_heads, scale,          block_tables, seq_lens,
-                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
-                           v_scale,      sliding_window, logits_soft_cap};
+                            double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                            int64_t attention_chunk_size) {
+  const AttentionArgs args{out,          query,          key_cache,       value_cache,
+                           num_kv_heads, scale,          block_tables,    seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype,  k_scale,
+                           v_scale,      sliding_window, logits_soft_cap, attention_chunk_size};
   const VarlenDims dims = check_varlen_args(args, query_start_loc, max_query_len, sinks);
-  check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window);
+  check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window,
+                       attention_chunk_size);
   AttentionParams p{};
   p.out = out.data_ptr();
   p.num_partitions = 1;

@@ -16,7 +16,7 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
-                        double logits_soft_cap);
+                        double logits_soft_cap, int64_t attention_chunk_size);
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
                         at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -26,7 +26,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
-                        double logits_soft_cap);
+                        double logits_soft_cap, int64_t attention_chunk_size);
 
 void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
@@ -35,7 +35,8 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, int64_t sliding_window,
-                            double logits_soft_cap, const std::optional<at::Tensor>& sinks);
+                            double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                            int64_t attention_chunk_size);
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,

@@ -9,7 +9,7 @@
 // block's tiles of those heads, which are adjacent in the cache, one after another: longer runs
 // of contiguous memory than one head's 4-8 KiB tile, which the memory system serves faster.
 // For the varlen op a unit may also serve several query rows of its sequence: q_len x
-// queries_per_kv rows per KV head, each with its own causal end (and window), the tiles still
+// queries_per_kv rows per KV head, each with its own causal end (window, chunk), the tiles still
 // read once for all.
 //
 // The kernel is compiled three times with different target attributes (AVX-512, AVX2+FMA,
@@ -61,6 +61,7 @@ struct AttentionParams {
   float scale;
   float logits_soft_cap;   // 0: none
   int64_t sliding_window;  // 0: none
+  int64_t attention_chunk_size;  // 0: none; else a query at p attends [p - p % C, p] only
   int64_t num_seqs;
   int64_t num_heads;
   int64_t num_kv_heads;
@@ -148,11 +149,22 @@ struct Scratch {
   }
 };
 
+// The first position a query at `position` attends: the start of its sliding window and of its
+// chunk, whichever is later (0 without either).
+inline int64_t first_attended(const AttentionParams& p, int64_t position) {
+  int64_t first = 0;
+  if (p.sliding_window > 0) first = std::max<int64_t>(first, position - p.sliding_window + 1);
+  if (p.attention_chunk_size > 0 && position > 0) {
+    first = std::max(first, position - position % p.attention_chunk_size);
+  }
+  return first;
+}
+
 // One unit of the decode kernel: the query rows of KV heads [kv_head, kv_head + kv_heads) over
 // tokens [begin, end) of one sequence (end > begin). A KV head serves q_len x queries_per_kv
 // rows: row hh * head_rows + i * queries_per_kv + g is query row i of the sequence (at position
 // seq_len - q_len + i) and query head g of KV head kv_head + hh. Row i attends [begin, end)
-// clipped to its causal end and window.
+// clipped to its causal end, window and chunk.
 //
 // The unit runs in named steps (attend_tokens), as FlashInfer's prefill.cuh names its kernel's:
 // stage the query (stage_query_patterns); the key pass, per block and KV head: request the tiles
@@ -431,8 +443,8 @@ inline void key_pass(const DecodeUnit<cache_t, kSplit>& u, Scratch& s) {
   }
 }
 
-// The offsets of the unit's tokens that row r attends, [lo, hi): all of them for a single query
-// row, up to its own position (and from its window's start) for the others.
+// The offsets of the unit's tokens that row r attends, [lo, hi): from its window's and chunk's
+// start (first_attended) up to its own position.
 struct AttendedRange {
   int32_t lo;
   int32_t hi;
@@ -447,9 +459,8 @@ inline AttendedRange attended_range(const DecodeUnit<cache_t, kSplit>& u, int64_
   AttendedRange range;
   range.head = (u.kv_head + r / u.head_rows) * u.queries_per_kv + r % u.queries_per_kv;
   range.position = u.seq_len - u.q_len + i;
-  range.lo = static_cast<int32_t>(
-      p.sliding_window > 0 ? std::max<int64_t>(0, range.position - p.sliding_window + 1 - u.begin)
-                           : 0);
+  range.lo =
+      static_cast<int32_t>(std::max<int64_t>(0, first_attended(p, range.position) - u.begin));
   range.hi = static_cast<int32_t>(std::min(u.end, range.position + 1) - u.begin);
   return range;
 }
@@ -857,9 +868,8 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
     const int64_t head_rows = q_len * queries_per_kv;
     const int64_t rows = kv_heads * head_rows;
     const int64_t seq_len = p.seq_lens[seq];
-    // The first query row's window start: later rows attend a suffix of what it attends.
-    int64_t begin =
-        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - q_len + 1 - p.sliding_window) : 0;
+    // Where the first query row's window and chunk start: later rows attend no further back.
+    int64_t begin = first_attended(p, seq_len - q_len);
     int64_t end = seq_len;
     begin = std::max(begin, partition * p.partition_size);
     end = std::min(end, (partition + 1) * p.partition_size);

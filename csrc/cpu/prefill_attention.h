@@ -72,9 +72,9 @@ inline std::vector<PrefillUnit> plan_prefill_units(const AttentionParams& p) {
     const int64_t seq_len = p.seq_lens[seq];
     for (int64_t first = 0; first < q_len; first += positions_per_unit) {
       const int64_t count = std::min(positions_per_unit, q_len - first);
-      const int64_t last_position = seq_len - q_len + first + count - 1;
-      int64_t span = last_position + 1;
-      if (p.sliding_window > 0) span = std::min(span, p.sliding_window + count - 1);
+      const int64_t first_position = seq_len - q_len + first;
+      // From the first row's window and chunk start to the last row.
+      const int64_t span = first_position + count - first_attended(p, first_position);
       for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
         units.push_back({seq, kv_head, first, count, count * span});
       }
@@ -121,6 +121,7 @@ struct PrefillScratch {
   AlignedFloats row_sum;
   AlignedFloats row_slope;
   AlignedFloats row_position;  // float: positions fit exactly below 2^24
+  AlignedFloats row_chunk_start;  // the first position of the row's chunk (with chunks)
   AlignedFloats row_rescale;
   int64_t head_pad = 0;
   int64_t value_rows = 0;
@@ -143,7 +144,8 @@ struct PrefillScratch {
     logits_t.resize(kPrefillTokens * rows_pad);
     out_t.resize(value_rows * rows_pad);
     out_bits.resize(head_size * rows_pad);
-    for (AlignedFloats* row : {&row_max, &row_sum, &row_slope, &row_position, &row_rescale}) {
+    for (AlignedFloats* row :
+         {&row_max, &row_sum, &row_slope, &row_position, &row_chunk_start, &row_rescale}) {
       row->resize(rows_pad);
     }
   }
@@ -280,12 +282,15 @@ struct PrefillRows {
   int64_t head(int64_t m) const { return kv_head * queries_per_kv + m % queries_per_kv; }
 };
 
-// Step: the rows' positions and ALiBi slopes (padding rows repeat the last row's), and the
-// running max, sum and output of the online softmax, empty.
+// Step: the rows' positions, chunk starts and ALiBi slopes (padding rows repeat the last row's),
+// and the running max, sum and output of the online softmax, empty.
 inline void stage_rows(const AttentionParams& p, const PrefillRows& r, PrefillScratch& s) {
+  const int64_t chunk = p.attention_chunk_size;
   for (int64_t m = 0; m < r.rows_pad; ++m) {
     const int64_t real = std::min(m, r.rows - 1);
-    s.row_position.data()[m] = static_cast<float>(r.first_position + real / r.queries_per_kv);
+    const int64_t position = r.first_position + real / r.queries_per_kv;
+    s.row_position.data()[m] = static_cast<float>(position);
+    if (chunk > 0) s.row_chunk_start.data()[m] = static_cast<float>(position - position % chunk);
     s.row_slope.data()[m] = p.alibi_slopes != nullptr ? p.alibi_slopes[r.head(real)] : 0.0f;
   }
   std::fill(s.row_max.data(), s.row_max.data() + r.rows_pad,
@@ -345,16 +350,20 @@ inline bool mask_and_max(const AttentionParams& p, const PrefillRows& r, int64_t
   constexpr int64_t kVectorLanes = sizeof(V) / sizeof(float);
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t window = p.sliding_window;
+  const int64_t chunk = p.attention_chunk_size;
   const int64_t t1 = t0 + tokens;
+  // Tokens from here on lie in the chunk of every row (the last row's chunk starts last).
+  const int64_t last_chunk_start = chunk > 0 ? r.last_position - r.last_position % chunk : 0;
   // Every row attends every token of the tile: no mask to apply.
-  const bool whole =
-      t1 - 1 <= r.first_position && (window == 0 || t0 > r.last_position - window);
+  const bool whole = t1 - 1 <= r.first_position &&
+                     (window == 0 || t0 > r.last_position - window) && t0 >= last_chunk_start;
   const bool rewrite = !whole || p.logits_soft_cap > 0 || p.alibi_slopes != nullptr;
   float* logits_t = s.logits_t.data();
   for (int64_t m0 = 0; m0 < r.rows_pad; m0 += kVectorLanes) {
     V tile_max = splat<V>(-kInf);
     if (rewrite) {
       const V position = load_vector<V>(s.row_position.data() + m0);
+      const V chunk_start = chunk > 0 ? load_vector<V>(s.row_chunk_start.data() + m0) : V{};
       const V slope = load_vector<V>(s.row_slope.data() + m0);
       for (int64_t t = 0; t < tokens; ++t) {
         float* row = logits_t + t * r.rows_pad + m0;
@@ -366,6 +375,7 @@ inline bool mask_and_max(const AttentionParams& p, const PrefillRows& r, int64_t
           const V key = splat<V>(key_position);
           I visible = key <= position;
           if (window > 0) visible &= key > position - static_cast<float>(window);
+          if (chunk > 0) visible &= key >= chunk_start;
           v = visible ? v : splat<V>(-kInf);
         }
         store_vector(row, v);
@@ -531,9 +541,7 @@ inline void attend_prefill_unit(const AttentionParams& p, const PrefillProducts&
       static_cast<const cache_t*>(p.key_cache) + unit.kv_head * p.key_head_stride;
   const cache_t* value_base =
       static_cast<const cache_t*>(p.value_cache) + unit.kv_head * p.value_head_stride;
-  const int64_t window = p.sliding_window;
-  const int64_t kv_begin =
-      window > 0 ? std::max<int64_t>(0, r.first_position - window + 1) : 0;
+  const int64_t kv_begin = first_attended(p, r.first_position);
   const int64_t kv_end = r.last_position + 1;
   for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kPrefillTokens) {
     const int64_t t1 = std::min(t0 + kPrefillTokens, kv_end);

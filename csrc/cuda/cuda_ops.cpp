@@ -73,7 +73,7 @@ void check_fits_int32(int64_t value, const char* name) {
 AttentionParams attention_params(const AttentionArgs& args, const AttentionDims& dims) {
   const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
-               logits_soft_cap] = args;
+               logits_soft_cap, attention_chunk_size] = args;
   AttentionParams p{};
   p.out = out.data_ptr();
   p.query = query.data_ptr();
@@ -98,6 +98,7 @@ AttentionParams attention_params(const AttentionArgs& args, const AttentionDims&
   p.scale = static_cast<float>(scale);
   p.logits_soft_cap = static_cast<float>(logits_soft_cap);
   p.sliding_window = static_cast<int32_t>(sliding_window);
+  p.attention_chunk_size = static_cast<int32_t>(attention_chunk_size);
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   const bool fp8 = dims.cache_dtype != CacheDtype::kAuto;
   p.k_scale = fp8 ? k_scale.data_ptr<float>() : nullptr;
@@ -109,13 +110,15 @@ AttentionParams attention_params(const AttentionArgs& args, const AttentionDims&
 
 // The checks every attention launch shares: 16-byte vectors of the caches, the int32 values
 // of the kernels' parameters.
-void check_attention_launch(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const AttentionDims& dims, int64_t sliding_window) {
+void check_attention_launch(const AttentionArgs& args, const AttentionDims& dims) {
+  const at::Tensor& key_cache = args.key_cache;
+  const at::Tensor& value_cache = args.value_cache;
   check_vector_aligned(key_cache, "key_cache");
   check_vector_aligned(value_cache, "value_cache");
   check_fits_int32(dims.num_seqs, "num_seqs");
   check_fits_int32(dims.max_seq_len, "max_seq_len");
-  check_fits_int32(sliding_window, "sliding_window");
+  check_fits_int32(args.sliding_window, "sliding_window");
+  check_fits_int32(args.attention_chunk_size, "attention_chunk_size");
   check_fits_int32(dims.max_blocks_per_seq, "block_tables.size(1)");
   TORCH_CHECK_VALUE(dims.num_heads <= 65535, "num_heads (", dims.num_heads,
                     ") must be at most 65535");
@@ -158,9 +161,10 @@ void check_and_launch_decode(const AttentionArgs& args, int64_t block_size,
   TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
   if (v2) check_v2_scratch(*exp_sums, *max_logits, *tmp_out, dims, args);
   if (debug_checks_enabled()) {
-    check_attention_indices(args.block_tables, args.seq_lens, dims, args.sliding_window);
+    check_attention_indices(args.block_tables, args.seq_lens, dims, args.sliding_window,
+                            args.attention_chunk_size);
   }
-  check_attention_launch(args.key_cache, args.value_cache, dims, args.sliding_window);
+  check_attention_launch(args, dims);
   if (v2) {
     TORCH_CHECK_VALUE(exp_sums->size(2) <= 65535, "exp_sums.size(2) (", exp_sums->size(2),
                       ") must be at most 65535 partitions");
@@ -187,11 +191,11 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
-                        double logits_soft_cap) {
-  const AttentionArgs args{out,          query,          key_cache,    value_cache,
-                           num_kv_heads, scale,          block_tables, seq_lens,
-                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
-                           v_scale,      sliding_window, logits_soft_cap};
+                        double logits_soft_cap, int64_t attention_chunk_size) {
+  const AttentionArgs args{out,          query,          key_cache,       value_cache,
+                           num_kv_heads, scale,          block_tables,    seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype,  k_scale,
+                           v_scale,      sliding_window, logits_soft_cap, attention_chunk_size};
   check_and_launch_decode(args, block_size, std::nullopt, std::nullopt, std::nullopt);
 }
 
@@ -203,11 +207,11 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                         const at::Tensor& v_scale, int64_t sliding_window,
-                        double logits_soft_cap) {
-  const AttentionArgs args{out,          query,          key_cache,    value_cache,
-                           num_kv_heads, scale,          block_tables, seq_lens,
-                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
-                           v_scale,      sliding_window, logits_soft_cap};
+                        double logits_soft_cap, int64_t attention_chunk_size) {
+  const AttentionArgs args{out,          query,          key_cache,       value_cache,
+                           num_kv_heads, scale,          block_tables,    seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype,  k_scale,
+                           v_scale,      sliding_window, logits_soft_cap, attention_chunk_size};
   check_and_launch_decode(args, block_size, exp_sums, max_logits, tmp_out);
 }
 
@@ -221,18 +225,20 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                             const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, int64_t sliding_window,
-                            double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
+                            double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                            int64_t attention_chunk_size) {
   const char* op = "paged_attention_varlen";
-  const AttentionArgs args{out,          query,          key_cache,    value_cache,
-                           num_kv_heads, scale,          block_tables, seq_lens,
-                           max_seq_len,  alibi_slopes,   kv_cache_dtype, k_scale,
-                           v_scale,      sliding_window, logits_soft_cap};
+  const AttentionArgs args{out,          query,          key_cache,       value_cache,
+                           num_kv_heads, scale,          block_tables,    seq_lens,
+                           max_seq_len,  alibi_slopes,   kv_cache_dtype,  k_scale,
+                           v_scale,      sliding_window, logits_soft_cap, attention_chunk_size};
   const VarlenDims dims = check_varlen_args(args, query_start_loc, max_query_len, sinks);
   TORCH_CHECK(query.is_cuda(), op, ": query must be a CUDA tensor, got ", query.device());
   if (debug_checks_enabled()) {
-    check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window);
+    check_varlen_indices(block_tables, seq_lens, query_start_loc, dims, sliding_window,
+                         attention_chunk_size);
   }
-  check_attention_launch(key_cache, value_cache, dims, sliding_window);
+  check_attention_launch(args, dims);
   check_fits_int32(dims.num_tokens, "num_tokens (query.size(0))");
 
   if (dims.num_seqs == 0 || dims.num_tokens == 0 || dims.num_heads == 0 || max_query_len == 0) {

@@ -11,7 +11,14 @@ Three parts, each readable on its own (the split of nano-vllm and vLLM v1):
   (``generate``, ``step``, ``stream``, ``abort``), sampling and beam search in between.
 """
 
-from paged_attention.engine.engine import Engine, EngineStats
+from paged_attention.engine.engine import Engine, EngineStats, RequestStream
 from paged_attention.engine.request import RequestMetrics, RequestOutput, SamplingParams
 
-__all__ = ["Engine", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+]

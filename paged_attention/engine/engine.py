@@ -12,11 +12,14 @@ from __future__ import annotations
 import itertools
 import numbers
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 
+from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_of
 from paged_attention.engine.model_runner import ModelRunner
 from paged_attention.engine.request import (
     Request,
@@ -66,6 +69,8 @@ class Engine:
     device blocks and ``num_host_blocks`` of swap space (default: four times the budget; 0:
     preemption recomputes instead of swapping).
 
+    ``tokenizer`` (optional, a transformers tokenizer): prompts may then be text or chat
+    messages, outputs carry text, and ``SamplingParams.stop`` strings apply.
     ``enable_prefix_caching`` (default on): a prompt whose leading full blocks are cached, by an
     earlier request or a running one, computes only the rest. ``max_num_batched_tokens`` (default
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
@@ -74,6 +79,11 @@ class Engine:
     captured per padded batch size.
     Logits stay on the model's device; only sampled token ids come back to the host. Switches
     ``model`` to the ``"paged_attention"`` attention implementation.
+
+    Outputs (docs/design.md, "Engine outputs"): every output a step produces is delivered
+    exactly once, to the stream or ``generate`` call that owns its request, else to ``step()``,
+    whoever drives the step. Outputs of one request that wait for delivery are merged into one
+    (their new tokens and text joined), so a consumer that falls behind loses nothing.
     """
 
     def __init__(
@@ -88,6 +98,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         eos_token_id: int | Sequence[int] | None = None,
         cuda_graphs: bool | None = None,
+        tokenizer=None,
     ) -> None:
         geometry = ModelGeometry.of(model)
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
@@ -119,6 +130,11 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         embeddings = model.get_input_embeddings()
         self.vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
+        config = model.config.get_text_config()
+        positions = getattr(config, "max_position_embeddings", None)
+        self.max_model_len: int | None = positions
+        """The most tokens (prompt and generated) a sequence may hold: the model's
+        ``max_position_embeddings`` (``None`` if it sets none)."""
         if eos_token_id is None:
             eos_token_id = model.generation_config.eos_token_id
         if eos_token_id is None:
@@ -126,25 +142,40 @@ class Engine:
         elif isinstance(eos_token_id, int):
             eos_token_id = [eos_token_id]
         self.eos_token_ids = frozenset(eos_token_id)
+        self.tokenizer = tokenizer
+        self._tokenizer_backend = None if tokenizer is None else backend_of(tokenizer)
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
-        self._unclaimed: list[RequestOutput] = []  # final outputs stream()/generate() passed by
+        # Outputs not delivered yet, one (merged) per request, in the order they were produced.
+        self._undelivered: dict[int, RequestOutput] = {}
+        # The stream or generate() call that consumes a request's outputs (a weak reference: a
+        # dropped stream's request is aborted at the next step).
+        self._owners: dict[int, weakref.ref] = {}
 
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, prompt: Sequence[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> int:
-        """Queue a request; returns its id. ``arrival_time`` (``time.perf_counter()`` seconds,
-        default now) is what its time to first token is measured from."""
+        """Queue a request; returns its id. ``prompt``: token ids, or with a tokenizer a string
+        or chat messages (``[{"role": ..., "content": ...}, ...]``, formatted by the tokenizer's
+        chat template with the generation prompt added). ``arrival_time``
+        (``time.perf_counter()`` seconds, default now) is what its time to first token is
+        measured from. Raises ValueError, naming what is wrong, for a request that is malformed
+        or could never run (longer than the model's context, or more blocks than the pool)."""
         request = self._new_request(prompt, params, arrival_time)
         self._admit(request)
         return request.request_id
 
     def abort(self, request_id: int) -> RequestOutput:
         """End a request wherever it is (waiting, running or swapped out), freeing every block
-        it holds; returns its final output (finish reason ``"abort"`` for unfinished entries)."""
+        it holds; returns its final output (finish reason ``"abort"`` for unfinished entries),
+        which also holds what it produced and was not delivered yet. A stream of the request
+        ends with that output."""
         request = self._requests.pop(request_id, None)
         if request is None:
             raise ValueError(f"unknown or finished request {request_id}")
@@ -155,79 +186,134 @@ class Engine:
         request.seqs = []
         request.new_tokens = {}
         request.metrics.finished_time = time.perf_counter()
-        return self._output(request, finished=True)
+        output = self._output(request, finished=True)
+        pending = self._undelivered.pop(request_id, None)
+        if pending is not None:
+            output = _merge(pending, output, request.params.is_beam_search)
+        if self._owner(request_id) is not None:
+            self._undelivered[request_id] = output  # for the stream that owns it
+        else:
+            self._owners.pop(request_id, None)
+        return output
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests are waiting or running, or outputs wait to be returned by ``step()``."""
+        return self.scheduler.has_unfinished() or any(
+            self._owner(request_id) is None for request_id in self._undelivered
+        )
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Prompt], params) -> list[RequestOutput]:
         """Serve ``prompts`` to completion; final outputs in the order of the prompts. Every
-        prompt and parameter set is checked before any is queued: all or nothing."""
+        prompt and parameter set is checked before any is queued: all or nothing. If a step
+        raises, the requests of this call are aborted before the exception propagates."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts and {len(params)} SamplingParams")
         requests = [self._new_request(p, s, None) for p, s in zip(prompts, params)]
+        owner = _Consumer()
         for request in requests:
-            self._admit(request)
-        wanted = {r.request_id for r in requests}
+            self._admit(request, owner)
         results: dict[int, RequestOutput] = {}
-        while len(results) < len(wanted):
-            for output in self.step():
-                if not output.finished:
-                    continue
-                if output.request_id in wanted:
-                    results[output.request_id] = output
-                else:
-                    self._unclaimed.append(output)
+        try:
+            while len(results) < len(requests):
+                self._run_step()
+                for request in requests:
+                    output = self._undelivered.get(request.request_id)
+                    if output is not None and output.finished:
+                        results[request.request_id] = self._undelivered.pop(request.request_id)
+                        self._owners.pop(request.request_id, None)
+        except BaseException:
+            for request in requests:
+                if request.request_id in self._requests:
+                    self.abort(request.request_id)
+                self._undelivered.pop(request.request_id, None)
+                self._owners.pop(request.request_id, None)
+            raise
         return [results[r.request_id] for r in requests]
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
-        """Queue a request and yield its output after every step that gives it tokens, the last
-        one with ``finished`` set. Other requests keep running meanwhile; their final outputs
-        are returned by the next ``step()``."""
-        request_id = self.add_request(prompt, params)
-        while True:
-            for output in self.step():
-                if output.request_id != request_id:
-                    if output.finished:
-                        self._unclaimed.append(output)
-                    continue
-                yield output
-                if output.finished:
-                    return
+    def stream(self, prompt: Prompt, params: SamplingParams) -> RequestStream:
+        """Queue a request (now: a bad one raises here) and return an iterator over its outputs,
+        one after every step that gives it tokens, the last one with ``finished`` set. Other
+        requests keep running meanwhile; their outputs are returned by ``step()`` (or by their
+        own stream). Closing the stream (``close()``, or leaving a ``with`` block) aborts the
+        request if it has not finished; a stream dropped unfinished is aborted at the next
+        step."""
+        request = self._new_request(prompt, params, None)
+        stream = RequestStream(self, request.request_id)
+        self._admit(request, stream)
+        return stream
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one packed forward pass. Returns an output for every request that
-        gained tokens, finished or was rejected in it (and the final outputs ``stream`` and
-        ``generate`` left). If the forward pass raises, the step's reservations are released
-        first: the engine is as it was before the step and ``step()`` may be called again."""
+        no stream or ``generate`` call owns and that gained tokens, finished or was rejected in
+        this step or in steps they drove, each delivered once. If the forward pass or sampling
+        raises, the step's reservations are released first and nothing is lost: the engine is
+        as it was before the step, outputs produced earlier stay for the next call, and
+        ``step()`` may be called again."""
+        self._run_step()
+        outputs = []
+        for request_id in list(self._undelivered):
+            if self._owner(request_id) is None:
+                outputs.append(self._undelivered.pop(request_id))
+                self._owners.pop(request_id, None)
+        return outputs
+
+    def _run_step(self) -> None:
+        """One step; its outputs go to ``_undelivered``."""
         started = time.perf_counter()
-        outputs, self._unclaimed = self._unclaimed, []
+        self._abort_dropped_streams()
         out = self.scheduler.schedule()
         if self.tensor_parallel.checks_steps:
             self._check_plan_on_every_rank(out)
-        for request, reason in out.rejected:
-            outputs.append(self._rejection(request, reason))
-        logits = None
+        for request, reason in out.rejected:  # final whether or not the forward pass succeeds
+            self._deliver(self._rejection(request, reason))
+        choices = None
         try:
             self.runner.execute_block_ops(out.block_ops)
             if out.chunks:
                 logits = self.runner.run(out, self.block_manager)
+                choices = self._choose_tokens(out, logits)
         except BaseException:
             self.runner.execute_block_ops([("copy", self.scheduler.rollback(out))])
             raise
         self.scheduler.commit(out)
-        if logits is not None:
-            outputs += self._after_forward(out, logits)
+        if choices is not None:
+            for output in self._apply_tokens(out, choices):
+                self._deliver(output)
         self._record(out, started)
-        return outputs
 
-    def _after_forward(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _choose_tokens(self, out: SchedulerOutput, logits: torch.Tensor) -> dict:
+        """Every sampling request's next tokens and every beam request's candidates, keyed by
+        ``id(request)``, touching nothing but the requests' generators, which are restored if
+        anything raises (a retried step then draws the same tokens)."""
+        rows: dict[int, tuple[Request, list[int]]] = {}
+        row = 0
+        for chunk in out.chunks:
+            if chunk.samples:
+                rows.setdefault(id(chunk.request), (chunk.request, []))[1].append(row)
+                row += 1
+        sampled = [(r, rows) for r, rows in rows.values() if not r.params.is_beam_search]
+        states = [(r.generator, r.generator.get_state()) for r, _ in sampled]
+        try:
+            choices = dict(zip((id(r) for r, _ in sampled), draw(logits, sampled)))
+            for request, request_rows in rows.values():
+                if request.params.is_beam_search:
+                    end_tokens = self.eos_token_ids | set(request.params.stop_token_ids)
+                    scores = [b.score for b in request.seqs]
+                    width = request.params.beam_width
+                    choices[id(request)] = beam_candidates(
+                        logits[request_rows], scores, width, end_tokens
+                    )
+        except BaseException:
+            for generator, state in states:
+                generator.set_state(state)
+            raise
+        return {id(r): (r, choices[id(r)]) for r, _ in rows.values()}
+
+    def _apply_tokens(self, out: SchedulerOutput, choices: dict) -> list[RequestOutput]:
         step = self.stats.steps
         for request in out.admitted:
             if request.metrics.first_scheduled_step is None:
@@ -239,22 +325,14 @@ class Engine:
             chunk.request.metrics.num_computed_prompt_tokens += prompt_part
             self.stats.prompt_tokens_computed += prompt_part
             self.stats.recomputed_tokens += chunk.count - prompt_part
-        rows: dict[int, tuple[Request, list[int]]] = {}
-        row = 0
-        for chunk in out.chunks:
-            if chunk.samples:
-                rows.setdefault(id(chunk.request), (chunk.request, []))[1].append(row)
-                row += 1
-        sampled = [(r, rows) for r, rows in rows.values() if not r.params.is_beam_search]
-        drawn = dict(zip((id(r) for r, _ in sampled), draw(logits, sampled)))
         now = time.perf_counter()
         outputs = []
-        for request, request_rows in rows.values():
+        for request, choice in choices.values():
             request.new_tokens = {}
             if request.params.is_beam_search:
-                self._beam_step(request, logits[request_rows])
+                self._beam_step(request, *choice)
             else:
-                self._sample_step(request, drawn[id(request)])
+                self._sample_step(request, choice)
             metrics = request.metrics
             metrics.token_times.append(now)
             if metrics.first_token_time is None:
@@ -267,6 +345,30 @@ class Engine:
                 metrics.finished_step = step
             outputs.append(self._output(request, finished))
         return outputs
+
+    # ------------------------------------------------------------------ delivery
+
+    def _owner(self, request_id: int):
+        ref = self._owners.get(request_id)
+        return None if ref is None else ref()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        pending = self._undelivered.pop(output.request_id, None)
+        request = self._requests.get(output.request_id)
+        beams = request is not None and request.params.is_beam_search
+        self._undelivered[output.request_id] = (
+            output if pending is None else _merge(pending, output, beams)
+        )
+
+    def _abort_dropped_streams(self) -> None:
+        """A stream that was garbage-collected unfinished no longer consumes its request."""
+        for request_id, ref in list(self._owners.items()):
+            if ref() is None:
+                del self._owners[request_id]
+                self._undelivered.pop(request_id, None)
+                if request_id in self._requests:
+                    self.abort(request_id)
+                    self._undelivered.pop(request_id, None)
 
     # ------------------------------------------------------------------ sampling
 
@@ -281,22 +383,19 @@ class Engine:
         for seq, token in zip(request.seqs, tokens):
             seq.tokens.append(token)
             request.new_tokens[seq.seq_id] = [token]
-            seq.finish_reason = self._finish_reason(seq, params)
+            seq.finish_reason = self._finish_reason(request, seq)
         self.stats.generated_tokens += len(tokens)
         finished = [s for s in request.seqs if s.finish_reason is not None]
         self.scheduler.free(finished)
         request.done += finished
         request.seqs = [s for s in request.seqs if s.finish_reason is None]
 
-    def _beam_step(self, request: Request, logits: torch.Tensor) -> None:
+    def _beam_step(self, request: Request, continuing, finished) -> None:
         """Keep the ``beam_width`` best continuations; a continuation ending in an end token
         becomes a finished hypothesis if it ranks among them. Stops when ``beam_width``
         hypotheses are finished or the beams reach ``max_new_tokens``."""
         params, beams = request.params, request.seqs
         width = params.beam_width
-        continuing, finished = beam_candidates(
-            logits, [b.score for b in beams], width, self.eos_token_ids | set(params.stop_token_ids)
-        )
         for beam, token, score in finished:  # a finished hypothesis holds no blocks: seq_id -1
             reason = "eos" if token in self.eos_token_ids else "stop"
             request.done.append(EngineSequence(-1, [*beams[beam].tokens, token], 0, score, reason))
@@ -322,11 +421,19 @@ class Engine:
             del request.done[width:]
             request.seqs = []
 
-    def _finish_reason(self, seq: EngineSequence, params: SamplingParams) -> str | None:
+    def _finish_reason(self, request: Request, seq: EngineSequence) -> str | None:
+        params = request.params
         token = seq.tokens[-1]
+        stopped_by_string = False
+        if self._tokenizer_backend is not None:
+            text = request.detokenizers.get(seq.seq_id)
+            if text is None:
+                text = IncrementalDetokenizer(self._tokenizer_backend, params.stop)
+                request.detokenizers[seq.seq_id] = text
+            stopped_by_string = text.append(token)
         if token in self.eos_token_ids:
             return "eos"
-        if token in params.stop_token_ids:
+        if token in params.stop_token_ids or stopped_by_string:
             return "stop"
         if len(seq.tokens) == params.max_new_tokens:
             return "length"
@@ -349,7 +456,9 @@ class Engine:
     def _new_request(self, prompt, params, arrival_time: float | None) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        tokens = _token_list(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer (Engine(tokenizer=...))")
+        tokens = self._prompt_ids(prompt)
         if not tokens:
             raise ValueError("prompt must hold at least one token")
         outside = [t for t in tokens if not 0 <= t < self.vocab_size]
@@ -363,16 +472,53 @@ class Engine:
                 f"the request runs {params.num_seqs} sequences, more than "
                 f"max_num_seqs={self.max_num_seqs}"
             )
-        return Request(
+        wanted = len(tokens) + params.max_new_tokens
+        if self.max_model_len is not None and wanted > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(tokens)} tokens) and max_new_tokens ({params.max_new_tokens}) "
+                f"need {wanted} positions; the model's context holds {self.max_model_len}"
+            )
+        request = Request(
             request_id=next(self._request_ids),
             prompt=tokens,
             params=params,
             generator=torch.Generator(device=self.runner.device).manual_seed(params.seed),
             metrics=RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
         )
+        reason = self.scheduler.rejection_reason(request)
+        if reason is not None:
+            raise ValueError(f"the request can never run in this engine's KV cache: {reason}")
+        return request
 
-    def _admit(self, request: Request) -> None:
+    def _prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt given as ids, text or chat messages."""
+        if isinstance(prompt, str) or _is_chat(prompt):
+            if self.tokenizer is None:
+                kind = "text" if isinstance(prompt, str) else "chat messages"
+                raise ValueError(
+                    f"a prompt of {kind} needs an engine with a tokenizer (Engine(tokenizer=...)); "
+                    "without one, pass token ids"
+                )
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt)["input_ids"])
+            for message in prompt:
+                if not isinstance(message.get("role"), str) or not isinstance(
+                    message.get("content"), str
+                ):
+                    raise ValueError(
+                        "chat messages must be dicts with string 'role' and 'content', got "
+                        f"{message!r}"
+                    )
+            text = self.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=False
+            )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return _token_list(prompt)
+
+    def _admit(self, request: Request, owner=None) -> None:
         self._requests[request.request_id] = request
+        if owner is not None:
+            self._owners[request.request_id] = weakref.ref(owner)
         self.scheduler.add(request)
 
     def _output(self, request: Request, finished: bool) -> RequestOutput:
@@ -380,14 +526,33 @@ class Engine:
             entries = request.done if finished else sorted(request.seqs, key=lambda b: -b.score)
         else:
             entries = sorted(request.seqs + request.done, key=lambda s: s.seq_id)  # sample order
+        new_tokens = [request.new_tokens.get(s.seq_id, []) for s in entries]
+        texts = new_texts = None
+        if self.tokenizer is not None:
+            if request.params.is_beam_search:  # beams reorder: each output has whole texts
+                decode = self._tokenizer_backend.decode
+                texts = [decode(s.tokens, skip_special_tokens=True) for s in entries]
+                new_texts = [decode(t, skip_special_tokens=True) for t in new_tokens]
+            else:
+                texts, new_texts = [], []
+                for seq in entries:
+                    text = request.detokenizers.get(seq.seq_id)
+                    if text is None:  # aborted before its first token
+                        texts.append("")
+                        new_texts.append("")
+                        continue
+                    new_texts.append(text.take_new(final=seq.finish_reason is not None))
+                    texts.append(text.handed_out)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             outputs=[list(s.tokens) for s in entries],
             finish_reasons=[s.finish_reason for s in entries],
-            new_tokens=[request.new_tokens.get(s.seq_id, []) for s in entries],
+            new_tokens=new_tokens,
             finished=finished,
             metrics=request.metrics,
+            texts=texts,
+            new_texts=new_texts,
         )
 
     def _rejection(self, request: Request, reason: str) -> RequestOutput:
@@ -401,6 +566,8 @@ class Engine:
             finished=True,
             rejected=reason,
             metrics=request.metrics,
+            texts=None if self.tokenizer is None else [],
+            new_texts=None if self.tokenizer is None else [],
         )
 
     def _record(self, out: SchedulerOutput, started: float) -> None:
@@ -425,3 +592,72 @@ class Engine:
         stats.blocks_swapped_out = counts.blocks_swapped_out
         stats.blocks_swapped_in = counts.blocks_swapped_in
         stats.preemptions_by_recompute = counts.preemptions_by_recompute
+
+
+Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[Mapping[str, str]]]
+"""Token ids; or, for an engine with a tokenizer, text or chat messages."""
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput, beams: bool) -> RequestOutput:
+    """One output for two of the same request that wait for delivery: the later state, with
+    both outputs' new tokens and text (beam search reorders its entries, so its later output
+    stands alone: read its ``outputs``)."""
+    if beams or len(earlier.new_tokens) != len(later.new_tokens):
+        return later
+    later.new_tokens = [a + b for a, b in zip(earlier.new_tokens, later.new_tokens)]
+    if earlier.new_texts is not None and later.new_texts is not None:
+        later.new_texts = [a + b for a, b in zip(earlier.new_texts, later.new_texts)]
+    return later
+
+
+class _Consumer:
+    """What a ``generate()`` call owns its requests by."""
+
+
+class RequestStream:
+    """The outputs of one request, as ``Engine.stream`` returns them: iterating drives the
+    engine's steps until the request's next output is there. ``close()`` (or leaving a ``with``
+    block) aborts the request if it has not finished."""
+
+    def __init__(self, engine: Engine, request_id: int) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._done = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        engine = self._engine
+        while not self._done:
+            output = engine._undelivered.pop(self.request_id, None)
+            if output is not None:
+                if output.finished:
+                    self._done = True
+                    engine._owners.pop(self.request_id, None)
+                return output
+            if self.request_id not in engine._requests:
+                break  # ended by a path that delivered elsewhere
+            engine._run_step()
+        self._done = True
+        raise StopIteration
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        engine = self._engine
+        engine._owners.pop(self.request_id, None)
+        if self.request_id in engine._requests:
+            engine.abort(self.request_id)
+        engine._undelivered.pop(self.request_id, None)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

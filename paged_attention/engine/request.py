@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_attention.engine.detokenizer import IncrementalDetokenizer
+
 
 def _check_int(name: str, value, minimum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -23,15 +25,26 @@ def _check_real(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
+# A temperature below this samples as greedy decoding: dividing float32 logits by it would
+# overflow them (vLLM's sampler uses the same threshold).
+GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes a seed that fits in 64 bits, signed or unsigned.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded.
 
-    ``temperature`` 0 is greedy; ``top_p`` keeps the smallest set of most likely tokens whose
-    probability reaches it; ``n`` parallel samples share the prompt's blocks; ``beam_width > 1``
-    is beam search (deterministic: ``n = 1`` and ``temperature = 0``). A sequence ends at an
-    end-of-sequence token of the engine (``"eos"``), at one of ``stop_token_ids`` (``"stop"``;
-    the token is kept, as the EOS token is), or after ``max_new_tokens`` (``"length"``).
+    ``temperature`` 0 is greedy (so is any temperature below 1e-5); ``top_p`` keeps the smallest
+    set of most likely tokens whose probability reaches it (always at least the most likely
+    one); ``n`` parallel samples share the prompt's blocks; ``beam_width > 1`` is beam search
+    (deterministic: ``n = 1`` and ``temperature = 0``); ``seed`` (64 bits, signed or unsigned)
+    seeds the request's own generator. A sequence ends at an end-of-sequence token of the engine
+    (``"eos"``), at one of ``stop_token_ids`` (``"stop"``; the token is kept, as the EOS token
+    is), at one of the ``stop`` strings (``"stop"``; needs an engine with a tokenizer; the text
+    ends before the string, the token ids keep the token that completed it), or after
+    ``max_new_tokens`` (``"length"``).
     """
 
     max_new_tokens: int = 16
@@ -41,12 +54,17 @@ class SamplingParams:
     beam_width: int = 1
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("n", self.n, 1)
         _check_int("beam_width", self.beam_width, 1)
         _check_int("seed", self.seed)
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(
+                f"seed must fit in 64 bits (between -2**63 and 2**64 - 1), got {self.seed}"
+            )
         _check_real("temperature", self.temperature)
         _check_real("top_p", self.top_p)
         if self.temperature < 0:
@@ -59,6 +77,17 @@ class SamplingParams:
         for token in stop:
             _check_int("stop_token_ids entries", token, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for string in strings:
+            if not isinstance(string, str) or not string:
+                raise ValueError(f"stop entries must be non-empty strings, got {string!r}")
+        if strings and self.beam_width > 1:
+            raise ValueError("stop strings are not supported with beam search (beam_width > 1)")
+        object.__setattr__(self, "stop", strings)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def num_seqs(self) -> int:
@@ -105,6 +134,11 @@ class RequestOutput:
     ``outputs``); ``new_tokens`` the tokens added by this step, per entry of ``outputs``.
     ``finish_reasons`` per entry: ``"eos"``, ``"stop"``, ``"length"``, ``"abort"``, or ``None``
     while it runs. ``rejected`` says why a request was not served (its outputs stay empty).
+
+    With an engine that has a tokenizer, ``texts`` holds each entry's text so far and
+    ``new_texts`` what this output adds to it (the pieces of a stream add up to the final text);
+    while a stop string could still be forming, its first characters are held back. ``text``
+    is the first entry's text.
     """
 
     request_id: int
@@ -115,6 +149,12 @@ class RequestOutput:
     finished: bool = False
     rejected: str | None = None
     metrics: RequestMetrics | None = None
+    texts: list[str] | None = None
+    new_texts: list[str] | None = None
+
+    @property
+    def text(self) -> str | None:
+        return self.texts[0] if self.texts else None
 
 
 class RequestStatus(enum.Enum):
@@ -147,6 +187,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)  # live sequences
     done: list[Sequence] = field(default_factory=list)  # finished samples or beam hypotheses
     new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> this step's
+    # seq_id -> the sample's text (with a tokenizer; beams decode their tokens whole instead)
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
     def num_tokens(self, seq: Sequence) -> int:
         """Prompt and generated tokens of ``seq``."""

@@ -22,7 +22,7 @@ def draw(logits: torch.Tensor, groups: list[tuple[Request, list[int]]]) -> list[
         n = request.params.n
         first = len(request.seqs) == 1 and not request.seqs[0].tokens
         expanded.append(rows * n if first and n > 1 else rows)
-    greedy = [i for i, (request, _) in enumerate(groups) if request.params.temperature == 0]
+    greedy = [i for i, (request, _) in enumerate(groups) if request.params.is_greedy]
     tokens: list[list[int] | None] = [None] * len(groups)
     if greedy:
         flat = logits[[row for i in greedy for row in expanded[i]]].argmax(-1).tolist()
@@ -36,13 +36,15 @@ def draw(logits: torch.Tensor, groups: list[tuple[Request, list[int]]]) -> list[
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:
     """One token per row of ``logits``."""
-    if params.temperature == 0:
+    if params.is_greedy:
         return logits.argmax(-1).tolist()
     probs = (logits / params.temperature).softmax(-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+        # Keep the smallest prefix whose mass reaches top_p, and always the most likely token
+        # (a top_p that rounds to 0 in float32 would otherwise mask every token).
         outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        outside[..., 0] = False
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()

@@ -184,11 +184,14 @@ class Scheduler:
             return None
         params, size = request.params, self.block_manager.block_size
         longest = len(request.prompt) + params.max_new_tokens - 1
-        who = "a sequence" if params.num_seqs == 1 else f"{params.num_seqs} sequences"
-        return (
-            f"{who} of up to {longest} tokens need {needed} blocks of {size} together; the pool "
-            f"has {self.block_manager.num_device_blocks}"
-        )
+        if params.num_seqs == 1:
+            who = f"a sequence of up to {longest} tokens needs {needed} blocks of {size}"
+        else:
+            who = (
+                f"{params.num_seqs} sequences of up to {longest} tokens need {needed} blocks of "
+                f"{size} together"
+            )
+        return f"{who}; the pool has {self.block_manager.num_device_blocks}"
 
     def fork(self, request: Request, parents: list[Sequence], children: list[Sequence]) -> None:
         """``children[i]`` shares every block of ``parents[i]`` (no copy)."""

@@ -114,7 +114,8 @@ PA_DEVICE int log2_of_block_size(int block_size) {
 }
 
 // [begin, end) a query at position `pos` attends in a split: positions <= pos, inside the
-// window. Empty (begin >= end) for positions before the sequence (a negative pos).
+// window and the chunk. Empty (begin >= end) for positions before the sequence (a negative
+// pos). `begin` never decreases as `pos` grows, so consecutive rows attend one contiguous union.
 struct PositionRange {
   int begin, end;
 };
@@ -122,6 +123,10 @@ PA_DEVICE PositionRange attended_range(const AttentionParams& p, const CtaWork& 
   int begin = w.split_begin;
   if (p.sliding_window > 0 && pos - p.sliding_window + 1 > begin) {
     begin = pos - p.sliding_window + 1;
+  }
+  if (p.attention_chunk_size > 0) {
+    const int chunk_start = pos - pos % p.attention_chunk_size;  // <= 0 for pos <= 0
+    if (chunk_start > begin) begin = chunk_start;
   }
   const int end = pos + 1 < w.split_end ? pos + 1 : w.split_end;
   return {begin, end};

@@ -54,6 +54,7 @@ struct AttentionParams {
   float scale;
   float logits_soft_cap;  // 0 = none
   int32_t sliding_window;  // 0 = none
+  int32_t attention_chunk_size;  // 0 = none; else a query at p attends [p - p % C, p] only
   const float* alibi_slopes;  // [num_heads] or nullptr
   const float* k_scale;  // device pointers, read only for fp8 caches
   const float* v_scale;

@@ -79,6 +79,7 @@ struct PaEmulatedAttention {
   int64_t num_tokens;
   int64_t max_query_len;
   const float* sinks;
+  int64_t attention_chunk_size;
 };
 
 struct PaEmulatorReport {
@@ -130,6 +131,7 @@ int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport
   p.scale = static_cast<float>(call->scale);
   p.logits_soft_cap = static_cast<float>(call->logits_soft_cap);
   p.sliding_window = static_cast<int32_t>(call->sliding_window);
+  p.attention_chunk_size = static_cast<int32_t>(call->attention_chunk_size);
   p.alibi_slopes = call->alibi_slopes;
   p.k_scale = call->k_scale;
   p.v_scale = call->v_scale;
