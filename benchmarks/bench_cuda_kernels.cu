@@ -107,17 +107,6 @@ float best_ms(Fn fn, int calls) {
   return best;
 }
 
-// The kernel variant a plan launches (auto cache, head size 128).
-template <typename Scalar>
-const void* planned_kernel(const AttentionPlan& plan) {
-  if (plan.shape.row_warps == kWideRowWarps) {
-    return reinterpret_cast<const void*>(
-        attention_kernel<Scalar, CacheDtype::kAuto, 128, kWideRowWarps>());
-  }
-  return reinterpret_cast<const void*>(
-      attention_kernel<Scalar, CacheDtype::kAuto, 128, kNarrowRowWarps>());
-}
-
 template <typename Scalar>
 void plan_and_launch(const AttentionParams& p, AttentionOp op, AttentionPlan* plan,
                      void** scratch, const void** kernel) {
@@ -125,7 +114,7 @@ void plan_and_launch(const AttentionParams& p, AttentionOp op, AttentionPlan* pl
   const int64_t bytes = scratch_layout(p, *plan).bytes;
   if (bytes > 0 && *scratch == nullptr) CHECK_CUDA(cudaMalloc(scratch, bytes));
   CHECK_CUDA(launch_attention_kernels<Scalar>(p, *plan, *scratch, nullptr));
-  *kernel = planned_kernel<Scalar>(*plan);
+  *kernel = planned_kernel<Scalar>(p.cache, plan->shape);
 }
 
 // Largest absolute difference between `out` and the output saved as `path`; -1 if none is saved.

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # One-GPU check of the CUDA kernels and the engine on them, made for the H200 machine (16 cores,
-# torch + nvcc, no network), within 8 minutes. Stages, each with its own timeout (a failing one
-# does not stop the later ones); the default stages' budgets add up to 470 s:
-#   build      120 s  the extension for sm_90 with 16 jobs
-#   tests      100 s  tests/test_cuda_ops.py, test_cache_ops.py, test_cuda_sass.py,
-#                     test_cuda_varlen.py, and the emulated kernels of the varlen op
-#                     (test_cuda_emulated_varlen.py, on the CPUs), with 8 pytest-xdist workers
+# torch + nvcc, no network), within 9 minutes. It records the device (name, architecture, SMs,
+# shared memory and registers: what the launch plan fits each kernel to; docs/cuda.md). Stages,
+# each with its own timeout (a failing one does not stop the later ones); the default stages'
+# budgets add up to 535 s:
+#   build      120 s  the extension for sm_90 with 16 jobs; meanwhile, in the background, the
+#                     attention units compiled to cubins for sm_80, sm_86 and sm_89 (the SASS
+#                     gates' other architectures; tests/cuda_sass.py, its table into tests.log)
+#   tests      120 s  tests/test_cuda_ops.py, test_cache_ops.py, test_cuda_sass.py (sm_80, 86, 89,
+#                     90), test_cuda_varlen.py (every kernel variant as this GPU plans it and as a
+#                     99 KiB GPU plans it, PAGED_ATTENTION_SHARED_LIMIT; this GPU's limits
+#                     against the plan's model of its architecture), and the emulated kernels of
+#                     the varlen op (test_cuda_emulated_varlen.py, on the CPUs), with 8
+#                     pytest-xdist workers
 #   memcheck    35 s  compute-sanitizer --tool memcheck on small cases of every op (the varlen
 #                     op in each row tiling, scheduled, split and on CUDA cores)
-#   racecheck   35 s  compute-sanitizer --tool racecheck (shared-memory hazards) on the same
+#   racecheck   35 s  compute-sanitizer --tool racecheck (shared-memory hazards) on the same,
+#               25 s  and on the variants with a compact ring, planned as a 99 KiB GPU plans them
 #   bench       35 s  benchmarks/bench_decode.py --device cuda: v1, v2, gather+SDPA and FlashInfer
 #                     (tensor-core and CUDA-core decode) on the same cache values, bf16/fp16/fp32,
 #                     batch 8 and 64 x 4096
+#   reduce      20 s  v1 and v2 on one 131072-token sequence (bf16): v2's 256 partitions make
+#                     the split reduce kernel's work long
 #   prefill     35 s  varlen rows (the rows of bench_prefill.py: a 4 new tokens over 32 x 4096, b a
 #                     512-token chunk of 4 x 2048, c a 4096-token prompt, d decode over 32 x 4096):
 #                     ours, gather + SDPA and FlashInfer's paged prefill (the bundle's tensor-core
@@ -61,8 +71,8 @@ SCRIPT_START=$(date +%s)
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-ALL_STAGES="smoke,tests,memcheck,racecheck,bench,prefill,flex,ncu,kernels,serving"
-DEFAULT_STAGES="tests,memcheck,racecheck,bench,prefill,ncu,serving"
+ALL_STAGES="smoke,tests,memcheck,racecheck,bench,reduce,prefill,flex,ncu,kernels,serving"
+DEFAULT_STAGES="tests,memcheck,racecheck,bench,reduce,prefill,ncu,serving"
 STAGES=",${GPU_CHECK_STAGES:-$DEFAULT_STAGES},"
 want() { [[ $STAGES == *",$1,"* ]]; }
 for stage in ${STAGES//,/ }; do
@@ -99,6 +109,20 @@ GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 note "gpu: ${GPU:-nvidia-smi unavailable}"
 note "torch: $($PY -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda,
   "available", torch.cuda.is_available())' 2>&1)"
+note "device: $($PY - 2>&1 <<'PYEOF'
+import torch
+
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    print(f"{p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, shared memory "
+          f"{p.shared_memory_per_block_optin} B per CTA (opt-in) and "
+          f"{p.shared_memory_per_multiprocessor} B per SM, {p.regs_per_multiprocessor} registers "
+          f"and {p.max_threads_per_multi_processor} threads per SM, L2 {p.L2_cache_size >> 20} "
+          f"MiB, {p.total_memory / 2**30:.0f} GiB")
+else:
+    print("torch sees no CUDA device")
+PYEOF
+)"
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 note "nvcc: $("$NVCC" --version 2>/dev/null | tail -1 || echo 'not found')"
 if ! $PY -c 'import ninja' 2>/dev/null && ! command -v ninja >/dev/null; then
@@ -106,6 +130,12 @@ if ! $PY -c 'import ninja' 2>/dev/null && ! command -v ninja >/dev/null; then
 fi
 
 # ---- 1. build ------------------------------------------------------------------------------
+# The SASS gates' other architectures compile meanwhile (cached in build/sass/ for the tests).
+SASS_PID=
+if want tests; then
+  timeout 200 $PY tests/cuda_sass.py --arch 80 86 89 --jobs 6 > "$WORK/sass.txt" 2>&1 &
+  SASS_PID=$!
+fi
 export PAGED_ATTENTION_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 # The system compiler, not $CXX/$CC: the H200 image sets CXX=/opt/gcc/bin/g++, a wrapper around
 # another build of GCC 13.3, and an extension it builds (even a one-op repro without flags)
@@ -137,6 +167,8 @@ cat > "$WORK/smoke.py" <<'PYEOF'
 
 `--tiny` is the compute-sanitizer case: fewer cases, and the reference (which would load cuBLAS
 under the sanitizer, slowly) is skipped: only our kernels run and nothing is compared.
+`--compact-rings` takes the attention cases whose variants have a compact ring (docs/cuda.md),
+for a run planned as for 99 KiB per CTA (PAGED_ATTENTION_SHARED_LIMIT).
 """
 import math
 import sys
@@ -183,6 +215,9 @@ cases = [(torch.bfloat16, "auto", 128, 16), (torch.float32, "fp8_e4m3", 64, 8),
          (torch.float16, "fp8_e5m2", 256, 32)]
 if tiny:
     cases = cases[:2]
+if "--compact-rings" in sys.argv:  # two stages (bf16, 128), one stage (fp16 and fp32, 256)
+    cases = [(torch.bfloat16, "auto", 128, 16), (torch.float16, "auto", 256, 16),
+             (torch.float32, "auto", 256, 8)]
 seq_lens = [0, 1, 37, 300] if tiny else [0, 1, 37, 700, 1500]
 for dtype, kv, head_size, block_size in cases:
     num_heads, num_kv_heads = 8, 2
@@ -300,6 +335,7 @@ sys.exit(1 if failures else 0)
 PYEOF
 
 if [ $BUILD_RC -ne 0 ]; then
+  [ -n "$SASS_PID" ] && kill "$SASS_PID" 2>/dev/null
   note "build failed: skipping the GPU stages (see build.log)"
   note "total $(( $(date +%s) - SCRIPT_START ))s; RESULT: FAILED"
   exit 1
@@ -321,7 +357,13 @@ elif $PY -c 'import pytest' 2>/dev/null; then
   # The emulated kernels' library (tests/cuda_emulator.py) is built once first, by the system
   # compiler (see the build stage), instead of by every worker.
   WORKERS=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
-  run_stage tests 100 "$OUT/tests.log" env -u CXX -u CC bash -c "
+  [ -n "$SASS_PID" ] && wait "$SASS_PID"
+  {
+    echo "== tests/cuda_sass.py: registers, stack, main loop (all paths) and one tile =="
+    cat "$WORK/sass.txt"
+    $PY tests/cuda_sass.py --extension 2>&1 | tail -n +2
+  } >> "$OUT/tests.log"
+  run_stage tests 120 "$OUT/tests.log" env -u CXX -u CC bash -c "
     $PY -c 'import sys; sys.path.insert(0, \"tests\"); import cuda_emulator; cuda_emulator.library()' &&
     $PY -m pytest $TEST_FILES -q -rfE -p no:cacheprovider --durations=10 $WORKERS"
   grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -1 \
@@ -356,6 +398,15 @@ for tool in memcheck racecheck; do
     --tool $tool --error-exitcode 9 --print-limit 20 $PY "$WORK/smoke.py" --tiny
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tests.log" | tail -1 \
     | sed "s/^/  $tool: /" >> "$SUMMARY"
+  [ $tool = racecheck ] || continue
+  # The compact rings of 99 KiB GPUs (the one-stage rings wait and refill differently), planned
+  # so on this GPU; the emulated tests check their bounds, not their hazards.
+  echo "== compute-sanitizer --tool racecheck, the 99 KiB plan ==" >> "$OUT/tests.log"
+  run_stage racecheck-99k 25 "$OUT/tests.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    PAGED_ATTENTION_SHARED_LIMIT=101376 "$SANITIZER" --tool racecheck --error-exitcode 9 \
+    --print-limit 20 $PY "$WORK/smoke.py" --tiny --compact-rings
+  grep -E "RACECHECK SUMMARY" "$OUT/tests.log" | tail -1 | sed "s/^/  racecheck-99k: /" \
+    >> "$SUMMARY"
 done
 
 # ---- 4. decode benchmark: ours, gather + SDPA and FlashInfer on the same cache values --------
@@ -364,6 +415,13 @@ if want bench; then
     --batches 8,64 --contexts 4096 --dtypes bfloat16,float16,float32 \
     --methods v1,v2,gather+sdpa --cuda-methods flashinfer,flashinfer-cc \
     --json "$OUT/bench_decode_cuda.json" --plot "$WORK/bench_decode_cuda.png"
+fi
+if want reduce; then
+  echo "== v1 and v2 over one 131072-token sequence (v2: 256 partitions to reduce) ==" \
+    >> "$OUT/bench.log"
+  run_stage reduce 20 "$OUT/bench.log" $PY benchmarks/bench_decode.py --device cuda \
+    --batches 1 --contexts 131072 --dtypes bfloat16 --methods v1,v2 --reps 5 \
+    --json "$WORK/bench_decode_cuda_long.json"
 fi
 if want flex; then
   echo "== v1 and v2 against compiled FlexAttention ==" >> "$OUT/bench.log"
@@ -522,7 +580,7 @@ if want kernels; then
     && run_stage kernels 20 "$OUT/bench.log" "$WORK/bench_cuda_kernels" \
       --json "$WORK/bench_cuda_kernels.json"
 fi
-if want bench || want prefill || want flex || want kernels; then
+if want bench || want reduce || want prefill || want flex || want kernels; then
   echo "  bench (last lines of bench.log):" >> "$SUMMARY"
   tail -n 70 "$OUT/bench.log" | sed 's/^/    /' >> "$SUMMARY"
 fi

@@ -1,5 +1,5 @@
-"""Command line: ``python -m paged_attention demo [options]`` (also the ``paged-attention``
-console script)."""
+"""Command line: ``python -m paged_attention demo|chat|serve [options]`` (also the
+``paged-attention`` console script)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from paged_attention import demo
+    from paged_attention import chat, demo, serve
 
     parser = argparse.ArgumentParser(prog="paged-attention", description="PagedAttention tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -18,11 +18,18 @@ def main(argv: list[str] | None = None) -> int:
         description=demo.__doc__.split("\n\n")[0],
     )
     demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.main, parser=demo_parser)
+    chat_parser = commands.add_parser("chat", help=chat.HELP, description=chat.__doc__)
+    chat.add_arguments(chat_parser)
+    chat_parser.set_defaults(run=chat.main, parser=chat_parser)
+    serve_parser = commands.add_parser("serve", help=serve.HELP, description=serve.__doc__)
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve.main, parser=serve_parser)
     args = parser.parse_args(argv)
     try:
-        return demo.main(args)
+        return args.run(args)
     except demo.UsageError as error:
-        demo_parser.error(str(error))  # one line on stderr, exit status 2, as argparse's own
+        args.parser.error(str(error))  # one line on stderr, exit status 2, as argparse's own
 
 
 if __name__ == "__main__":

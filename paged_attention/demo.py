@@ -2,9 +2,11 @@
 budget too small for contiguous reservations, report memory use, and check greedy outputs
 against transformers' own ``generate()``.
 
-The default model needs no download: a small Llama built from a fixed config with seeded
-random weights. Random weights make meaningless text but real attention, so the greedy check
-is a real test of the cache, the kernels and the scheduler.
+The default model is SmolLM2-135M-Instruct (see :mod:`paged_attention.models`), asked real
+questions through its chat template: every other one after the same long system prompt (prefix
+caching computes it once), some answered by parallel sampling or beam search; the report ends
+with a few of the answers as text. ``--model tiny`` serves random token ids on a 2-layer Llama
+with random weights instead: meaningless tokens but real attention, in a second.
 
 ``torchrun --nproc-per-node N -m paged_attention demo --tp`` runs the same workload on a model
 split over N processes with transformers' tensor-parallel plan: every rank runs the engine on its
@@ -24,45 +26,36 @@ import time
 import torch
 
 from paged_attention.engine import Engine, RequestOutput, SamplingParams
+from paged_attention.models import (
+    TINY_MODEL,
+    ModelLoadError,
+    add_model_arguments,
+    load_model,
+    model_source,
+)
+
+# Imported from here by tests, benchmarks and examples.
+from paged_attention.testing import TINY_LLAMA, tiny_llama_config  # noqa: F401
+from paged_attention.testing import tiny_llama as default_model  # noqa: F401
 
 DEFAULT_PLOT = "results/demo_kv_memory.png"
 DEFAULT_BUDGET_TOKENS = 1024
+ANSWERS_SHOWN = 6
+TIE_ULPS = 2
+"""A greedy output that leaves ``generate()``'s at a token whose logit there is within this
+many units in the last place of the model's dtype of the top one is a tie, not a difference:
+in bfloat16 two correct computations that round differently pick different tokens of (near-)
+equal logits."""
 EXIT_STATUS = """exit status: 0 when every request was served and every greedy output equals
-transformers' generate(); 1 when a request was rejected or a greedy output differs; 2 for bad
-arguments (including a --model that is not a loadable checkpoint)."""
+transformers' generate() (token for token, or up to a tie: a token whose logit in generate() is
+within two units in the last place of the model's dtype of the top one); 1 when a request was
+rejected or a greedy output differs; 2 for bad arguments (including a --model that cannot be
+loaded or served, and a --kv-budget larger than the memory there is)."""
 
 
 class UsageError(ValueError):
     """A bad command-line argument, found after argparse (the entry point reports it as
     argparse does: one line, exit status 2)."""
-
-
-TINY_LLAMA = dict(
-    vocab_size=1000,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-"""The config of the demo's embedded model; tests and benchmarks derive theirs from it."""
-
-
-def tiny_llama_config(**overrides) -> dict:
-    """``LlamaConfig`` keyword arguments: the demo's model with ``overrides``."""
-    return {**TINY_LLAMA, **overrides}
-
-
-def default_model(seed: int) -> torch.nn.Module:
-    """A 2-layer Llama (hidden 256, 8 query heads and 2 KV heads of size 32, vocab 1000)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
 
 
 def tensor_parallel_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,14 +73,123 @@ def tensor_parallel_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 SYSTEM_PROMPT_TOKENS = 48
 
+SYSTEM_PROMPT = """You are Atlas, the assistant at a public library's information desk. \
+Visitors ask about science, history, geography, language, mathematics and everyday matters. \
+Rules for every answer: answer the question asked, directly, in the first sentence. Keep it \
+short, one to three sentences, unless the visitor asks for detail or a list. Use plain words a \
+curious twelve-year-old would understand. When a question has one correct answer, such as a \
+date, a number or a name, state it plainly. When you are not sure, say so instead of guessing. \
+Never invent book titles, authors or quotations. Be friendly and patient."""
+"""The long system prompt that every other chat request starts with (about 130 tokens, 10 times
+a question): prefix caching computes it once."""
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water at sea level in Celsius?",
+    "Who wrote Romeo and Juliet?",
+    "What is the largest planet in our solar system?",
+    "What gas do plants absorb from the air?",
+    "What is 12 times 12?",
+    "Which ocean is the largest?",
+    "What is the chemical symbol for gold?",
+    "How many continents are there?",
+    "What is the tallest mountain in the world?",
+    "Why is the sky blue?",
+    "What language is spoken in Brazil?",
+    "What is the speed of light?",
+    "Who painted the Mona Lisa?",
+    "What is the capital of Japan?",
+    "How many days are in a leap year?",
+    "What is photosynthesis?",
+    "Name three primary colors.",
+    "What is the freezing point of water in Fahrenheit?",
+    "What is the square root of 81?",
+    "Which animal is known as the king of the jungle?",
+    "What is the longest river in Africa?",
+    "Give me a tip for sleeping better.",
+    "What does a thermometer measure?",
+    "How many minutes are in two hours?",
+    "What is the main ingredient of guacamole?",
+    "Write a haiku about autumn leaves.",
+    "What is the capital of Canada?",
+    "Who was the first person to walk on the Moon?",
+    "What is the opposite of 'ancient'?",
+    "Suggest a name for a friendly robot.",
+)
+"""Questions of the chat workload, one per request (they repeat after the last)."""
+
+
+def load(args: argparse.Namespace, device: torch.device):
+    """``(model, tokenizer)`` for ``--model`` on ``device`` (with ``--tp``: this rank's shard;
+    transformers places it)."""
+    try:
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, device="cpu" if args.tp else device
+        )
+    except ModelLoadError as error:
+        raise UsageError(f"--model {error}") from None
+    if args.tp:
+        model = tensor_parallel_copy(model)
+    return model, tokenizer
+
+
+def workload_kind(args: argparse.Namespace, tokenizer) -> str:
+    """``--workload``, or its default: chat prompts for a model whose tokenizer has a chat
+    template, random token ids otherwise and for the tiny model (whose byte-level prompts would
+    be several times longer than a real tokenizer's)."""
+    has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    if args.workload == "chat" and not has_template:
+        raise UsageError(f"--workload chat: --model {args.model} has no chat template")
+    if args.workload:
+        return args.workload
+    return "chat" if has_template and args.model != TINY_MODEL else "tokens"
+
+
+def chat_workload(
+    num_requests: int, tokenizer, seed: int
+) -> tuple[list[list[dict]], list[tuple[list[int], SamplingParams]]]:
+    """The chat conversations and, per request, the prompt's token ids (the tokenizer's chat
+    template) and its sampling parameters. Every other request starts with
+    :data:`SYSTEM_PROMPT`; every fourth samples n = 2-4 answers at temperature 0.8, top-p 0.95,
+    every sixth runs beam search of width 2-4, the rest decode greedily; answers of 32-64
+    tokens at most."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=rng))
+
+    conversations, workload = [], []
+    for i in range(num_requests):
+        question = {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}
+        messages = (
+            [{"role": "system", "content": SYSTEM_PROMPT}, question] if i % 2 == 0 else [question]
+        )
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not isinstance(prompt, list):  # a BatchEncoding
+            prompt = prompt["input_ids"]
+        conversations.append(messages)
+        workload.append((list(prompt), _params(i, randint(32, 64), randint, seed)))
+    return conversations, workload
+
+
+def _params(i: int, max_new_tokens: int, randint, seed: int) -> SamplingParams:
+    if i % 4 == 3:
+        return SamplingParams(
+            max_new_tokens, temperature=0.8, top_p=0.95, n=randint(2, 4), seed=seed + i
+        )
+    if i % 6 == 5:
+        return SamplingParams(max_new_tokens, beam_width=randint(2, 4))
+    return SamplingParams(max_new_tokens)
+
 
 def default_workload(
     num_requests: int, vocab_size: int, seed: int
 ) -> list[tuple[list[int], SamplingParams]]:
-    """Mixed prompt (8-96 tokens) and output (8-80 tokens) lengths; every other request starts
-    with the same 48-token system prompt (which prefix caching computes once); every fourth
-    request samples n = 2-4 completions at temperature 0.8, top-p 0.95, every sixth runs beam
-    search of width 2-4, the rest decode greedily."""
+    """Random token ids: mixed prompt (8-96 tokens) and output (8-80 tokens) lengths; every
+    other request starts with the same 48-token system prompt (which prefix caching computes
+    once); every fourth request samples n = 2-4 completions at temperature 0.8, top-p 0.95,
+    every sixth runs beam search of width 2-4, the rest decode greedily."""
     rng = torch.Generator().manual_seed(seed)
 
     def randint(low: int, high: int) -> int:
@@ -99,16 +201,7 @@ def default_workload(
         prompt = torch.randint(3, vocab_size, (randint(8, 96),), generator=rng).tolist()
         if i % 2 == 0:
             prompt = system + prompt
-        max_new_tokens = randint(8, 80)
-        if i % 4 == 3:
-            params = SamplingParams(
-                max_new_tokens, temperature=0.8, top_p=0.95, n=randint(2, 4), seed=seed + i
-            )
-        elif i % 6 == 5:
-            params = SamplingParams(max_new_tokens, beam_width=randint(2, 4))
-        else:
-            params = SamplingParams(max_new_tokens)
-        workload.append((prompt, params))
+        workload.append((prompt, _params(i, randint(8, 80), randint, seed)))
     return workload
 
 
@@ -122,9 +215,12 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature == 0 and params.n == 1 and params.beam_width == 1
 
 
-def transformers_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> list[int]:
+def transformers_greedy(
+    model, prompt: list[int], max_new_tokens: int, eos
+) -> tuple[list[int], torch.Tensor]:
     """Greedy decoding by transformers' ``generate()`` with its default cache and attention
-    (the caller switches the model back to sdpa)."""
+    (the caller switches the model back to sdpa): the tokens, and the float32 logits of every
+    step (one row per token)."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt], device=device)
     output = model.generate(
@@ -135,8 +231,30 @@ def transformers_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> l
         num_beams=1,
         eos_token_id=eos,
         pad_token_id=model.generation_config.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    return output[0, len(prompt) :].tolist()
+    logits = torch.cat([step.float().cpu() for step in output.logits])
+    return output.sequences[0, len(prompt) :].tolist(), logits
+
+
+def compare_greedy(tokens: list[int], expected: list[int], logits: torch.Tensor, dtype) -> str:
+    """``"equal"`` when ``tokens`` are ``expected`` token for token; ``"tie"`` when they
+    agree up to a position where ``generate()``'s logits (``logits``, one row per expected
+    token) put the engine's token within :data:`TIE_ULPS` units in the last place of
+    ``dtype`` of the top one, and the two computations, rounded differently, chose different
+    ones of (near-)equal tokens; ``"differs"`` otherwise."""
+    if tokens == expected:
+        return "equal"
+    position = next(
+        (i for i, (ours, theirs) in enumerate(zip(tokens, expected)) if ours != theirs), None
+    )
+    if position is None:  # one ended (EOS, a stop token) where the other went on
+        return "differs"
+    row = logits[position]
+    top = float(row.max())
+    tolerance = TIE_ULPS * torch.finfo(dtype).eps * max(abs(top), 1.0)
+    return "tie" if top - float(row[tokens[position]]) <= tolerance else "differs"
 
 
 def run(args: argparse.Namespace, reporting: bool = True) -> dict:
@@ -148,14 +266,7 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
     ranks = torch.distributed.get_world_size() if args.tp else 1
-    if args.model:
-        model = load_model(args.model, tensor_parallel=args.tp)
-        model_name = args.model
-    else:
-        model = default_model(args.seed)
-        model_name = "embedded Llama (2 layers, hidden 256, 8/2 heads, vocab 1000, random)"
-        if args.tp:
-            model = tensor_parallel_copy(model)
+    model, tokenizer = load(args, device)
     if args.tp:  # transformers placed each rank's shard on its local device
         placed = next(model.parameters()).device
         if placed.type != device.type:
@@ -163,10 +274,14 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
                 f"--tp placed the model's shards on {placed}, not on --device {device}"
             )
         device = placed
+    kind = workload_kind(args, tokenizer)
+    conversations = None
+    if kind == "chat":
+        conversations, workload = chat_workload(args.requests, tokenizer, args.seed)
     else:
-        model.to(device)
-    workload = default_workload(args.requests, model.config.vocab_size, args.seed)
+        workload = default_workload(args.requests, model.config.vocab_size, args.seed)
     budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
+    check_kv_budget(model, budget, args.block_size, device)
 
     try:
         engine = Engine(
@@ -175,8 +290,8 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
             block_size=args.block_size,
             cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs,
         )
-    except ValueError as error:  # a model the paged cache cannot serve
-        raise UsageError(f"--model {model_name}: {error}") from error
+    except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
+        raise UsageError(f"--model {args.model}: {error}") from error
     ids, results = [], {}
     for prompt, params in workload:
         try:
@@ -193,8 +308,8 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         disable=not reporting,
     ) as bar:
         while engine.has_unfinished():
-            ended = [r for r in engine.step() if r.finished]
-            results.update((r.request_id, r) for r in ended)
+            ended = [output for output in engine.step() if output.finished]
+            results.update((output.request_id, output) for output in ended)
             bar.update(len(ended))
     outputs = [results[i] for i in ids]
     stats = engine.stats
@@ -209,18 +324,27 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
     ttfts = [m.time_to_first_token for m in served]
     itls = [latency for m in served for latency in m.inter_token_latencies]
     eos = sorted(engine.eos_token_ids)
-    matches = 0
+    verdicts = []
+    dtype = next(model.parameters()).dtype
     model.set_attn_implementation("sdpa")
     checking = tqdm(greedy, desc="checking", unit="req", file=sys.stderr, disable=not reporting)
     for prompt, params, out in checking:
-        expected = transformers_greedy(model, prompt, params.max_new_tokens, eos)
-        matches += out.outputs[0] == expected
+        expected, logits = transformers_greedy(model, prompt, params.max_new_tokens, eos)
+        verdicts.append(compare_greedy(out.outputs[0], expected, logits, dtype))
+    answers = []
+    if conversations is not None:
+        answers = [
+            answer(messages, params, out, tokenizer)
+            for messages, (_, params), out in zip(conversations, workload, outputs)
+        ][:ANSWERS_SHOWN]
 
     if reporting:
         plot_timeline(stats.timeline, budget, args.plot)
     tokens = json.dumps([[out.outputs, out.rejected] for out in outputs]).encode()
     return {
-        "model": model_name,
+        "model": args.model,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "workload": kind,
         "device": str(device),
         "tensor_parallel_ranks": ranks,
         "cuda_graphs": engine.runner.graphs is not None,
@@ -254,40 +378,60 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         "itl_p50_ms": _ms(percentile(itls, 50)),
         "itl_p99_ms": _ms(percentile(itls, 99)),
         "greedy_requests": len(greedy),
-        "greedy_matching": matches,
-        "greedy_matches_transformers": matches == len(greedy),
+        "greedy_matching": verdicts.count("equal"),
+        "greedy_ties": verdicts.count("tie"),
+        "greedy_matches_transformers": "differs" not in verdicts,
         "outputs_sha256": hashlib.sha256(tokens).hexdigest(),
         "plot": args.plot,
+        "answers": answers,
     }
 
 
-def check_model_path(path: str) -> None:
-    if not os.path.isdir(path):
-        raise UsageError(f"--model {path}: no such directory (a local checkpoint is expected)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"--model {path}: not a transformers checkpoint (no config.json)")
+def answer(messages: list[dict], params: SamplingParams, out: RequestOutput, tokenizer) -> dict:
+    """A chat request's question and answers as text (every sample, the best beam)."""
+    if params.n > 1:
+        kind = f"{params.n} samples, temperature {params.temperature}"
+    elif params.beam_width > 1:
+        kind = f"beam search, width {params.beam_width}"
+    else:
+        kind = "greedy"
+    texts = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in out.outputs]
+    return {
+        "system_prompt": messages[0]["role"] == "system",
+        "question": messages[-1]["content"],
+        "decoding": kind,
+        "answers": texts[:1] if params.beam_width > 1 else texts,
+        "rejected": out.rejected,
+    }
+
+
+def check_kv_budget(model: torch.nn.Module, blocks: int, block_size: int, device) -> None:
+    """Refuse a KV budget (and its host swap space, four times as many blocks) larger than the
+    memory available for it, before anything is allocated."""
+    from paged_attention.cache import _host_available_bytes, bytes_per_block
+
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    block_bytes = bytes_per_block(config.num_hidden_layers, kv_heads, head_size, block_size, dtype)
+    host = _host_available_bytes()
+    device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
+    host_needed = 4 * blocks * block_bytes + (0 if device.type == "cuda" else blocks * block_bytes)
+    for needed, available, where in (
+        (blocks * block_bytes, device_free, f"{device.type} memory"),
+        (host_needed, host, "host memory (with the swap space of 4x the blocks)"),
+    ):
+        if needed > available:
+            raise UsageError(
+                f"--kv-budget {blocks}: {blocks} blocks of {block_bytes} bytes need "
+                f"{needed / 2**30:.1f} GiB of {where}; {available / 2**30:.1f} GiB are available"
+            )
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
-
-
-def load_model(path: str, tensor_parallel: bool = False) -> torch.nn.Module:
-    """A local transformers checkpoint (with ``tensor_parallel``: this rank's shard of it), or
-    a UsageError that says in one line why not."""
-    check_model_path(path)
-    from transformers import AutoModelForCausalLM, DistributedConfig
-
-    options = {}
-    if tensor_parallel:
-        options["distributed_config"] = DistributedConfig(
-            tp_size=torch.distributed.get_world_size()
-        )
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, **options).eval()
-    except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise UsageError(f"--model {path}: cannot load it: {first_line}") from error
 
 
 def resolve_plot_path(path: str) -> str:
@@ -339,19 +483,23 @@ def print_table(report: dict) -> None:
         greedy = "n/a (no greedy request was served)"
     else:
         greedy = "yes" if report["greedy_matches_transformers"] else "NO"
-        greedy += f" ({report['greedy_matching']}/{report['greedy_requests']})"
+        greedy += f" ({report['greedy_matching']}/{report['greedy_requests']} token for token"
+        if report["greedy_ties"]:
+            greedy += f", {report['greedy_ties']} up to a {report['dtype']} tie"
+        greedy += ")"
     ranks = report["tensor_parallel_ranks"]
     split = f", tensor parallel over {ranks} ranks" if ranks > 1 else ""
     per_rank = f" per rank, {ranks} ranks" if ranks > 1 else ""
     rows = [
         (
             "model",
-            f"{report['model']} on {report['device']}{split}"
+            f"{report['model']} ({report['dtype']}) on {report['device']}{split}"
             + (" (decode steps in CUDA graphs)" if report["cuda_graphs"] else ""),
         ),
         (
             "requests",
-            f"{report['requests']} ({report['parallel_sampling_requests']} parallel sampling, "
+            f"{report['requests']} {report['workload']} requests "
+            f"({report['parallel_sampling_requests']} parallel sampling, "
             f"{report['beam_search_requests']} beam search, {report['rejected']} rejected)",
         ),
         ("generated tokens", f"{report['generated_tokens']}"),
@@ -403,6 +551,13 @@ def print_table(report: dict) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    for shown in report["answers"]:
+        system = " (after the system prompt)" if shown["system_prompt"] else ""
+        print(f"\n> {shown['question']}{system} [{shown['decoding']}]")
+        if shown["rejected"] is not None:
+            print(f"  rejected: {shown['rejected']}")
+        for text in shown["answers"]:
+            print("  " + text.replace("\n", "\n  "))
 
 
 def positive_int(text: str) -> int:
@@ -415,10 +570,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """A seed: an integer in [0, 2**32), the usual range of seeds (so that the per-request
+    seeds ``seed + i`` stay valid generator seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
-    parser.add_argument("--model", help="a local transformers checkpoint directory")
+    add_model_arguments(parser)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--workload",
+        choices=("chat", "tokens"),
+        help="chat: real questions through the model's chat template, every other one after a "
+        "long shared system prompt; tokens: random token ids (default: chat when the model's "
+        f"tokenizer has a chat template, except for --model {TINY_MODEL}, whose byte-level "
+        "prompts would be several times longer)",
+    )
     parser.add_argument("--requests", type=positive_int, default=32)
     parser.add_argument(
         "--kv-budget",
@@ -426,7 +601,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"device KV blocks (default: {DEFAULT_BUDGET_TOKENS} tokens' worth)",
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument(
         "--no-cuda-graphs",
         action="store_true",
@@ -435,9 +610,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
         type=positive_int,
-        help="CPU threads for torch (default: 1 for the embedded model, which is too small to "
-        "gain from more and stalls when idle-spinning threads share busy cores; torch's "
-        "default with --model)",
+        help=f"CPU threads for torch (default: 1 for --model {TINY_MODEL}, which is too small "
+        "to gain from more and stalls when idle-spinning threads share busy cores; torch's "
+        "default for the others)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -459,12 +634,15 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (see EXIT_STATUS). Raises UsageError for a bad
     argument, before the run where it can be told in advance."""
     args.plot = resolve_plot_path(args.plot)
-    if args.model:
-        check_model_path(args.model)
+    try:
+        model_source(args.model)
+    except ModelLoadError as error:
+        raise UsageError(f"--model {error}") from None
     started_group = args.tp and start_process_group(args.device)
     reporting = not args.tp or torch.distributed.get_rank() == 0
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or (previous_threads if args.model else 1))
+    tiny = args.model == TINY_MODEL
+    torch.set_num_threads(args.threads or (1 if tiny else previous_threads))
     started = time.perf_counter()
     try:
         report = run(args, reporting)

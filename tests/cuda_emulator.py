@@ -4,7 +4,9 @@
 torch headers) into ``build/emulator/<hash of the sources>/``, once per source state, and loads
 it with ctypes. ``paged_attention_v1`` / ``paged_attention_v2`` / ``paged_attention_varlen`` take
 the arguments of the ops of the same name (CPU tensors) and run the CUDA kernels' bodies under the
-emulation, with the same kernel variants, split plan and grids as the CUDA launcher.
+emulation, with the same kernel variants, split plan and grids as the CUDA launcher on a target GPU
+(``targets()``: the limits of each architecture the kernels are planned for; an H200 by default).
+``plan_variant`` is the plan of one kernel variant on one target.
 """
 
 from __future__ import annotations
@@ -29,15 +31,22 @@ UNITS = ["runtime", "c_api", "emulated_float", "emulated_half", "emulated_bfloat
 FLAGS = ["-O2", "-std=c++20", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Wno-unknown-pragmas"]
 SCALAR = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CACHE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}
-# The GPU the split plan is made for by default: an H200's 132 SMs.
-H200_SMS = 132
+# The GPU the plan is made for by default: an H200 (132 SMs).
+DEFAULT_TARGET = "sm_90"
+# DeviceLimits (csrc/cuda/attention/plan.h), in its order.
+LIMITS = (
+    "sms shared_per_block_optin shared_per_sm reserved_shared_per_block registers_per_sm "
+    "threads_per_sm max_ctas_per_sm"
+).split()
 
 
 class Call(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_double if name in ("scale", "logits_soft_cap") else ctypes.c_int64)
         for name in (
-            "version scalar cache num_sms ctas_per_sm workers regions num_regions out exp_sums "
+            "version scalar cache num_sms shared_per_block_optin shared_per_sm "
+            "reserved_shared_per_block registers_per_sm threads_per_sm max_ctas_per_sm "
+            "ctas_per_sm workers regions num_regions out exp_sums "
             "max_logits tmp_out query query_seq_stride query_head_stride key_cache value_cache "
             "key_block_stride key_head_stride value_block_stride value_head_stride block_tables "
             "block_table_stride max_blocks_per_seq seq_lens num_seqs num_heads num_kv_heads "
@@ -53,8 +62,17 @@ class Report(ctypes.Structure):
         (name, ctypes.c_int64)
         for name in (
             "row_warps rows_per_cta tokens_per_cta work_items scheduled "
-            "splits split_tokens ctas shared_bytes ctas_per_sm heads_per_cta ldmatrix "
+            "splits split_tokens ctas shared_bytes stages ctas_per_sm heads_per_cta ldmatrix "
             "ldmatrix_conflicted ldmatrix_max_ways mma cp_async_bytes"
+        ).split()
+    ]
+
+
+class VariantPlan(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "stages full_stages shared_bytes compiled_ctas_per_sm register_budget ctas_per_sm"
         ).split()
     ]
 
@@ -124,8 +142,36 @@ def library() -> ctypes.CDLL:
     ]
     for name in ("ldmatrix", "mma", "cp_async", "rejects"):
         getattr(lib, f"pa_selftest_{name}").restype = ctypes.c_int
+    lib.pa_num_targets.restype = ctypes.c_int64
+    lib.pa_target_arch.restype = ctypes.c_char_p
+    lib.pa_target_gpus.restype = ctypes.c_char_p
+    lib.pa_target_arch.argtypes = lib.pa_target_gpus.argtypes = [ctypes.c_int64]
+    lib.pa_target_limits.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    lib.pa_plan_variant.argtypes = [ctypes.c_int64] * 5 + [ctypes.POINTER(VariantPlan)]
     _LIBRARY = lib
     return lib
+
+
+def targets() -> dict[str, dict]:
+    """The target GPUs of the plan (plan.h's kTargetGpus): arch -> {"gpus": text, limits...}."""
+    lib = library()
+    found = {}
+    for i in range(lib.pa_num_targets()):
+        values = (ctypes.c_int64 * len(LIMITS))()
+        lib.pa_target_limits(i, values)
+        found[lib.pa_target_arch(i).decode()] = dict(
+            gpus=lib.pa_target_gpus(i).decode(), **dict(zip(LIMITS, values))
+        )
+    return found
+
+
+def plan_variant(dtype: torch.dtype, cache: str, bucket: int, row_warps: int, target: str):
+    """The plan of one kernel variant on a target: ring stages, shared memory, register budget,
+    CTAs per SM."""
+    index = list(targets()).index(target)
+    plan = VariantPlan()
+    library().pa_plan_variant(SCALAR[dtype], CACHE[cache], bucket, row_warps, index, plan)
+    return plan
 
 
 def region(t: torch.Tensor | None, writable: bool) -> tuple[int, int, int] | None:
@@ -166,12 +212,14 @@ def run(
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
     sinks: torch.Tensor | None = None,
-    num_sms: int = H200_SMS,
+    target: str = DEFAULT_TARGET,
+    num_sms: int | None = None,
     ctas_per_sm: int = 0,
     workers: int = 2,
 ) -> Report:
     """Runs an attention op on CPU tensors under the emulation (version 1 / 2: decode, 3:
-    varlen); returns the kernels' report."""
+    varlen), planned for `target` (with `num_sms` SMs instead of its own if given); returns the
+    kernels' report."""
     readable = [
         query,
         key_cache,
@@ -189,11 +237,15 @@ def run(
     flat = [v for r in regions if r is not None for v in r]
     region_array = (ctypes.c_int64 * max(1, len(flat)))(*flat)
     num_seqs = query_start_loc.shape[0] - 1 if query_start_loc is not None else query.shape[0]
+    device = {name: value for name, value in targets()[target].items() if name in LIMITS}
+    if num_sms is not None:
+        device["sms"] = num_sms
     call = Call(
         version=version,
         scalar=SCALAR[query.dtype],
         cache=CACHE[kv_cache_dtype],
-        num_sms=num_sms,
+        num_sms=device.pop("sms"),
+        **device,
         ctas_per_sm=ctas_per_sm,
         workers=workers,
         regions=ctypes.addressof(region_array),
@@ -302,3 +354,75 @@ def paged_attention_varlen(
         sinks=sinks,
         **options,
     )
+
+
+# ---- the plan of every kernel variant per target, as docs/cuda.md shows it ----------------------
+
+DOCS = ROOT / "docs" / "cuda.md"
+TABLE_BEGIN = "<!-- plan table: python tests/cuda_emulator.py --write-docs -->"
+TABLE_END = "<!-- end of plan table -->"
+QUERY_NAMES = {torch.float16: "fp16/bf16", torch.float32: "fp32"}
+
+
+def variants() -> list[tuple[torch.dtype, str, int, int]]:
+    """Every compiled kernel variant up to its ring: (query dtype, cache, head bucket, warps of
+    rows); fp16 stands for bf16 too (the same shapes), fp8_e4m3 for fp8_e5m2."""
+    found = []
+    for dtype in (torch.float16, torch.float32):
+        for cache in ("auto", "fp8_e4m3"):
+            for bucket in (64, 128, 256):
+                for row_warps in (1, 4) if dtype == torch.float16 else (1,):
+                    found.append((dtype, cache, bucket, row_warps))
+    return found
+
+
+def plan_table() -> str:
+    """A markdown table of every variant's plan on every target: ring stages, shared memory per
+    CTA, registers per thread its launch bounds allow, resident CTAs per SM. Targets whose
+    column would be the same share one."""
+    names = list(targets())
+    cells: dict[str, list[str]] = {name: [] for name in names}
+    for variant in variants():
+        for name in names:
+            plan = plan_variant(*variant, name)
+            cells[name].append(
+                f"{plan.stages} · {plan.shared_bytes / 1024:.1f} · {plan.register_budget} · "
+                f"{plan.ctas_per_sm}"
+            )
+    columns: list[tuple[list[str], list[str]]] = []
+    for name in names:
+        same = next((c for c in columns if c[1] == cells[name]), None)
+        if same is None:
+            columns.append(([name], cells[name]))
+        else:
+            same[0].append(name)
+    header = ["query", "cache", "head sizes", "rows per CTA"] + [", ".join(c[0]) for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, (dtype, cache, bucket, row_warps) in enumerate(variants()):
+        sizes = {64: "≤ 64", 128: "65-128", 256: "129-256"}[bucket]
+        rows = 4 if dtype == torch.float32 else 16 * row_warps
+        cache_name = "fp16/bf16" if dtype == torch.float16 else "fp32"
+        cache_name = cache_name if cache == "auto" else "fp8"
+        row = [QUERY_NAMES[dtype], cache_name, sizes, str(rows)] + [c[1][i] for c in columns]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The plan of every CUDA kernel variant.")
+    parser.add_argument("--write-docs", action="store_true", help=f"update the table in {DOCS}")
+    args = parser.parse_args()
+    table = plan_table()
+    if not args.write_docs:
+        print(table)
+        return 0
+    text = DOCS.read_text()
+    begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    DOCS.write_text(text[:begin] + "\n" + table + "\n" + text[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

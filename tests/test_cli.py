@@ -1,6 +1,7 @@
-"""``python -m paged_attention demo``: small runs of the command line."""
+"""``python -m paged_attention demo``: small runs of the command line, on the tiny model."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ pytest.importorskip("transformers")
 
 from paged_attention.__main__ import main  # noqa: E402
 from paged_attention.demo import default_model  # noqa: E402
+
+TINY = ["--model", "tiny", "--dtype", "float32"]
 
 KEYS = {
     "requests",
@@ -28,7 +31,7 @@ KEYS = {
 
 
 def run_json(capsys, *args):
-    code = main(["demo", "--json", *args])
+    code = main(["demo", "--json", *TINY, *args])
     report = json.loads(capsys.readouterr().out)
     return code, report
 
@@ -49,9 +52,12 @@ def test_small_demo_with_swapping(tmp_path, capsys):
 
 def test_table_output(tmp_path, capsys):
     threads = torch.get_num_threads()
-    assert main(["demo", "--requests", "4", "--plot", str(tmp_path / "kv.png")]) == 0
+    assert main(["demo", *TINY, "--requests", "4", "--plot", str(tmp_path / "kv.png")]) == 0
     assert torch.get_num_threads() == threads  # the demo's thread setting does not leak
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    bars = re.findall(r"serving: +\d+%\|[^|]*\| (\d+)/(\d+)", err)
+    assert bars[-1] == ("4", "4")  # the bar counts finished requests, up to their number
+    assert all(int(done) <= int(total) for done, total in bars)
     assert "greedy outputs == transformers generate()  yes (" in out
     assert "contiguous max-length reservation" in out
 
@@ -59,20 +65,26 @@ def test_table_output(tmp_path, capsys):
 def test_local_checkpoint(tmp_path, capsys):
     model_dir = tmp_path / "model"
     default_model(seed=5).save_pretrained(model_dir)
-    code, report = run_json(
-        capsys,
-        "--model",
-        str(model_dir),
-        "--requests",
-        "3",
-        "--block-size",
-        "8",
-        "--threads",
-        "1",
-        "--plot",
-        str(tmp_path / "kv.png"),
+    code = main(
+        [
+            "demo",
+            "--json",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--requests",
+            "3",
+            "--block-size",
+            "8",
+            "--threads",
+            "1",
+            "--plot",
+            str(tmp_path / "kv.png"),
+        ]
     )
-    assert code == 0 and report["model"] == str(model_dir)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["model"] == str(model_dir) and report["workload"] == "tokens"
     assert report["block_size"] == 8 and report["greedy_matches_transformers"] is True
 
 
@@ -84,6 +96,7 @@ def test_module_entry_point(tmp_path):
             "-m",
             "paged_attention",
             "demo",
+            *TINY,
             "--requests",
             "2",
             "--json",
@@ -118,7 +131,13 @@ def usage_error(capsys, *args) -> str:
         (["--threads", "0"], "--threads"),
         (["--requests", "two"], "--requests"),
         (["--plot", "kv.txt"], "give a .png file or an existing directory"),
-        (["--model", "/missing/dir"], "no such directory"),
+        (["--model", "/missing/dir"], "no such file or directory"),
+        (["--model", "no-such-model"], "unknown model"),
+        (["--seed", "18446744073709551615"], "--seed"),
+        (["--seed", str(10**23)], "--seed"),
+        (["--seed", "-1"], "--seed"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--workload", "poems"], "--workload"),
     ],
 )
 def test_bad_arguments(args, message, capsys):
@@ -162,7 +181,7 @@ def test_plot_into_a_directory_reports_the_file_it_wrote(tmp_path, capsys):
 
 
 def test_rejected_requests_fail_the_run(tmp_path, capsys):
-    code = main(["demo", "--kv-budget", "1", "--requests", "3", "--plot", str(tmp_path)])
+    code = main(["demo", *TINY, "--kv-budget", "1", "--requests", "3", "--plot", str(tmp_path)])
     captured = capsys.readouterr()
     assert code == 1
     assert "n/a (no greedy request was served)" in captured.out
@@ -172,3 +191,59 @@ def test_rejected_requests_fail_the_run(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_cuda_without_a_gpu(capsys):
     assert "no CUDA device" in usage_error(capsys, "--device", "cuda", "--requests", "1")
+
+
+def test_a_kv_budget_larger_than_memory_is_a_usage_error(tmp_path, capsys):
+    error = usage_error(capsys, *TINY, "--kv-budget", "100000000", "--plot", str(tmp_path))
+    assert "--kv-budget 100000000: 100000000 blocks of 16384 bytes need" in error
+    assert "GiB are available" in error
+
+
+def test_chat_workload_prints_answers(tmp_path, capsys):
+    args = [*TINY, "--workload", "chat", "--requests", "4", "--kv-budget", "160"]
+    code, report = run_json(capsys, *args[4:], "--plot", str(tmp_path))
+    assert code == 0 and report["workload"] == "chat" and report["rejected"] == 0
+    assert report["prompt_tokens_cached"] >= 600  # the second system prompt's blocks
+    assert [a["decoding"] for a in report["answers"]] == [
+        "greedy",
+        "greedy",
+        "greedy",
+        "3 samples, temperature 0.8",
+    ]
+    assert [a["system_prompt"] for a in report["answers"]] == [True, False, True, False]
+    assert report["answers"][0]["question"] == "What is the capital of France?"
+    assert len(report["answers"][3]["answers"]) == 3
+    assert main(["demo", *args, "--plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\n> What is the capital of France? (after the system prompt) [greedy]\n" in out
+
+
+def test_tiny_model_in_bfloat16_matches_up_to_ties(tmp_path, capsys):
+    code = main(
+        [
+            "demo",
+            "--json",
+            "--model",
+            "tiny",
+            "--dtype",
+            "bfloat16",
+            "--requests",
+            "6",
+            "--plot",
+            str(tmp_path),
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["dtype"] == "bfloat16"
+    assert report["greedy_matching"] + report["greedy_ties"] == report["greedy_requests"]
+
+
+def test_compare_greedy():
+    from paged_attention.demo import compare_greedy
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 3.0 - 2**-6, 0.0], [0.0, 1.0, 4.0]])
+    assert compare_greedy([1, 0, 2], [1, 0, 2], logits, torch.bfloat16) == "equal"
+    assert compare_greedy([1, 1], [1, 0, 2], logits, torch.bfloat16) == "tie"  # within 2 ulps
+    assert compare_greedy([1, 1], [1, 0, 2], logits, torch.float32) == "differs"
+    assert compare_greedy([1, 2], [1, 0, 2], logits, torch.bfloat16) == "differs"
+    assert compare_greedy([1], [1, 0, 2], logits, torch.bfloat16) == "differs"  # ended early

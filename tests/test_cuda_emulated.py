@@ -201,7 +201,8 @@ def run_case(
     logits_soft_cap: float = 0.0,
     attention_chunk_size: int = 0,
     query_scale: float = 1.0,
-    num_sms: int = emu.H200_SMS,
+    target: str = emu.DEFAULT_TARGET,
+    num_sms: int | None = None,
     ctas_per_sm: int = 0,
     seed: int = 0,
     strided_query: bool = False,
@@ -251,7 +252,7 @@ def run_case(
         logits_soft_cap,
         attention_chunk_size,
     )
-    options = dict(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+    options = dict(target=target, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
     out = torch.full((len(seq_lens), num_heads, head_size), math.nan, dtype=dtype)
     expected = torch.empty_like(out)
     if version == 1:
@@ -479,9 +480,9 @@ def test_seq_len_past_max_seq_len_is_clamped_without_reading_out_of_bounds():
 
 
 def test_the_plan_fills_waves():
-    """The split counts of plan_v1_splits for shapes of the decode benchmark on an H200."""
+    """The split counts of plan_v1_splits for shapes of the decode benchmark."""
 
-    def splits(batch, context, dtype=torch.bfloat16):
+    def splits(batch, context, target="sm_90", dtype=torch.bfloat16):
         kv_heads, head_size = 8, 128
         query = torch.zeros(batch, 32, head_size, dtype=dtype)
         report = emu.paged_attention_v1(
@@ -499,12 +500,57 @@ def test_the_plan_fills_waves():
             "auto",
             torch.ones(1),
             torch.ones(1),
+            target=target,
         )
         return report.splits, report.ctas_per_sm
 
-    # 64 x 8 = 512 (sequence, KV head) pairs already fill two waves of 2 x 132 CTAs.
+    # An H200: 64 x 8 = 512 (sequence, KV head) pairs already fill two waves of 2 x 132 CTAs.
     assert splits(64, 4096) == (1, 2)
     # 8 x 8 = 64 pairs: 4 splits of 1024 tokens make 256 CTAs, one wave.
     assert splits(8, 4096) == (4, 2)
     # One sequence: 256 tokens a split, 16 x 8 = 128 CTAs.
     assert splits(1, 4096)[0] * 8 <= 2 * 132
+    # An A100 holds one of these CTAs per SM (100 KiB of its 164): 108 slots, which 5 splits of
+    # 832 tokens fill best (320 CTAs in 3 waves of 60 tiles, where one split would take 264
+    # tiles and 4 splits 3 waves of 72).
+    assert splits(8, 4096, "sm_80") == (5, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan on every target GPU
+
+
+def test_every_variant_fits_every_target():
+    """Every compiled variant's plan on every target: within the target's shared memory per CTA,
+    at least one CTA per SM, the full ring wherever it fits and a compact one only where not."""
+    largest = "sm_90"
+    for target, limits in emu.targets().items():
+        for variant in emu.variants():
+            plan = emu.plan_variant(*variant, target)
+            full = emu.plan_variant(*variant, largest)
+            key = (target, *variant, plan.stages, plan.shared_bytes)
+            assert full.stages == full.full_stages, key
+            assert plan.shared_bytes <= limits["shared_per_block_optin"], key
+            assert plan.ctas_per_sm >= 1, key
+            fits = full.shared_bytes <= limits["shared_per_block_optin"]
+            assert (plan.stages == plan.full_stages) == fits, key
+
+
+def test_the_compiled_register_budgets_follow_the_largest_gpu_each_ring_runs_on():
+    # A full ring is compiled for as many CTAs as an H100/H200 holds (up to the register-bound
+    # most); a compact ring, used only where 99 KiB per CTA is the limit, for one CTA per SM
+    # there, which leaves it 255 registers.
+    for variant in emu.variants():
+        on_h200 = emu.plan_variant(*variant, "sm_90")
+        assert on_h200.ctas_per_sm == on_h200.compiled_ctas_per_sm, variant
+        on_l4 = emu.plan_variant(*variant, "sm_89")
+        if on_l4.stages != on_l4.full_stages:
+            assert (on_l4.compiled_ctas_per_sm, on_l4.register_budget) == (1, 255), variant
+
+
+def test_the_plan_table_in_the_docs_is_current():
+    # docs/cuda.md shows emu.plan_table(); regenerate it with
+    # python tests/cuda_emulator.py --write-docs.
+    text = emu.DOCS.read_text()
+    begin = text.index(emu.TABLE_BEGIN) + len(emu.TABLE_BEGIN)
+    assert text[begin : text.index(emu.TABLE_END)].strip() == emu.plan_table()

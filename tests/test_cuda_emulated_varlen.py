@@ -54,7 +54,8 @@ def run_case(
     query_scale: float = 1.0,
     spare_rows: int = 3,
     fused_qkv: bool = False,
-    num_sms: int = emu.H200_SMS,
+    target: str = emu.DEFAULT_TARGET,
+    num_sms: int | None = None,
     seed: int = 0,
 ) -> emu.Report:
     """The emulated kernels and reference.py on one batch of (q_len, context) sequences; asserts
@@ -98,7 +99,7 @@ def run_case(
         attention_chunk_size,
     )
     out = torch.full((rows, num_heads, head_size), UNTOUCHED, dtype=dtype)
-    report = emu.paged_attention_varlen(out, *args, num_sms=num_sms)
+    report = emu.paged_attention_varlen(out, *args, target=target, num_sms=num_sms)
     expected = torch.full_like(out, UNTOUCHED)
     reference.paged_attention_varlen(expected, *args)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
@@ -332,3 +333,77 @@ def test_lying_lengths_stay_inside_the_tensors():
         assert torch.isfinite(out[written]).all(), starts
         unwritten_rows += int((~written).sum())
     assert unwritten_rows > 0  # some rows belonged to no sequence
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite values at positions a row does not attend
+
+
+def _value_of(kv, seq: int, position: int, kv_head: int):
+    """The value vector of one cached position (value_cache: [blocks, kv heads, dims, block])."""
+    block = int(kv.block_tables[seq, position // kv.block_size])
+    return kv.value_cache[block, kv_head, :, position % kv.block_size]
+
+
+@pytest.mark.parametrize(
+    "dtype,q_len,nan_token,spoiled",
+    [
+        # 4 rows: one 16-row tile (fp16/bf16) or one 4-row CTA (fp32); tokens 0 and 1 do not
+        # attend token 2's position, tokens 2 and 3 do.
+        (torch.float16, 4, 2, [0, 1]),
+        (torch.bfloat16, 4, 2, [0, 1]),
+        (torch.float32, 4, 2, [0, 1]),
+        # 40 rows: 64-row CTAs, warp w owning tokens 16 w .. 16 w + 15. Only warp 1 shares a tile
+        # of rows with token 20: tokens 16-19 are spoiled, warp 0's tokens are not.
+        (torch.float16, 40, 20, [16, 17, 18, 19]),
+    ],
+)
+def test_a_non_finite_value_spoils_the_rows_of_its_tile_that_do_not_attend_it(
+    dtype, q_len, nan_token, spoiled
+):
+    """A row gives probability P = 0 to a cached position it does not attend (a later token of
+    its own query, under the causal mask), but the rows of one MMA tile (16 rows of a warp; the
+    4 rows of a CUDA-core CTA) share one P V product over the positions any of them attends, and
+    0 x NaN is NaN, inside an MMA as in an FMA. So a NaN value at a position some row of the tile
+    attends makes the tile's other rows NaN too, where the exact result (the same cache with a
+    finite value there) is finite. Values at positions no row of the tile attends (past seq_len,
+    before a window) are zeroed before the product and stay harmless (every case here runs on a
+    cache whose unused slots are NaN)."""
+    context = 20
+    kv = make_paged_kv(1, [context + q_len], 2, 64, 16, dtype)
+    query = torch.randn(q_len, 2, 64).to(dtype)
+    starts = torch.tensor([0, q_len], dtype=torch.int32)
+    args = (query, kv.key_cache, kv.value_cache, 2, 0.125, kv.block_tables, kv.seq_lens, starts,
+            q_len, context + q_len, None, "auto", kv.k_scale, kv.v_scale, 0, 0.0, None)  # fmt: skip
+    exact = torch.empty_like(query)
+    reference.paged_attention_varlen(exact, *args)
+    _value_of(kv, 0, context + nan_token, 0).fill_(math.nan)
+    out = torch.empty_like(query)
+    emu.paged_attention_varlen(out, *args)
+    nan_rows = torch.isnan(out[:, 0]).any(dim=-1)
+    assert nan_rows.nonzero().flatten().tolist() == spoiled + list(range(nan_token, q_len))
+    finite = ~nan_rows
+    torch.testing.assert_close(out[finite, 0], exact[finite, 0], **TOLERANCES[dtype])
+    torch.testing.assert_close(out[:, 1], exact[:, 1], **TOLERANCES[dtype])  # other KV head
+
+
+# --------------------------------------------------------------------------------------------
+# Every variant within each target GPU's limits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("target", list(emu.targets()))
+def test_every_variant_runs_within_each_targets_limits(target, dtype):
+    # Each compiled variant (cache format, head bucket, row tiling) as the plan for `target`
+    # picks its ring: the emulator gives the kernel only the target's shared memory per CTA, and
+    # the kernel must agree with the reference there.
+    limit = emu.targets()[target]["shared_per_block_optin"]
+    for cache in ("auto", "fp8_e4m3"):
+        for head_size in (64, 96, 256):
+            for q_len in (2, 20) if dtype != torch.float32 else (2,):
+                report = run_case([(q_len, 40), (1, 17)], num_heads=8, num_kv_heads=2,
+                                  head_size=head_size, dtype=dtype, kv_cache_dtype=cache,
+                                  target=target, seed=head_size + q_len)  # fmt: skip
+                bucket = 64 if head_size <= 64 else 128 if head_size <= 128 else 256
+                plan = emu.plan_variant(dtype, cache, bucket, report.row_warps, target)
+                assert report.stages == plan.stages and report.shared_bytes <= limit

@@ -331,3 +331,50 @@ def test_module_steps_on_cuda_equal_the_cpu_and_use_one_varlen_call(dtype, monke
         monkeypatch.undo()
     for cpu, cuda in zip(results["cpu"], results["cuda"]):
         torch.testing.assert_close(cuda, cpu, **TOLERANCES[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+# The plan on this GPU
+
+
+def check_every_variant():
+    """Each compiled kernel variant the plan picks on this GPU: query dtype, cache format, head
+    bucket (a padded head size among them) and row tiling (2 or 20 new rows per sequence)."""
+    for dtype in DTYPES:
+        for kv_cache_dtype in ("auto", "fp8_e4m3"):
+            for head_size in (64, 96, 256):
+                for q_len in (2, 20):
+                    Case([(q_len, 300), (1, 40)], head_size=head_size, dtype=dtype,
+                         kv_cache_dtype=kv_cache_dtype, seed=head_size + q_len).check()  # fmt: skip
+
+
+def test_every_variant_on_this_gpu():
+    check_every_variant()
+
+
+def test_every_variant_as_a_99_kib_gpu_plans_it():
+    # PAGED_ATTENTION_SHARED_LIMIT makes this GPU plan like an sm_86 / sm_89 / sm_120 (99 KiB of
+    # shared memory per CTA): the compact rings run here, on real hardware. A child process,
+    # because the limits are read once per process.
+    tests = os.path.dirname(__file__)
+    env = dict(os.environ, PAGED_ATTENTION_SHARED_LIMIT=str(99 * 1024))
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    code = "import test_cuda_varlen; test_cuda_varlen.check_every_variant()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_this_gpus_limits_are_those_the_plan_models():
+    # The plan's model of each architecture (plan.h, kTargetGpus) against what the device says.
+    import cuda_emulator as emu
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    arch = f"sm_{props.major}{props.minor}"
+    targets = emu.targets()
+    if arch not in targets:
+        pytest.skip(f"{props.name} is {arch}, not one of the modelled targets {list(targets)}")
+    target = targets[arch]
+    assert props.shared_memory_per_block_optin == target["shared_per_block_optin"]
+    assert props.shared_memory_per_multiprocessor == target["shared_per_sm"]
+    assert props.regs_per_multiprocessor == target["registers_per_sm"]
+    assert props.max_threads_per_multi_processor == target["threads_per_sm"]

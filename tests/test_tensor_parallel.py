@@ -157,7 +157,8 @@ PER_RANK = {"tensor_parallel_ranks", "kv_bytes_per_block", "kv_bytes_per_rank"}
 def test_demo_on_two_ranks_reports_what_one_process_does(tmp_path, capsys):
     from paged_attention.__main__ import main
 
-    args = ["demo", "--json", "--requests", "8", "--kv-budget", "16"]
+    args = ["demo", "--json", "--model", "tiny", "--dtype", "float32", "--requests", "8"]
+    args += ["--kv-budget", "16"]
     assert main([*args, "--plot", str(tmp_path / "one.png")]) == 0
     single = json.loads(capsys.readouterr().out)
     done = torchrun(["-m", "paged_attention", *args, "--tp", "--plot", str(tmp_path / "tp.png")])

@@ -23,6 +23,7 @@ from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_o
 from paged_attention.engine.model_runner import ModelRunner
 from paged_attention.engine.request import (
     Request,
+    RequestError,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -30,7 +31,7 @@ from paged_attention.engine.request import (
 from paged_attention.engine.request import Sequence as EngineSequence
 from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
-from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, ModelGeometry
+from paged_attention.geometry import ModelGeometry
 
 
 @dataclass
@@ -115,7 +116,6 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.runner = ModelRunner(
             model,
@@ -123,7 +123,7 @@ class Engine:
             self.kv_cache,
             decode_graphs=cuda_graphs,
             max_num_seqs=max_num_seqs,
-            sliding_window=self.block_manager.sliding_window,
+            block_manager=self.block_manager,
         )
         self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
@@ -455,28 +455,36 @@ class Engine:
 
     def _new_request(self, prompt, params, arrival_time: float | None) -> Request:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise RequestError(
+                f"params must be SamplingParams, got {type(params).__name__}", "params"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer (Engine(tokenizer=...))")
+            raise RequestError(
+                "stop strings need an engine with a tokenizer (Engine(tokenizer=...))", "stop"
+            )
         tokens = self._prompt_ids(prompt)
         if not tokens:
-            raise ValueError("prompt must hold at least one token")
+            raise RequestError("prompt must hold at least one token", "prompt")
         outside = [t for t in tokens if not 0 <= t < self.vocab_size]
         if outside:
-            raise ValueError(
+            raise RequestError(
                 f"prompt token {outside[0]} is outside the model's vocabulary [0, "
-                f"{self.vocab_size})"
+                f"{self.vocab_size})",
+                "prompt",
             )
         if params.num_seqs > self.max_num_seqs:
-            raise ValueError(
+            raise RequestError(
                 f"the request runs {params.num_seqs} sequences, more than "
-                f"max_num_seqs={self.max_num_seqs}"
+                f"max_num_seqs={self.max_num_seqs}",
+                "beam_width" if params.is_beam_search else "n",
             )
         wanted = len(tokens) + params.max_new_tokens
         if self.max_model_len is not None and wanted > self.max_model_len:
-            raise ValueError(
+            raise RequestError(
                 f"the prompt ({len(tokens)} tokens) and max_new_tokens ({params.max_new_tokens}) "
-                f"need {wanted} positions; the model's context holds {self.max_model_len}"
+                f"need {wanted} positions; the model's context holds {self.max_model_len}",
+                "prompt" if len(tokens) >= self.max_model_len else "max_new_tokens",
+                limit="context",
             )
         request = Request(
             request_id=next(self._request_ids),
@@ -487,7 +495,14 @@ class Engine:
         )
         reason = self.scheduler.rejection_reason(request)
         if reason is not None:
-            raise ValueError(f"the request can never run in this engine's KV cache: {reason}")
+            prompt_blocks = -(-(len(tokens) + 1) // self.block_size)
+            raise RequestError(
+                f"the request can never run in this engine's KV cache: {reason}",
+                "prompt"
+                if prompt_blocks > self.block_manager.num_device_blocks
+                else "max_new_tokens",
+                limit="kv_cache",
+            )
         return request
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -495,9 +510,10 @@ class Engine:
         if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
                 kind = "text" if isinstance(prompt, str) else "chat messages"
-                raise ValueError(
+                raise RequestError(
                     f"a prompt of {kind} needs an engine with a tokenizer (Engine(tokenizer=...)); "
-                    "without one, pass token ids"
+                    "without one, pass token ids",
+                    "prompt",
                 )
             if isinstance(prompt, str):
                 return list(self.tokenizer(prompt)["input_ids"])
@@ -505,15 +521,19 @@ class Engine:
                 if not isinstance(message.get("role"), str) or not isinstance(
                     message.get("content"), str
                 ):
-                    raise ValueError(
+                    raise RequestError(
                         "chat messages must be dicts with string 'role' and 'content', got "
-                        f"{message!r}"
+                        f"{message!r}",
+                        "prompt",
                     )
             text = self.tokenizer.apply_chat_template(
                 list(prompt), add_generation_prompt=True, tokenize=False
             )
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return _token_list(prompt)
+        try:
+            return _token_list(prompt)
+        except (TypeError, ValueError) as error:
+            raise RequestError(str(error), "prompt") from None
 
     def _admit(self, request: Request, owner=None) -> None:
         self._requests[request.request_id] = request

@@ -22,25 +22,27 @@ struct AttentionPlan {
   int reduce_rows;  // grid z of the reduce kernel: one CTA per row of a main CTA
 };
 
-// The kernel shape a launch runs on (the row tiling follows the op and the longest query).
-inline KernelShape launch_shape(const AttentionParams& p, AttentionOp op) {
-  return attention_kernel_shape(
+// The kernel shape a launch runs on `device` (plan.h: launch_kernel_shape).
+inline KernelShape launch_shape(const AttentionParams& p, AttentionOp op,
+                                const DeviceLimits& device) {
+  return launch_kernel_shape(
       p.scalar, p.cache, p.head_size, p.num_heads, p.num_kv_heads,
-      launch_row_warps(p.scalar, op, p.num_heads, p.num_kv_heads, p.max_query_len));
+      launch_row_warps(p.scalar, op, p.num_heads, p.num_kv_heads, p.max_query_len), device);
 }
 
 // v2 splits as the op's scratch says (partitions of kV2PartitionSize tokens). v1 and varlen
-// split so that the CTAs fill whole waves of `ctas_per_sm * num_sms` (plan_splits).
+// split so that the CTAs fill whole waves of `ctas_per_sm` (resident CTAs of the variant on one
+// SM) times the device's SMs (plan_splits).
 //
 // Varlen CTAs: a sequence of q_len rows takes ceil(q_len / tokens_per_cta) CTAs per KV head
 // chunk. When every query fits one CTA (max_query_len <= tokens_per_cta) CTA x serves sequence
 // x; otherwise the schedule kernel lists the work items, at most
 // min(num_seqs * ceil(max_query_len / T), (num_tokens + num_seqs * (T - 1)) / T) of them for
 // T = tokens_per_cta (the grid is sized by that bound; CTAs past the last item exit).
-inline AttentionPlan make_attention_plan(const AttentionParams& p, AttentionOp op, int num_sms,
-                                         int ctas_per_sm) {
+inline AttentionPlan make_attention_plan(const AttentionParams& p, AttentionOp op,
+                                         const DeviceLimits& device, int ctas_per_sm) {
   AttentionPlan plan{};
-  plan.shape = launch_shape(p, op);
+  plan.shape = launch_shape(p, op, device);
   plan.op = op;
   const int64_t tokens_per_cta = plan.shape.tokens_per_cta;
   int64_t items = p.num_seqs;
@@ -61,7 +63,7 @@ inline AttentionPlan make_attention_plan(const AttentionParams& p, AttentionOp o
     plan.split = {p.num_partitions, kV2PartitionSize};
     plan.partial = true;
   } else {
-    plan.split = plan_splits(int64_t{plan.grid_x} * plan.grid_y, p.max_seq_len, num_sms,
+    plan.split = plan_splits(int64_t{plan.grid_x} * plan.grid_y, p.max_seq_len, device.sms,
                              ctas_per_sm);
     plan.partial = plan.split.splits > 1;
   }
@@ -144,17 +146,27 @@ decltype(auto) with_cache_variant(CacheDtype cache, int head_size, F&& f) {
   }
 }
 
-// Calls f.template operator()<kCache, kD, kRowWarps>() for the variant of a kernel shape; the
-// tensor-core kernel has both row tilings (kBothTilings), the CUDA-core kernel one.
-template <bool kBothTilings, typename F>
+// Calls f.template operator()<kCache, kD, kRowWarps, kStages>() for the compiled variant of a
+// kernel shape of query type kScalar: the tensor-core kernel has both row tilings, the CUDA-core
+// kernel one; each has its full ring and, where that differs, its compact one (plan.h).
+template <ScalarKind kScalar, typename F>
 decltype(auto) with_attention_variant(CacheDtype cache, const KernelShape& shape, F&& f) {
   return with_cache_variant(cache, shape.head_bucket, [&]<CacheDtype kCache, int kD>() {
-    if constexpr (kBothTilings) {
-      if (shape.row_warps == kWideRowWarps) {
-        return f.template operator()<kCache, kD, kWideRowWarps>();
+    const auto by_ring = [&]<int kRowWarps>() {
+      constexpr int kFull =
+          full_ring_stages(kD, cache_element_bytes(kScalar, kCache), kRowWarps);
+      constexpr int kCompact = compact_ring_stages(kScalar, kCache, kD, kRowWarps);
+      if constexpr (kCompact != kFull) {
+        if (shape.stages == kCompact) {
+          return f.template operator()<kCache, kD, kRowWarps, kCompact>();
+        }
       }
+      return f.template operator()<kCache, kD, kRowWarps, kFull>();
+    };
+    if constexpr (kScalar != ScalarKind::kFloat) {
+      if (shape.row_warps == kWideRowWarps) return by_ring.template operator()<kWideRowWarps>();
     }
-    return f.template operator()<kCache, kD, kNarrowRowWarps>();
+    return by_ring.template operator()<kNarrowRowWarps>();
   });
 }
 

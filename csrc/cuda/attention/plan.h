@@ -1,7 +1,8 @@
 // What an attention launch looks like, in plain C++ (no CUDA or torch headers): the parameters
 // of the kernels, the kernel a (query dtype, cache format, head size, GQA group, query length)
-// runs on, its shared memory, how its CTAs tile the query rows, and how many splits of the KV
-// sequence fill the GPU. Shared by the CUDA launchers, the torch glue and the host emulation.
+// runs on, its shared memory, how its CTAs tile the query rows, how many of them one SM of a given
+// GPU holds and how many splits of the KV sequence fill that GPU. Shared by the CUDA launchers,
+// the torch glue and the host emulation.
 //
 // One kernel design serves decode (v1, v2) and varlen attention: a CTA computes a block of
 // query rows, each row one (query token, query head) pair of one sequence and KV head, packed
@@ -98,10 +99,60 @@ enum class KernelFamily {
   kCudaCore,    // fp32 queries: FMAs, query in registers
 };
 
-// K/V ring: stages, each one tile of tokens. Per warp with one warp of rows: three, or two
-// where a tile is 16 KiB (head size 256 with 16- or 32-bit caches), which keeps the ring within
-// an A100's 163 KiB. CTA-wide with four warps of rows: four (three for 16 KiB tiles).
-constexpr int ring_stages(int head_bucket, int cache_element_bytes, int row_warps) {
+// ---- the GPUs a launch is planned for ----------------------------------------------------
+
+// The limits of one GPU that shape a launch: the CUDA device attributes of the same names.
+struct DeviceLimits {
+  int sms;  // cudaDevAttrMultiProcessorCount
+  uint32_t shared_per_block_optin;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
+  uint32_t shared_per_sm;  // cudaDevAttrMaxSharedMemoryPerMultiprocessor
+  uint32_t reserved_shared_per_block;  // cudaDevAttrReservedSharedMemoryPerBlock
+  int registers_per_sm;  // cudaDevAttrMaxRegistersPerMultiprocessor
+  int threads_per_sm;  // cudaDevAttrMaxThreadsPerMultiProcessor
+  int ctas_per_sm;  // cudaDevAttrMaxBlocksPerMultiprocessor
+};
+
+// The architectures the kernels are planned for, with the limits of the CUDA C++ Programming
+// Guide's technical specifications per compute capability (`sms`: the first GPU named).
+struct TargetGpu {
+  const char* arch;
+  const char* gpus;
+  DeviceLimits limits;
+};
+inline constexpr TargetGpu kTargetGpus[] = {
+    {"sm_80", "A100", {108, 166912, 167936, 1024, 65536, 2048, 32}},
+    {"sm_86", "A10, A40, RTX 30 series", {72, 101376, 102400, 1024, 65536, 1536, 16}},
+    {"sm_87", "Jetson AGX Orin", {16, 166912, 167936, 1024, 65536, 1536, 16}},
+    {"sm_89", "L4, L40S, RTX 40 series", {58, 101376, 102400, 1024, 65536, 1536, 24}},
+    {"sm_90", "H100, H200", {132, 232448, 233472, 1024, 65536, 2048, 32}},
+    {"sm_100", "B200, B300", {148, 232448, 233472, 1024, 65536, 2048, 32}},
+    {"sm_120", "RTX 50 series, RTX PRO 6000 Blackwell", {170, 101376, 102400, 1024, 65536, 1536,
+                                                         32}},
+};
+
+constexpr uint32_t smallest_target_shared_optin() {
+  uint32_t least = kTargetGpus[0].limits.shared_per_block_optin;
+  for (const TargetGpu& t : kTargetGpus) least = std::min(least, t.limits.shared_per_block_optin);
+  return least;
+}
+constexpr const DeviceLimits& largest_target() {
+  const TargetGpu* most = &kTargetGpus[0];
+  for (const TargetGpu& t : kTargetGpus) {
+    if (t.limits.shared_per_sm > most->limits.shared_per_sm) most = &t;
+  }
+  return most->limits;
+}
+
+// ---- the kernel variants and their shared memory ------------------------------------------
+
+// The cache ring: stages, each one tile of tokens. Every variant is built with the deepest ring
+// that suits GPUs with the most shared memory (sm_80, sm_90: 163 and 227 KiB per CTA) and, where
+// that one needs more than the 99 KiB of sm_86, sm_89 and sm_120, also with the deepest ring that
+// fits those (compact_ring_stages); the plan takes the deeper one the GPU holds.
+// Full rings, per warp with one warp of rows: three stages, or two where a tile is 16 KiB (head
+// size 256 with 16- or 32-bit caches), which keeps the ring within an A100's 163 KiB; CTA-wide
+// with four warps of rows: four (three for 16 KiB tiles).
+constexpr int full_ring_stages(int head_bucket, int cache_element_bytes, int row_warps) {
   const bool large = head_bucket == 256 && cache_element_bytes >= 2;
   if (row_warps > 1) return large ? 3 : 4;
   return large ? 2 : 3;
@@ -118,11 +169,14 @@ struct KernelShape {
   int heads_per_token;  // query heads of one token a CTA serves (rows = tokens x heads)
   int head_chunks;  // CTAs per KV head (a GQA group larger than a CTA's rows, split evenly)
   int tokens_per_cta;  // query tokens per CTA: rows / heads_per_token
-  uint32_t ring_bytes;  // per CTA
-  uint32_t merge_bytes;  // per CTA: the softmax states of the rows (overlays the ring)
+  // Shared memory, from byte 0: the ring, the CUDA-core kernel's probabilities and the staged
+  // query rows, which the main loop reads; once it is done, the merge buffer and after it the
+  // merge's per-row weights overlay them.
+  uint32_t ring_bytes;
   uint32_t probs_offset;  // CUDA-core kernel: per warp, one tile of probabilities
-  uint32_t weights_offset;  // the merge's per-row weights
   uint32_t query_offset;  // the CTA's query rows, staged once
+  uint32_t merge_bytes;  // the softmax states of the rows
+  uint32_t weights_offset;
   uint32_t shared_bytes;
 };
 
@@ -148,13 +202,19 @@ constexpr int merge_contributors(int row_warps) {
 // stores fall into different banks).
 constexpr int merge_row_floats(int bucket) { return bucket + 8; }
 // Elements per staged query row: 16-bit rows padded by 16 bytes, so that the eight rows of a
-// fragment read fall into different banks.
+// fragment read fall into different banks (the padding also holds the row's descale factor).
 constexpr int query_row_elements(KernelFamily family, int bucket) {
   return family == KernelFamily::kTensorCore ? bucket + 8 : bucket;
 }
 
+constexpr uint32_t align_up(uint32_t bytes, uint32_t alignment) {
+  return (bytes + alignment - 1) / alignment * alignment;
+}
+
+// The shape of a variant with a ring of `stages` stages (0: the full ring).
 constexpr KernelShape attention_kernel_shape(ScalarKind scalar, CacheDtype cache, int head_size,
-                                             int num_heads, int num_kv_heads, int row_warps) {
+                                             int num_heads, int num_kv_heads, int row_warps,
+                                             int stages = 0) {
   KernelShape k{};
   k.family = scalar == ScalarKind::kFloat ? KernelFamily::kCudaCore : KernelFamily::kTensorCore;
   k.row_warps = k.family == KernelFamily::kTensorCore ? row_warps : 1;
@@ -166,22 +226,37 @@ constexpr KernelShape attention_kernel_shape(ScalarKind scalar, CacheDtype cache
   k.heads_per_token = (group + k.head_chunks - 1) / k.head_chunks;
   k.tokens_per_cta = k.rows / k.heads_per_token;
   const int element_bytes = cache_element_bytes(scalar, cache);
-  k.stages = ring_stages(k.head_bucket, element_bytes, k.row_warps);
+  k.stages = stages > 0 ? stages : full_ring_stages(k.head_bucket, element_bytes, k.row_warps);
   const uint32_t tile_bytes = 2u * k.tile_tokens * k.head_bucket * element_bytes;
   k.ring_bytes = (k.row_warps > 1 ? 1 : kAttentionWarps) * k.stages * tile_bytes;
-  const int contributors = merge_contributors(k.row_warps);
-  k.merge_bytes = 4u * contributors * k.rows * (merge_row_floats(k.head_bucket) + 2);
-  k.probs_offset = (std::max(k.ring_bytes, k.merge_bytes) + 127) / 128 * 128;
+  k.probs_offset = align_up(k.ring_bytes, 128);
   const uint32_t probs_bytes =
       k.family == KernelFamily::kCudaCore ? 4u * kAttentionWarps * kCudaCoreRows * k.tile_tokens
                                           : 0u;
-  k.weights_offset = k.probs_offset + probs_bytes;
-  k.query_offset = (k.weights_offset + 4u * (contributors + 1) * k.rows + 15) / 16 * 16;
+  k.query_offset = align_up(k.probs_offset + probs_bytes, 16);
   const uint32_t query_bytes = k.family == KernelFamily::kTensorCore
                                    ? 2u * k.rows * query_row_elements(k.family, k.head_bucket)
                                    : 4u * kCudaCoreRows * k.head_bucket;
-  k.shared_bytes = (k.query_offset + query_bytes + 127) / 128 * 128;
+  const int contributors = merge_contributors(k.row_warps);
+  k.merge_bytes = 4u * contributors * k.rows * (merge_row_floats(k.head_bucket) + 2);
+  k.weights_offset = align_up(k.merge_bytes, 16);
+  const uint32_t weights_end = k.weights_offset + 4u * (contributors + 1) * k.rows;
+  k.shared_bytes = align_up(std::max(k.query_offset + query_bytes, weights_end), 128);
   return k;
+}
+
+// The ring of a variant for GPUs with the smallest shared memory of the targets (99 KiB per
+// CTA): the deepest that fits there (one stage at the least, where a warp waits for each tile
+// before it computes on it); the full ring where that fits already.
+constexpr int compact_ring_stages(ScalarKind scalar, CacheDtype cache, int bucket,
+                                  int row_warps) {
+  const KernelShape full = attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps);
+  int stages = full.stages;
+  while (stages > 1 && attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps, stages)
+                               .shared_bytes > smallest_target_shared_optin()) {
+    --stages;
+  }
+  return stages;
 }
 
 // The row tiling of a launch: decode keeps the heads of one token, 16 rows; a varlen launch
@@ -193,6 +268,81 @@ constexpr int launch_row_warps(ScalarKind scalar, AttentionOp op, int num_heads,
   return int64_t{max_query_len} * std::min(group, kMmaRows) > kMmaRows ? kWideRowWarps
                                                                         : kNarrowRowWarps;
 }
+
+// ---- occupancy --------------------------------------------------------------------------
+
+// CTAs of kAttentionThreads threads, `shared_bytes` and `registers` per thread that one SM of
+// `device` holds at once (what cudaOccupancyMaxActiveBlocksPerMultiprocessor computes):
+// registers go to warps in units of 256, from each quarter of the register file to the warps of
+// one SM sub-partition.
+constexpr int resident_ctas(const DeviceLimits& device, uint32_t shared_bytes, int registers) {
+  const int by_shared =
+      static_cast<int>(device.shared_per_sm / (shared_bytes + device.reserved_shared_per_block));
+  const int warp_registers = static_cast<int>(align_up(32u * std::max(registers, 1), 256));
+  const int warps_by_registers = device.registers_per_sm / 4 / warp_registers * 4;
+  const int by_registers = warps_by_registers / kAttentionWarps;
+  const int by_threads = device.threads_per_sm / kAttentionThreads;
+  return std::min({by_shared, by_registers, by_threads, device.ctas_per_sm});
+}
+
+// Registers per thread a variant compiled for `ctas` resident CTAs may use at most (the budget
+// its __launch_bounds__ gives nvcc).
+constexpr int register_budget(int ctas) {
+  return std::min(255, 65536 / (kAttentionThreads * ctas) / 8 * 8);
+}
+
+// The resident CTAs per SM a variant is compiled for (the minimum of its __launch_bounds__): as
+// many as its shared memory allows on the largest GPU it runs on (an H100/H200 for a full ring;
+// the largest whose shared memory refuses the full ring for a compact one), and at most as many
+// as leave each thread the registers (register_budget: 128 at 4, 168 at 3, 255 at 2) to hold
+// the kernel without spills. Tensor cores, head size 64: 4 (3 with one warp of rows and an fp8
+// cache, whose conversions need more); 128: 3 (2 with one warp of rows and an fp8 cache; with
+// four warps of rows the query fragments are reloaded per tile to fit); 256: 2; CUDA cores: 2.
+// Registers thereby never cost a CTA that shared memory would fit.
+constexpr int compiled_ctas_per_sm(ScalarKind scalar, CacheDtype cache, int bucket, int row_warps,
+                                   int stages) {
+  const KernelShape full = attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps);
+  const KernelShape k = attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps, stages);
+  DeviceLimits host = largest_target();
+  if (k.stages != full.stages) {
+    bool found = false;
+    for (const TargetGpu& t : kTargetGpus) {
+      if (t.limits.shared_per_block_optin < full.shared_bytes &&
+          (!found || t.limits.shared_per_sm > host.shared_per_sm)) {
+        host = t.limits;
+        found = true;
+      }
+    }
+  }
+  const bool fp8 = cache != CacheDtype::kAuto;
+  int most = 2;
+  if (k.family == KernelFamily::kTensorCore) {
+    if (bucket == 64) {
+      most = fp8 && k.row_warps == 1 ? 3 : 4;
+    } else if (bucket == 128) {
+      most = fp8 && k.row_warps == 1 ? 2 : 3;
+    }
+  }
+  const int by_shared = static_cast<int>(host.shared_per_sm /
+                                         (k.shared_bytes + host.reserved_shared_per_block));
+  return std::max(1, std::min({by_shared, most, 16}));
+}
+
+// The kernel shape a launch runs on `device`: the row tiling of the op and the longest query,
+// the deepest of the variant's rings that fits the device (shared_bytes is above the device's
+// limit only where even the compact ring does not fit: a GPU below the targets).
+constexpr KernelShape launch_kernel_shape(ScalarKind scalar, CacheDtype cache, int head_size,
+                                          int num_heads, int num_kv_heads, int row_warps,
+                                          const DeviceLimits& device) {
+  const KernelShape full =
+      attention_kernel_shape(scalar, cache, head_size, num_heads, num_kv_heads, row_warps);
+  if (full.shared_bytes <= device.shared_per_block_optin) return full;
+  return attention_kernel_shape(
+      scalar, cache, head_size, num_heads, num_kv_heads, row_warps,
+      compact_ring_stages(scalar, cache, head_bucket(head_size), full.row_warps));
+}
+
+// ---- splits of the KV sequence ------------------------------------------------------------
 
 // How one launch splits each sequence.
 struct SplitPlan {
@@ -223,34 +373,6 @@ inline SplitPlan plan_splits(int64_t work, int max_seq_len, int num_sms, int cta
     }
   }
   return best;
-}
-
-// The model of resident CTAs per SM the host emulation plans with (the device asks the CUDA
-// occupancy API): an H100/H200 SM's 228 KiB of shared memory, 1 KiB reserved per CTA.
-constexpr int modelled_ctas_per_sm(uint32_t shared_bytes) {
-  return std::max(1, std::min(16, static_cast<int>((228 * 1024) / (shared_bytes + 1024))));
-}
-
-// The resident CTAs per SM a variant is compiled for (the minimum of its __launch_bounds__): as
-// many as its shared memory allows on an H100/H200, and at most as many as leave each thread
-// the registers (65536 / (128 x CTAs): 128 at 4, 168 at 3, 255 at 2) to hold the kernel
-// without spills. Tensor cores, head size 64: 4 (3 with one warp of rows and an fp8 cache,
-// whose conversions need more); 128: 3 (2 with one warp of rows and an fp8 cache; with four
-// warps of rows the query fragments are reloaded per tile to fit); 256: 2; CUDA cores: 2.
-// Registers thereby never cost a CTA that shared memory would fit.
-constexpr int compiled_ctas_per_sm(ScalarKind scalar, CacheDtype cache, int bucket,
-                                   int row_warps) {
-  const KernelShape k = attention_kernel_shape(scalar, cache, bucket, 1, 1, row_warps);
-  const bool fp8 = cache != CacheDtype::kAuto;
-  int most = 2;
-  if (k.family == KernelFamily::kTensorCore) {
-    if (bucket == 64) {
-      most = fp8 && k.row_warps == 1 ? 3 : 4;
-    } else if (bucket == 128) {
-      most = fp8 && k.row_warps == 1 ? 2 : 3;
-    }
-  }
-  return std::min(modelled_ctas_per_sm(k.shared_bytes), most);
 }
 
 // Everything one launch of the attention kernel needs besides AttentionParams.

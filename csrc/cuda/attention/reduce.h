@@ -2,6 +2,11 @@
 // the main kernel's, z the row) combines the row's split results, out = sum_j w_j * partial_j /
 // (sum_j w_j + e^(sink - M)) with w_j = exp_sum_j * e^(max_logit_j - M), M the largest max_logit
 // (and sink). Splits that attended nothing (max -inf, sum 0) weigh 0.
+//
+// The weighted sum is bound by the latency of its loads (a long context has hundreds of splits):
+// the four warps take every fourth split each, a lane loading dims lane, lane + 32, ... of its
+// warp's split, so that four whole rows are in flight at once; the warps' sums are added at the
+// end.
 #pragma once
 
 #include <cstdint>
@@ -12,9 +17,16 @@
 namespace paged_attention::cuda {
 
 constexpr int kReduceThreads = 128;
+constexpr int kReduceWarps = kReduceThreads / kWarpSize;
 // Split weights staged in shared memory at a time.
 constexpr int kReduceChunk = 256;
-constexpr uint32_t kReduceSharedBytes = 4u * (kReduceChunk + kReduceThreads / kWarpSize);
+// Dims of a row per lane: lane + 32 m for m < kReduceLaneDims.
+constexpr int kReduceLaneDims = kMaxHeadSize / kWarpSize;
+// Shared memory: the chunk's weights, the warps' sums [warp][kMaxHeadSize], block_reduce's
+// scratch.
+constexpr uint32_t kReduceSumsOffset = 4u * kReduceChunk;
+constexpr uint32_t kReduceScratchOffset = kReduceSumsOffset + 4u * kReduceWarps * kMaxHeadSize;
+constexpr uint32_t kReduceSharedBytes = kReduceScratchOffset + 4u * kReduceWarps;
 
 PA_DEVICE float block_reduce(float v, bool is_max, uint32_t scratch) {
 #pragma unroll
@@ -46,12 +58,15 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
   const int splits = launch.num_splits;
   const float* max_logits = launch.max_logits + row * splits;
   const float* exp_sums = launch.exp_sums + row * splits;
-  const auto* partials = static_cast<const Partial*>(launch.partial_out) + row * splits * p.head_size;
+  const auto* partials =
+      static_cast<const Partial*>(launch.partial_out) + row * splits * p.head_size;
   const uint32_t weights = 0;
-  const uint32_t scratch = 4u * kReduceChunk;
+  const uint32_t scratch = kReduceScratchOffset;
 
   float local_max = -INFINITY;
-  for (int j = tid; j < splits; j += kReduceThreads) local_max = prim::max(local_max, prim::load(max_logits + j));
+  for (int j = tid; j < splits; j += kReduceThreads) {
+    local_max = prim::max(local_max, prim::load(max_logits + j));
+  }
   float global_max = block_reduce(local_max, true, scratch);
   const bool has_sink = p.sinks != nullptr;
   const float sink = has_sink ? prim::load(p.sinks + rows.first_head + h) : -INFINITY;
@@ -61,7 +76,9 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
   float local_total = 0.0f;
   for (int j = tid; j < splits; j += kReduceThreads) {
     const float sum = prim::load(exp_sums + j);
-    if (sum > 0.0f) local_total += sum * prim::exp2((prim::load(max_logits + j) - global_max) * kLog2e);
+    if (sum > 0.0f) {
+      local_total += sum * prim::exp2((prim::load(max_logits + j) - global_max) * kLog2e);
+    }
   }
   float total = block_reduce(local_total, false, scratch);
   if (has_sink) total += prim::exp2((sink - global_max) * kLog2e);
@@ -69,10 +86,10 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
   // e^0).
   const float inverse = total > 0.0f ? prim::divide(1.0f, total) : 0.0f;
 
-  constexpr int kDimsPerThread = (kMaxHeadSize + kReduceThreads - 1) / kReduceThreads;
-  float acc[kDimsPerThread];
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  float acc[kReduceLaneDims];
 #pragma unroll
-  for (int k = 0; k < kDimsPerThread; ++k) acc[k] = 0.0f;
+  for (int m = 0; m < kReduceLaneDims; ++m) acc[m] = 0.0f;
   for (int j0 = 0; j0 < splits; j0 += kReduceChunk) {
     const int count = splits - j0 < kReduceChunk ? splits - j0 : kReduceChunk;
     for (int j = tid; j < count; j += kReduceThreads) {
@@ -83,29 +100,39 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
                      : 0.0f;
     }
     prim::syncthreads();
-    for (int j = 0; j < count; ++j) {
+#pragma unroll 2
+    for (int j = warp; j < count; j += kReduceWarps) {
       const float w = *prim::shared<float>(weights + 4u * j);
-      if (w == 0.0f) continue;
+      if (w == 0.0f) continue;  // uniform over the warp
       const Partial* partial = partials + int64_t{j0 + j} * p.head_size;
 #pragma unroll
-      for (int k = 0; k < kDimsPerThread; ++k) {
-        const int d = tid + k * kReduceThreads;
+      for (int m = 0; m < kReduceLaneDims; ++m) {
+        const int d = lane + kWarpSize * m;
         if (d < p.head_size) {
           if constexpr (kPartialFp32) {
-            acc[k] += w * prim::load(partial + d);
+            acc[m] += w * prim::load(partial + d);
           } else {
-            acc[k] += w * Scalar::to_float(prim::load(partial + d));
+            acc[m] += w * Scalar::to_float(prim::load(partial + d));
           }
         }
       }
     }
-    prim::syncthreads();
+    prim::syncthreads();  // the weights are rewritten by the next chunk
   }
-  auto* out = static_cast<typename Scalar::Storage*>(p.out) + row * p.head_size;
+  const auto warp_sum = [](int w, int d) {
+    return kReduceSumsOffset + 4u * (w * kMaxHeadSize + d);
+  };
 #pragma unroll
-  for (int k = 0; k < kDimsPerThread; ++k) {
-    const int d = tid + k * kReduceThreads;
-    if (d < p.head_size) prim::store(out + d, Scalar::from_float(acc[k]));
+  for (int m = 0; m < kReduceLaneDims; ++m) {
+    *prim::shared<float>(warp_sum(warp, lane + kWarpSize * m)) = acc[m];
+  }
+  prim::syncthreads();
+  auto* out = static_cast<typename Scalar::Storage*>(p.out) + row * p.head_size;
+  for (int d = tid; d < p.head_size; d += kReduceThreads) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kReduceWarps; ++w) v += *prim::shared<float>(warp_sum(w, d));
+    prim::store(out + d, Scalar::from_float(v));
   }
 }
 

@@ -30,16 +30,15 @@ std::string emulate_attention(const AttentionParams& p, const AttentionPlan& pla
   }
   const emulator::LaunchConfig config{
       {plan.grid_x, plan.grid_y, plan.grid_z}, kAttentionThreads, plan.shape.shared_bytes};
-  constexpr bool kBothTilings = !std::is_same_v<Scalar, Float32>;
-  const std::string error = with_attention_variant<kBothTilings>(
-      p.cache, plan.shape, [&]<CacheDtype kCache, int kD, int kRowWarps>() {
+  const std::string error = with_attention_variant<Scalar::kKind>(
+      p.cache, plan.shape, [&]<CacheDtype kCache, int kD, int kRowWarps, int kStages>() {
         return emulator::launch(
             config,
             [&] {
               if constexpr (std::is_same_v<Scalar, Float32>) {
-                cuda_core_attention<kCache, kD>(p, launch);
+                cuda_core_attention<kCache, kD, kStages>(p, launch);
               } else {
-                mma_attention<Scalar, kCache, kD, kRowWarps>(p, launch);
+                mma_attention<Scalar, kCache, kD, kRowWarps, kStages>(p, launch);
               }
             },
             workers);

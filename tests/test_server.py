@@ -1,0 +1,626 @@
+"""The OpenAI-compatible server, through the official ``openai`` client (and raw HTTP where a
+client library cannot send the mistake): a server on 127.0.0.1 on a free port, uvicorn in a
+thread of the test process over the tiny model, one subprocess for the command's graceful
+shutdown, and the real model for one chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from paged_attention.__main__ import main as cli_main  # noqa: E402
+from paged_attention.engine import Engine, SamplingParams  # noqa: E402
+from paged_attention.models import load_model  # noqa: E402
+from paged_attention.server import create_app  # noqa: E402
+
+MODEL = "tiny"
+NUM_BLOCKS = 256
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 40
+MAX_N = 4
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1, a free port, in a thread."""
+
+    def __init__(self, app) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        sock = config.bind_socket()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **options
+        )
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, and the finished-requests counter by reason."""
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for name, labels, value in re.findall(r"^(\w+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+            samples[name + labels] = float(value)
+        return samples
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(MODEL)
+
+
+def make_engine(model, tokenizer, **options) -> Engine:
+    sizes = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS)
+    return Engine(model, tokenizer=tokenizer, **{**sizes, **options})
+
+
+class Recorder:
+    """Keeps every final output the engine's steps give (in the owner thread), so a test can
+    compare the tokens behind an HTTP answer: the tiny model's random bytes mostly decode to
+    U+FFFD, which text alone would not tell apart."""
+
+    def __init__(self, engine) -> None:
+        self.finals = []
+        step = engine.step
+
+        def recording_step():
+            outputs = step()
+            self.finals += [o for o in outputs if o.finished]
+            return outputs
+
+        engine.step = recording_step
+
+    def of(self, prompt: list[int]) -> list:
+        return [o for o in self.finals if o.prompt == prompt]
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer)
+    live = LiveServer(create_app(engine, tokenizer, MODEL, max_n=MAX_N))
+    live.engine = engine
+    live.tokenizer = tokenizer
+    live.recorded = Recorder(engine)
+    yield live
+    live.stop()
+
+
+def offline(tiny, prompts, params):
+    """The same requests on an engine of the same model and sizes, without a server."""
+    model, tokenizer = tiny
+    return make_engine(model, tokenizer).generate(prompts, params)
+
+
+def chat_prompt(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def wait_idle(live: LiveServer, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = live.metrics()
+        idle = samples["paged_attention_num_requests_running"] == 0
+        if idle and samples["paged_attention_num_requests_waiting"] == 0:
+            return samples
+        assert time.monotonic() < deadline, "the server did not become idle"
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------- generation
+
+
+def test_chat_completion_equals_the_offline_engine(served, tiny):
+    client = served.client()
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    prompt = chat_prompt(served.tokenizer, "hello there")
+    (expected,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=12))
+    assert answer.object == "chat.completion" and answer.model == MODEL
+    assert answer.id.startswith("chatcmpl-")
+    (choice,) = answer.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    (served_output,) = served.recorded.of(prompt)
+    assert served_output.outputs == expected.outputs
+    reason = {"eos": "stop", "stop": "stop", "length": "length"}[expected.finish_reasons[0]]
+    assert choice.finish_reason == reason
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.usage.completion_tokens == len(expected.outputs[0])
+    assert answer.usage.total_tokens == len(prompt) + len(expected.outputs[0])
+
+
+def test_completion_of_text_and_of_token_ids(served, tiny):
+    client = served.client()
+    text = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
+    ids = served.tokenizer("Once upon a time")["input_ids"]
+    (expected,) = offline(tiny, [ids], SamplingParams(max_new_tokens=16))  # OpenAI's default
+    assert text.object == "text_completion" and text.id.startswith("cmpl-")
+    assert text.choices[0].text == expected.text
+    assert text.usage.prompt_tokens == len(ids)
+    assert text.usage.completion_tokens == len(expected.outputs[0])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_streaming_gives_the_same_text_and_usage(served):
+    client = served.client()
+    request = dict(
+        model=MODEL, messages=[{"role": "user", "content": "stream me"}], max_tokens=20, seed=3
+    )
+    whole = client.chat.completions.create(**request)
+    chunks = list(
+        client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    *with_choices, last = chunks
+    assert last.choices == [] and last.usage == whole.usage
+    assert all(c.usage is None for c in with_choices)
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == (
+        whole.choices[0].message.content
+    )
+    assert with_choices[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+    completion = list(
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=10, stream=True, seed=1)
+    )
+    assert all(c.usage is None for c in completion)  # no usage chunk unless asked
+    assert completion[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_samples_and_seeds(served):
+    client = served.client()
+    content = "pick two"
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=10,
+        temperature=1.0,
+        n=2,
+    )
+    first = client.chat.completions.create(**request, seed=7)
+    again = client.chat.completions.create(**request, seed=7)
+    other = client.chat.completions.create(**request, seed=8)
+    streamed = list(client.chat.completions.create(**request, seed=7, stream=True))
+    tokens = [o.outputs for o in served.recorded.of(chat_prompt(served.tokenizer, content))]
+    assert len(tokens) == 4
+    assert tokens[0] == tokens[1] == tokens[3]  # a seed reproduces, streamed or not
+    assert tokens[2] != tokens[0]
+    assert tokens[0][0] != tokens[0][1]  # the two samples differ
+    assert [c.index for c in first.choices] == [0, 1]
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]
+    assert first.usage.completion_tokens == sum(len(t) for t in tokens[0])
+    by_index = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            by_index[choice.index] += choice.delta.content or ""
+    assert [by_index[0], by_index[1]] == texts
+    assert {c.choices[0].finish_reason for c in [first, other]} <= {"stop", "length"}
+
+
+def test_models_and_health(served):
+    client = served.client()
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.object == "model"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+
+
+# --------------------------------------------------------------------- load and faults
+
+
+def test_32_concurrent_streams_equal_the_offline_engine(served, tiny):
+    contents = [f"request {i}: " + "word " * (i % 7) for i in range(32)]
+    lengths = [8 + (i * 5) % 17 for i in range(32)]
+    steps_before = served.metrics()["paged_attention_engine_steps_total"]
+
+    async def one(client, content: str, max_tokens: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens
+
+    async def everyone():
+        async with served.async_client() as client:
+            return await asyncio.gather(*(one(client, c, n) for c, n in zip(contents, lengths)))
+
+    answers = asyncio.run(everyone())
+    steps = served.metrics()["paged_attention_engine_steps_total"] - steps_before
+    prompts = [chat_prompt(served.tokenizer, c) for c in contents]
+    expected = offline(tiny, prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+    assert [text for text, _ in answers] == [e.text for e in expected]
+    assert [count for _, count in answers] == [len(e.outputs[0]) for e in expected]
+    assert [served.recorded.of(p)[-1].outputs for p in prompts] == [e.outputs for e in expected]
+    # continuous batching across HTTP requests: far fewer steps than one request at a time
+    assert steps < sum(len(e.outputs[0]) for e in expected) / 4
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(served, tiny):
+    before = served.metrics()
+    aborted_before = before.get('paged_attention_requests_finished_total{finish_reason="abort"}', 0)
+    prompt = chat_prompt(served.tokenizer, "the others go on")
+    (expected,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=60))
+
+    async def scenario():
+        async with served.async_client() as client:
+            return await leave_early(client)
+
+    async def leave_early(client):
+        other = asyncio.ensure_future(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "the others go on"}],
+                max_tokens=60,
+                temperature=0,
+            )
+        )
+        async with httpx.AsyncClient(base_url=served.url) as raw:
+            body = chat(max_tokens=800, stream=True, temperature=0)
+            async with raw.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    # the opening chunk comes with the request's first token (the tiny model's
+                    # text, mostly invalid UTF-8, may hold back every later one)
+                    if line.startswith("data: "):
+                        assert json.loads(line[6:])["choices"][0]["delta"]["role"] == "assistant"
+                        break  # the client goes away mid-stream
+        gone = time.monotonic()
+        while True:
+            samples = served.metrics()
+            key = 'paged_attention_requests_finished_total{finish_reason="abort"}'
+            if samples.get(key, 0) == aborted_before + 1:
+                break
+            assert time.monotonic() - gone < 5, "the request was not aborted"
+            await asyncio.sleep(0.01)
+        return await other
+
+    other = asyncio.run(scenario())
+    assert other.choices[0].message.content == expected.text  # unaffected
+    assert served.recorded.of(prompt)[-1].outputs == expected.outputs
+    idle = wait_idle(served)
+    assert idle["paged_attention_kv_blocks_used"] == 0
+    generated = idle["paged_attention_generation_tokens_total"]
+    # the abandoned request did not run its 800 tokens
+    assert generated - before["paged_attention_generation_tokens_total"] < 800
+
+
+def chat(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "x"}], **fields}
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ERRORS = [  # (route, body, the param the error names)
+    (CHAT, b'{"model": "tiny", "messages": [', None),  # invalid JSON
+    (CHAT, b"[1, 2]", None),
+    (CHAT, {"messages": "hello"}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {}, "messages"),
+    (CHAT, chat(model="gpt-4"), "model"),
+    (CHAT, chat(max_tokens="8"), "max_tokens"),
+    (CHAT, chat(max_tokens=0), "max_tokens"),
+    (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens"),
+    (CHAT, chat(max_tokens=10**6), "max_tokens"),
+    (CHAT, chat(n=MAX_N + 1), "n"),
+    (CHAT, chat(temperature=3), "temperature"),
+    (CHAT, chat(top_p=0), "top_p"),
+    (CHAT, chat(stop=[""]), "stop"),
+    (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
+    (CHAT, chat(presence_penalty=0.5), "presence_penalty"),
+    (CHAT, chat(logprobs=True), "logprobs"),
+    (CHAT, chat(tools=[{"type": "function"}]), "tools"),
+    (CHAT, chat(beam_width=2), "beam_width"),
+    (COMPLETIONS, {"prompt": "x" * 5000}, "prompt"),
+    (COMPLETIONS, {"prompt": [10**7]}, "prompt"),
+    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "x", "seed": 2**70}, "seed"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", ERRORS)
+def test_bad_requests_get_openai_errors(served, route, body, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        f"{served.url}{route}", content=content, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    if param is not None:
+        assert param.split("[")[0] in error["message"]
+
+
+def test_errors_through_the_client_and_unknown_routes(served):
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], frequency_penalty=1.0
+        )
+    assert raised.value.body["param"] == "frequency_penalty"
+    # neutral values of what is not carried out are accepted
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logprobs=False,
+        user="someone",
+    )
+    for method, path, status in [
+        ("GET", "/v1/nothing", 404),
+        ("POST", "/v1/embeddings", 404),
+        ("GET", "/v1/chat/completions", 405),
+    ]:
+        response = httpx.request(method, f"{served.url}{path}")
+        assert response.status_code == status
+        assert path in response.json()["error"]["message"]
+
+
+def test_after_errors_the_server_serves_and_its_blocks_are_free(served):
+    answer = served.client().completions.create(model=MODEL, prompt="still here", max_tokens=4)
+    assert answer.usage.completion_tokens >= 1
+    idle = wait_idle(served)
+    assert idle["paged_attention_kv_blocks_used"] == 0
+    assert idle["paged_attention_kv_blocks_free"] == idle["paged_attention_kv_blocks_total"]
+    assert idle["paged_attention_kv_blocks_total"] == NUM_BLOCKS
+    assert idle["paged_attention_time_to_first_token_seconds_count"] > 0
+    assert idle["paged_attention_inter_token_latency_seconds_count"] > 0
+    assert "paged_attention_prefix_cache_hit_rate" in idle
+    assert "paged_attention_num_preemptions_total" in idle
+
+
+def test_a_request_beyond_the_kv_pool_is_refused(tiny):
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer, num_blocks=8)  # 128 tokens, in a 1024-token context
+    live = LiveServer(create_app(engine, tokenizer, MODEL))
+    try:
+        client = live.client()
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, prompt=list(range(3, 203)), max_tokens=4)
+        assert raised.value.body["param"] == "prompt"
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, prompt=[3, 4, 5], max_tokens=400)
+        assert raised.value.body["param"] == "max_tokens"
+        answer = client.completions.create(model=MODEL, prompt=[3, 4, 5], max_tokens=8)
+        assert answer.usage.completion_tokens >= 1
+    finally:
+        live.stop()
+
+
+def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny):
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer)
+    step = engine.step
+    failures = [RuntimeError("injected")]
+
+    def failing_step():
+        if failures and engine.has_unfinished():
+            raise failures.pop()
+        return step()
+
+    engine.step = failing_step
+    live = LiveServer(create_app(engine, tokenizer, MODEL))
+    try:
+        client = live.client()
+        with pytest.raises(openai.InternalServerError, match="injected"):
+            client.completions.create(model=MODEL, prompt="fail", max_tokens=4)
+        answer = client.completions.create(model=MODEL, prompt="fine", max_tokens=4)
+        assert answer.usage.completion_tokens >= 1
+        assert wait_idle(live)["paged_attention_kv_blocks_used"] == 0
+    finally:
+        live.stop()
+
+
+# --------------------------------------------------------------------- the command
+
+
+def test_a_shutdown_lets_requests_finish_within_its_grace_and_aborts_the_rest(tiny):
+    """What SIGINT/SIGTERM asks of the engine's owner: refuse new requests, let the running
+    ones finish for the grace time, then abort the rest. Every step takes at least 5 ms here,
+    so the 900-token stream cannot finish within the 2 s of grace, and the 20-token one does
+    (unless a step takes 100 ms)."""
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step
+    app = create_app(engine, tokenizer, MODEL)
+    live = LiveServer(app)
+    try:
+
+        async def scenario():
+            async with live.async_client() as client:
+                return await shut_down_under(client)
+
+        async def shut_down_under(client):
+            # a stream's response starts with its request's first token: both are running
+            long = await client.chat.completions.create(
+                model=MODEL, stream=True, temperature=0, **chat(max_tokens=900)
+            )
+            short = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "short"}],
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+            )
+            app.state.owner.drain(2.0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.completions.create(model=MODEL, prompt="late", max_tokens=4)
+            short_reasons = [c.choices[0].finish_reason async for c in short if c.choices]
+            long_reasons = [c.choices[0].finish_reason async for c in long if c.choices]
+            return short_reasons, refused.value, long_reasons
+
+        short, refused, reasons = asyncio.run(scenario())
+        assert short[-1] in ("stop", "length")
+        assert refused.status_code == 503 and refused.body["code"] == "shutting_down"
+        assert reasons[-1] == "abort"
+        assert wait_idle(live)["paged_attention_kv_blocks_used"] == 0
+    finally:
+        live.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_serve_command_shuts_down_gracefully_on_sigterm():
+    """The command in this process's main thread (where signals arrive), a client in another
+    thread: a short request is served, a long stream is aborted by the shutdown (no grace
+    time) and ends properly, and the command returns exit status 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    seen = {}
+
+    def client_side():
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.05)
+            with openai.OpenAI(
+                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60
+            ) as client:
+                seen["short"] = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+                with client.chat.completions.create(
+                    model=MODEL, stream=True, temperature=0, **chat(max_tokens=900)
+                ) as stream:
+                    seen["first"] = next(iter(stream))  # the opening chunk, at the first token
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    seen["reasons"] = [c.choices[0].finish_reason for c in stream if c.choices]
+        finally:
+            if "reasons" not in seen:
+                os.kill(os.getpid(), signal.SIGINT)  # end the command whatever happened
+
+    thread = threading.Thread(target=client_side)
+    thread.start()
+    status = cli_main(
+        ["serve", "--model", MODEL, "--port", str(port), "--num-blocks", "64"]
+        + ["--shutdown-timeout", "0", "--log-level", "warning"]
+    )
+    thread.join(30)
+    assert status == 0
+    with pytest.raises(httpx.ConnectError):  # no longer listening
+        httpx.get(f"{url}/health")
+    assert seen["short"].usage.completion_tokens >= 1
+    assert seen["first"].choices[0].finish_reason is None
+    assert seen["reasons"][-1] == "abort"  # ended by the shutdown, not by its 900 tokens
+
+
+@pytest.mark.parametrize(
+    "arguments, option",
+    [
+        (["--max-n", "100"], "--max-n"),  # beyond --max-num-seqs
+        (["--max-model-len", "100000"], "--max-model-len"),
+        (["--kv-memory", "0.000001"], "--kv-memory"),
+        (["--port", "70000"], "--port"),
+    ],
+)
+def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli_main(["serve", "--model", MODEL, "--num-blocks", "16", *arguments])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert option in error and "Traceback" not in error
+
+
+# --------------------------------------------------------------------- the real model
+
+
+def test_real_model_answers_a_chat_and_stops_at_a_stop_string():
+    model, tokenizer = load_model("smollm2")
+    engine = Engine(model, tokenizer=tokenizer, num_blocks=64, block_size=BLOCK_SIZE)
+    live = LiveServer(create_app(engine, tokenizer, "smollm2"))
+    try:
+        client = live.client()
+        request = dict(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        answer = client.chat.completions.create(**request)
+        text = answer.choices[0].message.content
+        assert "Paris" in text
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        # The text ends before the first stop string met; the rest is not generated.
+        stopped = client.chat.completions.create(**request, stop=["Paris", "Lyon"])
+        assert stopped.choices[0].message.content == text[: text.index("Paris")]
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.usage.completion_tokens < answer.usage.completion_tokens
+        streamed = list(client.chat.completions.create(**request, stop="Paris", stream=True))
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in streamed)
+            == (text[: text.index("Paris")])
+        )
+        assert streamed[-1].choices[0].finish_reason == "stop"
+        assert len(streamed) > 3  # the role, then text step by step, not in one piece
+    finally:
+        live.stop()
