@@ -48,12 +48,16 @@ test: lint
 
 # The tests of the CPU ops against an AddressSanitizer build of the extension, for each of the
 # kernels' instruction-set variants this CPU runs: any read or write outside an allocation fails
-# the run. The build is a copy in build/asan, so the regular build stays as it is. libasan (of
-# the compiler torch builds with: $CXX, else c++) must be loaded before Python, and libstdc++
-# with it (ASan intercepts C++ exceptions only when it is loaded). --capture=sys leaves file
-# descriptor 2 to ASan's report (it aborts the process after it).
+# the run. The bf16 product variants (csrc/cpu/variants.h) are forced inside the tests
+# (PAGED_ATTENTION_CPU_BF16_MATMUL), each where the CPU runs it; AMX's tile loads are inline
+# assembly that ASan does not see, so the portable "reference" product, which reads the same
+# operand extents, is what checks those. The build is a copy in build/asan, so the regular build
+# stays as it is. libasan (of the compiler torch builds with: $CXX, else c++) must be loaded
+# before Python, and libstdc++ with it (ASan intercepts C++ exceptions only when it is loaded).
+# --capture=sys leaves file descriptor 2 to ASan's report (it aborts the process after it).
 ASAN_TESTS := tests/test_attention_cpu.py tests/test_cache_ops.py tests/test_attention_module.py \
-	tests/test_cache.py tests/test_ops_fuzz.py tests/test_varlen_cpu.py
+	tests/test_cache.py tests/test_ops_fuzz.py tests/test_varlen_cpu.py \
+	tests/test_cpu_bf16_matmul.py
 ASAN_CXX = $${CXX:-c++}
 ASAN_PRELOAD = $(shell $(ASAN_CXX) -print-file-name=libasan.so) \
 	$(shell $(ASAN_CXX) -print-file-name=libstdc++.so.6)

@@ -9,9 +9,14 @@ splits that comparison per core, on one thread:
   subtracting the time of the same call over a 1-token sequence (the fixed cost of a call).
 * ``memory``: ``sum()`` over a float32 buffer of 512 MiB on one thread, the rate one core
   streams from memory.
+* ``from_memory``: the v1 kernel on one thread over bench_decode.py's main row (32 x 4096, 32/8
+  heads, head size 128, block size 16, scattered blocks; 1 GiB in fp32, 512 MiB in bf16): the
+  rate one core reaches when it must read everything from memory.
 
 When ``compute`` is not well above ``memory``, the kernel can only approach the memory limit if
-its arithmetic overlaps the loads. Prints a table and writes JSON.
+its arithmetic overlaps the loads; ``from_memory`` against ``memory`` shows how far it does. The
+JSON records the CPU model and features (bench_decode.py's machine facts). Prints a table and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_decode import build_case, describe_machine, kv_bytes, machine_info, method_ours
 
 import paged_attention  # noqa: F401  (registers torch.ops.paged_attention)
 
@@ -78,21 +84,39 @@ def memory_rate(nbytes: int = 512 << 20) -> dict:
     return dict(bytes=nbytes, time_s=seconds, bytes_per_s=nbytes / seconds)
 
 
+def from_memory_rate(dtype: torch.dtype, batch: int = 32, context: int = 4096) -> dict:
+    case = build_case(torch.device("cpu"), dtype, batch, context)
+    step = method_ours(case, 1)
+    seconds = per_call_seconds(step, 1, rounds=5)
+    nbytes = kv_bytes(batch, context, dtype)
+    return dict(dtype=str(dtype).removeprefix("torch."), batch=batch, context=context,
+                kv_bytes=nbytes, time_s=seconds, bytes_per_s=nbytes / seconds)  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="results/bench_decode_cpu_core.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    dtypes = (torch.float32, torch.bfloat16)
     result = dict(
+        machine=machine_info(torch.device("cpu")),
         memory=memory_rate(),
-        compute=[compute_rate(dtype) for dtype in (torch.float32, torch.bfloat16)],
+        compute=[compute_rate(dtype) for dtype in dtypes],
+        from_memory=[from_memory_rate(dtype) for dtype in dtypes],
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
     )
+    print(describe_machine(result["machine"]))
     print(f"one core, memory: sum() of 512 MiB  {result['memory']['bytes_per_s'] / 1e9:6.1f} GB/s")
     for row in result["compute"]:
         print(
             f"one core, compute: v1 {row['dtype']:>8} in L2 "
             f"{row['bytes_per_s'] / 1e9:6.1f} GB/s ({row['time_s'] * 1e6:.1f} us per step)"
+        )
+    for row in result["from_memory"]:
+        print(
+            f"one core, from memory: v1 {row['dtype']:>8} {row['batch']} x {row['context']} "
+            f"{row['bytes_per_s'] / 1e9:6.1f} GB/s ({row['time_s'] * 1e3:.1f} ms per step)"
         )
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

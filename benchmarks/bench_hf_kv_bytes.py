@@ -26,7 +26,11 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from paged_attention.demo import tiny_llama_config
-from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
+from paged_attention.integrations.transformers import (
+    ATTN_IMPLEMENTATION,
+    PagedCache,
+    cache_argument_name,
+)
 
 CONFIG = tiny_llama_config(
     vocab_size=512,
@@ -58,12 +62,12 @@ def measure(model, prompt_len: int, new_tokens: int, block_size: int, options: d
     model.set_attn_implementation("sdpa")
     dynamic = DynamicCache(config=model.config)
     torch.manual_seed(0)
-    expected = model.generate(**kwargs, past_key_values=dynamic)
+    expected = model.generate(**kwargs, **{cache_argument_name(model): dynamic})
 
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     paged = PagedCache(model, block_size=block_size, num_blocks=4096)
     torch.manual_seed(0)
-    got = model.generate(**kwargs, past_key_values=paged)
+    got = model.generate(**kwargs, **{cache_argument_name(model): paged})
     rows = len(paged._rows)
     final_len = prompt_len + new_tokens - 1  # the last token is never fed back
     unshared_blocks = rows * math.ceil(final_len / block_size)

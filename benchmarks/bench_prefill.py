@@ -29,10 +29,12 @@ Methods, all on the same cache contents:
 * ``limit`` (rows ``a`` and ``d``): a streaming ``sum()`` over a float32 buffer as large as the
   K and V the step must read.
 * ``flop-limit`` (every row): a matrix product of as many floating-point operations as the row's
-  attention, ``[2048, 2048] @ [2048, N]``, in float32 on the CPU (the kernels compute in float32
-  there, and torch's bf16 product is the slower one on a CPU without AMX) and in the row's dtype
-  on CUDA: the rate the machine reaches on dense arithmetic. A row can be no faster than the
-  larger of its two limits (``% roof``).
+  attention, ``[2048, 2048] @ [2048, N]``, in float32 on the CPU and in the row's dtype on CUDA:
+  the rate the machine reaches on dense arithmetic. On the CPU a bf16 or fp16 row also times the
+  product in its own dtype (``flop-limit-bfloat16``; torch's bf16 product runs on AMX or
+  AVX512-BF16 where the CPU has them, and is the slower one where it has neither). A row can be
+  no faster than the larger of its read limit and its arithmetic at the faster product's rate
+  (``% roof``).
 
 Times are the best of ``--reps`` samples after a warm-up. The samples of a row's methods are taken
 in turns (one of each, then the next round), so that on a shared machine a busy moment slows all
@@ -55,6 +57,7 @@ from bench_decode import (
     Shape,
     allocate,
     build_case,
+    describe_machine,
     gather_kv,
     machine_info,
     synchronize,
@@ -105,7 +108,6 @@ GEMM_SIZE = 2048
 
 def flop_limit(flops: float, dtype, device):
     """A matrix product of about ``flops`` operations: [GEMM_SIZE, GEMM_SIZE] @ [GEMM_SIZE, N]."""
-    dtype = torch.float32 if device.type == "cpu" else dtype
     columns = max(16, round(flops / (2 * GEMM_SIZE * GEMM_SIZE) / 16) * 16)
     generator = torch.Generator(device="cpu").manual_seed(2)
     a = torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device, dtype)
@@ -319,6 +321,7 @@ def run_grid(args) -> dict:
         "as the step's K and V; flop-limit = a matrix product of as many operations (float32 on "
         "the CPU, the row's dtype on CUDA); GFLOP/s counts 4 x D x H per (query row, attended key)"
     )
+    print(describe_machine(result["machine"]))
     print(shape)
     print_header()
     for dtype in dtypes:
@@ -347,8 +350,12 @@ def run_grid(args) -> dict:
                 buffer = allocate((nbytes // 4,), torch.float32, device, False).fill_(1.0)
                 fns["limit"] = buffer.sum
                 entries["limit"] = dict(common, method="limit")
-            fns["flop-limit"], gemm_flops = flop_limit(common["flops"], dtype, device)
-            entries["flop-limit"] = dict(common, method="flop-limit", flops=gemm_flops)
+            gemm_dtypes = {"flop-limit": torch.float32 if device.type == "cpu" else dtype}
+            if device.type == "cpu" and dtype != torch.float32:
+                gemm_dtypes[f"flop-limit-{common['dtype']}"] = dtype
+            for method, gemm_dtype in gemm_dtypes.items():
+                fns[method], gemm_flops = flop_limit(common["flops"], gemm_dtype, device)
+                entries[method] = dict(common, method=method, flops=gemm_flops)
             for method, seconds in best_times_in_turns(fns, device, args.reps).items():
                 entries[method]["time_s"] = seconds
             entries = list(entries.values())
@@ -358,21 +365,27 @@ def run_grid(args) -> dict:
     return result
 
 
+def is_flop_limit(entry) -> bool:
+    return entry["method"].startswith("flop-limit")
+
+
 def finish(entries):
     """Throughputs and ratios against the other methods of the same row."""
     times = {e["method"]: e["time_s"] for e in entries if e.get("time_s")}
     # the fastest the row's work could run: no faster than its bytes and no faster than its
     # arithmetic at the dense-product rate (the GEMM's time scaled to the attention's FLOPs)
-    attention_flops = next(e["flops"] for e in entries if e["method"] != "flop-limit")
-    roof = None
-    if "flop-limit" in times:
-        gemm = next(e for e in entries if e["method"] == "flop-limit")
-        roof = max(times["flop-limit"] * attention_flops / gemm["flops"], times.get("limit", 0.0))
+    attention_flops = next(e["flops"] for e in entries if not is_flop_limit(e))
+    arithmetic = [
+        times[e["method"]] * attention_flops / e["flops"]
+        for e in entries
+        if is_flop_limit(e) and e["method"] in times
+    ]
+    roof = max(min(arithmetic), times.get("limit", 0.0)) if arithmetic else None
     for e in entries:
         if not e.get("time_s"):
             continue
         e["flops_per_s"] = e["flops"] / e["time_s"]
-        if e["method"] == "flop-limit":  # reads no K or V
+        if is_flop_limit(e):  # reads no K or V
             continue
         e["bytes_per_s"] = e["kv_bytes"] / e["time_s"]
         if "limit" in times:

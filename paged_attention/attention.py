@@ -245,7 +245,7 @@ class PagedAttention(nn.Module):
             if k_scale is None or v_scale is None:
                 raise ValueError(
                     f"kv_cache_dtype={self.kv_cache_dtype!r} needs k_scale and v_scale (the "
-                    "cache's dequantisation scales, e.g. PagedKVCache.k_scale and .v_scale)"
+                    "cache's dequantisation scales, e.g. PagedKVCache.scales(layer))"
                 )
         elif k_scale is None or v_scale is None:
             unit = torch.ones(1, dtype=torch.float32, device=key_cache.device)

@@ -34,29 +34,34 @@ Bookkeeping, following vLLM v0 and nano-vllm:
   now (the returned ``(src, dst)`` pair) and the cached original stays theirs. A shared block
   that is not cached is copied by the next append, as after ``fork``. The sequence's prefix chain
   is cut back with it, so its later full blocks are registered under the right hashes. A
-  swapped-out sequence raises ``SwapError``; with a sliding window, a cut whose next token would
-  attend a released block raises ``ValueError``.
+  swapped-out sequence raises ``SwapError``; a cut whose next token would attend a released
+  block raises ``ValueError``.
 * Swapping moves whole sequences between pools. Blocks shared inside the swapped set move once
   and stay shared. A block also referenced by a sequence outside the set is *copied*: the
   swapped sequences get their own copy on the other side and the original keeps its other
   references. (This is vLLM's behaviour; refusing would make any sequence that shares a cached
   prompt prefix impossible to swap.)
-* With ``sliding_window=W`` the kernel only reads positions ``p >= seq_len - W``. Appending
-  releases the blocks wholly before the window of the first new token (``allocate`` keeps the
-  whole prompt: the prompt's own attention reads it). ``block_table`` shows released entries as
-  ``RELEASED`` (-1); the tensors show them as the pad block id (0 unless the caller gives
-  another), a valid id the kernel never reads, and ``slot_mapping_tensor`` gives -1 (skip).
+* Blocks no layer reads any more are released. With ``sliding_window=W`` the kernel only reads
+  positions ``p >= seq_len - W``; with ``attention_chunk_size=C`` (chunked local attention, as
+  Llama 4's local layers) a token at position ``p`` reads only its own chunk, from ``p - p % C``;
+  with both, each layer does one or the other and the earlier position is kept (``Reach``).
+  Appending releases the blocks wholly before what the first new token reads (``allocate`` keeps
+  the whole prompt: the prompt's own attention reads it). ``block_table`` shows released entries
+  as ``RELEASED`` (-1); the tensors show them as the pad block id (0 unless the caller gives
+  another), a valid id the kernel never reads, and ``slot_mapping_tensor`` gives -1 (skip). A
+  model with any full-attention layer releases nothing (give neither).
 
 The parts follow vLLM v1's split: ``block_pool`` holds reference counts and free lists (the
 host pool is a plain ``BlockPool``; the device pool, a ``CachingBlockPool``, adds the prefix
 cache's hash map and LRU eviction); ``block_tables`` holds the per-sequence state (``BlockTables``:
 one preallocated numpy row per live sequence, so a decode step over a batch is a few vectorised
-operations, with Python loops only for sliding-window releases and for recording token ids in
-the prefix cache; ``PrefixChains``: each sequence's place in the prefix cache); ``BlockManager``
+operations, with Python loops only for releases and for recording token ids in the prefix
+cache; ``PrefixChains``: each sequence's place in the prefix cache); ``BlockManager``
 is the facade: it validates every call before anything changes (a call that raises leaves the
-manager exactly as it was), decides copy-on-write, window releases and swaps, and reports stats.
+manager exactly as it was), decides copy-on-write, releases and swaps, and reports stats.
 
-Sizes and counts (block counts, ``block_size``, ``sliding_window``, ``max_blocks_per_seq``,
+Sizes and counts (block counts, ``block_size``, ``sliding_window``, ``attention_chunk_size``,
+``max_blocks_per_seq``,
 token counts, ``n``) are integers: an ``int``, a numpy integer or a 0-d integer tensor or array
 (so ``allocate(seq_id, torch.tensor(5))`` allocates 5 tokens); a bool or a float (even ``2.0``)
 raises ``TypeError`` naming the argument, a value out of range ``ValueError``. ``watermark`` is
@@ -82,7 +87,7 @@ from paged_attention.block_errors import (
     UnknownSequenceError,
 )
 from paged_attention.block_pool import BlockPool, CachingBlockPool
-from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains
+from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains, Reach
 
 __all__ = [
     "RELEASED",
@@ -143,6 +148,7 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
         max_blocks_per_seq: int | None = None,
     ) -> None:
         self.num_device_blocks = _as_int(num_device_blocks, "num_device_blocks", 1)
@@ -150,7 +156,15 @@ class BlockManager:
         self.num_host_blocks = _as_int(num_host_blocks, "num_host_blocks", 0)
         self.watermark_blocks = int(_checked_watermark(watermark) * self.num_device_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = _checked_window(sliding_window, enable_prefix_caching)
+        self.sliding_window = _as_optional_int(sliding_window, "sliding_window")
+        self.attention_chunk_size = _as_optional_int(attention_chunk_size, "attention_chunk_size")
+        self.reach = Reach(self.sliding_window, self.attention_chunk_size)
+        if self.reach.releases and enable_prefix_caching:
+            # A cached prefix block may already have been released by its owner.
+            raise ValueError(
+                "prefix caching cannot be combined with releasing blocks (sliding_window, "
+                "attention_chunk_size)"
+            )
         self.max_blocks_per_seq = _as_optional_int(max_blocks_per_seq, "max_blocks_per_seq")
         self._device = CachingBlockPool(self.num_device_blocks, self.block_size)
         self._host = BlockPool(self.num_host_blocks)
@@ -253,7 +267,7 @@ class BlockManager:
         tables.check_fits(seq_id, num_blocks + new_blocks)
         last = int(tables.table[row, num_blocks - 1]) if num_blocks else -1
         copy = old_len % self.block_size != 0 and device.refs[last] > 1
-        released = tables.window_releases(row, old_len + 1, self.sliding_window)
+        released = tables.releases(row, old_len, self.reach)
         freed = _num_freed([released], device.refs)
         self._device.check_room(
             new_blocks + copy, freed, "appending {} tokens to sequence {}", n, seq_id
@@ -275,7 +289,7 @@ class BlockManager:
         tables, device, size = self._tables, self._device, self.block_size
         row = tables.device_row(seq_id)
         num_tokens = _as_int(num_tokens, "num_tokens")
-        tables.check_cut(seq_id, row, num_tokens, self.sliding_window)
+        tables.check_cut(seq_id, row, num_tokens, self.reach)
         keep = _cdiv(num_tokens, size)
         last = int(tables.table[row, keep - 1]) if num_tokens % size else -1
         cached = last >= 0 and device.is_cached(last)
@@ -371,7 +385,7 @@ class BlockManager:
         self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int] = 1
     ) -> torch.Tensor:
         """int64 slots of the last ``k`` tokens of each sequence, in ``seq_ids`` order;
-        -1 (skip) for a token whose block the sliding window released."""
+        -1 (skip) for a token whose block was released."""
         rows = self._tables.device_rows(seq_ids)
         counts = _token_counts(num_new_tokens, seq_ids, self._tables.seq_lens[rows])
         return torch.from_numpy(self._tables.slots(rows, counts))
@@ -391,7 +405,7 @@ class BlockManager:
         if open_rows.size:  # the widest table after the step is the one that may not fit
             widest = int(np.argmax(np.where(opens, num_blocks, -1)))
             tables.check_fits(seq_ids[widest], int(num_blocks[widest]) + 1)
-        releasing, released = tables.rows_releasing(rows, lens + 1, self.sliding_window)
+        releasing, released = tables.rows_releasing(rows, lens, self.reach)
         refs = _refs_after(device.refs, released)  # a release may unshare a row's last block
         copy_rows, copied = _decode_copies(tables, refs, rows, num_blocks, opens)
         needed, freed = open_rows.size + copy_rows.size, _num_freed(released, device.refs)
@@ -503,14 +517,6 @@ def _as_int(value, name: str, minimum: int | None = 0) -> int:
 
 def _as_optional_int(value, name: str) -> int | None:
     return None if value is None else _as_int(value, name, 1)
-
-
-def _checked_window(sliding_window: int | None, enable_prefix_caching: bool) -> int | None:
-    sliding_window = _as_optional_int(sliding_window, "sliding_window")
-    if sliding_window is not None and enable_prefix_caching:
-        # A cached prefix block may already have been released by its owner.
-        raise ValueError("prefix caching and sliding window cannot be combined")
-    return sliding_window
 
 
 def _checked_watermark(watermark: float) -> float:

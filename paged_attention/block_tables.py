@@ -1,11 +1,12 @@
 """Per-sequence state: block tables kept in preallocated numpy rows, and prefix chains.
 
 One row per live sequence holds its table (logical block -> physical block), its length, its
-number of table entries, how many of the first entries a sliding window released, and whether it
-is swapped out; rows are reused after a free and the arrays double when full, so a step over a
-batch is a few vectorised operations on these arrays. A table entry is a block id of the pool the
-sequence is in; unused and released entries hold 0. The tables know nothing of reference counts:
-the block manager keeps the pools in step with them. ``PrefixChains`` keeps, for each sequence
+number of table entries, how many of the first entries were released (no layer reads them any
+more: :class:`Reach`), and whether it is swapped out; rows are reused after a free and the
+arrays double when full, so a step over a batch is a few vectorised operations on these arrays.
+A table entry is a block id of the pool the sequence is in; unused and released entries hold 0.
+The tables know nothing of reference counts: the block manager keeps the pools in step with
+them. ``PrefixChains`` keeps, for each sequence
 whose token ids are known, where its next full block hangs in the prefix cache.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,9 +28,52 @@ from paged_attention.block_errors import (
 from paged_attention.block_pool import CachingBlockPool, PrefixChain
 
 RELEASED = -1
-"""Marks a sliding-window entry whose block was released, in ``block_table`` lists."""
+"""Marks a table entry whose block was released (no layer reads it), in ``block_table`` lists."""
 
 _MAX_REMEMBERED_FREES = 1 << 16  # freed ids kept to tell a double free from an unknown id
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far back the token at position ``p`` reads: with a sliding window ``W``, the last
+    ``W`` positions (from ``p - W + 1``); with chunked attention of ``C`` positions, its own chunk
+    (from ``p - p % C``, Llama 4's local layers). A model whose layers do one or the other reads
+    from the earlier of the two; with neither, from position 0 (nothing is ever released)."""
+
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    @property
+    def releases(self) -> bool:
+        return self.sliding_window is not None or self.attention_chunk_size is not None
+
+    def first_read(self, positions: np.ndarray) -> np.ndarray:
+        """The first position the tokens at ``positions`` (int64) read."""
+        first = np.full_like(positions, np.iinfo(np.int64).max)
+        if self.sliding_window is not None:
+            first = np.minimum(first, np.maximum(positions + 1 - self.sliding_window, 0))
+        if self.attention_chunk_size is not None:
+            first = np.minimum(first, positions - positions % self.attention_chunk_size)
+        return first if self.releases else np.zeros_like(positions)
+
+    def shortest_reading_from(self, position: int) -> int:
+        """The fewest tokens a sequence may hold for its next token to read nothing before
+        ``position``."""
+        least = position
+        if self.sliding_window is not None:
+            least = max(least, position + self.sliding_window - 1)
+        if self.attention_chunk_size is not None:
+            chunk = self.attention_chunk_size
+            least = max(least, -(-position // chunk) * chunk)
+        return least
+
+    def describe(self) -> str:
+        parts = []
+        if self.sliding_window is not None:
+            parts.append(f"sliding window of {self.sliding_window}")
+        if self.attention_chunk_size is not None:
+            parts.append(f"attention chunks of {self.attention_chunk_size}")
+        return " and ".join(parts)
 
 
 class BlockTables:
@@ -122,17 +167,19 @@ class BlockTables:
                 f"max_blocks_per_seq={self.max_blocks_per_seq}"
             )
 
-    def check_cut(self, seq_id: int, row: int, num_tokens: int, window: int | None) -> None:
-        """Whether a sequence can be cut to ``num_tokens``: no longer than it is, and the
-        window of the token computed next must not reach a released block."""
+    def check_cut(self, seq_id: int, row: int, num_tokens: int, reach: Reach) -> None:
+        """Whether a sequence can be cut to ``num_tokens``: no longer than it is, and the token
+        computed next must not read a released block."""
         length, released = int(self.seq_lens[row]), int(self.num_released[row])
         if num_tokens > length:
             raise ValueError(f"sequence {seq_id} has {length} tokens, cannot keep {num_tokens}")
-        if released and max(num_tokens + 1 - window, 0) // self.block_size < released:
+        first = int(reach.first_read(np.array([num_tokens]))[0])
+        if released and first // self.block_size < released:
+            least = reach.shortest_reading_from(released * self.block_size)
             raise ValueError(
-                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: the sliding window "
-                f"released its first {released} blocks, which the next token would attend; "
-                f"keep at least {released * self.block_size + window - 1} tokens"
+                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: its first "
+                f"{released} blocks were released (a {reach.describe()}) and the next token "
+                f"would attend them; keep at least {least} tokens"
             )
 
     # ------------------------------------------------------------------ rows
@@ -214,27 +261,29 @@ class BlockTables:
         """Point the last entry of each of ``rows`` at the matching one of ``blocks``."""
         self.table[rows, self.num_blocks[rows] - 1] = blocks
 
-    def window_releases(self, row: int, first_query_len: int, window: int | None) -> np.ndarray:
-        """The live entries of a row wholly before the ``window`` of the token computed next
-        (whose sequence length, counting itself, is ``first_query_len``): a view of the row."""
-        if window is None:
+    def releases(self, row: int, position: int, reach: Reach) -> np.ndarray:
+        """The live entries of a row wholly before what the token computed next, at
+        ``position``, reads (``reach``): a view of the row."""
+        if not reach.releases:
             return self.table[row, :0]
-        keep_from = max(first_query_len - window, 0) // self.block_size
+        keep_from = int(reach.first_read(np.array([position]))[0]) // self.block_size
         return self.table[row, self.num_released[row] : keep_from]
 
     def rows_releasing(
-        self, rows: np.ndarray, first_query_lens: np.ndarray, window: int | None
+        self, rows: np.ndarray, positions: np.ndarray, reach: Reach
     ) -> tuple[list[int], list[np.ndarray]]:
-        """``window_releases`` for a batch: the rows that release entries, and those entries."""
-        if window is None:
+        """``releases`` for a batch whose next tokens sit at ``positions``: the rows that
+        release entries, and those entries."""
+        if not reach.releases:
             return [], []
-        keep_from = np.maximum(first_query_lens - window, 0) // self.block_size
-        releasing = rows[keep_from > self.num_released[rows]].tolist()
-        lens = self.seq_lens
-        return releasing, [self.window_releases(r, int(lens[r]) + 1, window) for r in releasing]
+        keep_from = reach.first_read(positions) // self.block_size
+        releasing = np.flatnonzero(keep_from > self.num_released[rows])
+        return rows[releasing].tolist(), [
+            self.releases(int(rows[i]), int(positions[i]), reach) for i in releasing
+        ]
 
     def release(self, row: int, entries: np.ndarray) -> np.ndarray:
-        """Mark the first live ``entries`` of a row (a view from ``window_releases``) released;
+        """Mark the first live ``entries`` of a row (a view from ``releases``) released;
         their blocks, for the caller to drop."""
         blocks = entries.copy()
         start = self.num_released[row]

@@ -2,13 +2,15 @@
 
 The :class:`~paged_attention.block_manager.BlockManager` decides which block and slot holds every
 token; this class owns the memory those block ids index and carries out what the manager asks
-for: copy-on-write copies (``copy_blocks``, all layers in one call) and swaps between the device
-and host (``swap_blocks``). One block id addresses the same block in every layer, so
+for: copy-on-write copies (``copy_blocks``, all layers of one shape in one call) and swaps between
+the device and host (``swap_blocks``). One block id addresses the same block in every layer, so
 :attr:`PagedKVCache.bytes_per_block` counts keys and values of all layers.
 
 Layout (docs/design.md): per layer ``key_cache [num_blocks, num_kv_heads, head_size // x,
 block_size, x]`` with ``x = 16 // element_size`` and ``value_cache [num_blocks, num_kv_heads,
-head_size, block_size]``. An fp8 cache stores ``uint8`` and carries ``k_scale``/``v_scale``.
+head_size, block_size]``. Layers may differ in KV heads and head size (each layer's cache has its
+own shape; the layers of one shape share one allocation). An fp8 cache stores ``uint8`` and
+carries ``k_scale``/``v_scale``.
 """
 
 from __future__ import annotations
@@ -17,19 +19,25 @@ import ctypes
 import os
 import sys
 from collections.abc import Sequence
+from itertools import groupby
+from math import inf
 
 import torch
 
 from paged_attention import _ops
 from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
-from paged_attention.supported import check_block_size, check_head_size, is_fp8
+from paged_attention.supported import FP8_FORMATS, check_block_size, check_head_size, is_fp8
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+FP8_SCALE_HEADROOM = 4.0
+"""A calibrated fp8 scale maps the first keys' (values') largest magnitude to this fraction of
+the format's largest value: later tokens up to this many times larger still fit."""
+_SMALLEST_SCALE = 1e-8  # a first prompt of all-zero keys still gets a usable scale
 _HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h>
 
@@ -67,17 +75,46 @@ def cache_dtype_for(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
     return dtype
 
 
+def layer_shapes(
+    num_layers: int, num_kv_heads: int | Sequence[int], head_size: int | Sequence[int]
+) -> list[tuple[int, int]]:
+    """``(num_kv_heads, head_size)`` of each layer, from one value for every layer or a sequence
+    of ``num_layers`` values."""
+
+    def per_layer(value, name: str) -> list[int]:
+        if isinstance(value, Sequence):
+            if len(value) != num_layers:
+                raise ValueError(
+                    f"{name} must be one value or one per layer ({num_layers}), got {len(value)}"
+                )
+            return [int(v) for v in value]
+        return [int(value)] * num_layers
+
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be positive, got {num_layers}")
+    shapes = list(zip(per_layer(num_kv_heads, "num_kv_heads"), per_layer(head_size, "head_size")))
+    for layer, (heads, size) in enumerate(shapes):
+        if heads <= 0 or size <= 0:
+            raise ValueError(
+                f"num_kv_heads and head_size must be positive, got {heads} and {size} (layer "
+                f"{layer})"
+            )
+    return shapes
+
+
 def bytes_per_block(
     num_layers: int,
-    num_kv_heads: int,
-    head_size: int,
+    num_kv_heads: int | Sequence[int],
+    head_size: int | Sequence[int],
     block_size: int,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes one block id occupies over all layers, keys and values together."""
+    """Bytes one block id occupies over all layers, keys and values together (``num_kv_heads``
+    and ``head_size``: one value, or one per layer)."""
     element = _element_size(cache_dtype_for(dtype, kv_cache_dtype))
-    return 2 * num_layers * num_kv_heads * head_size * block_size * element
+    shapes = layer_shapes(num_layers, num_kv_heads, head_size)
+    return 2 * sum(heads * size for heads, size in shapes) * block_size * element
 
 
 def _host_available_bytes() -> int:
@@ -117,11 +154,19 @@ def num_blocks_for_budget(
 class PagedKVCache:
     """Key and value caches of ``num_layers`` layers on ``device``, plus optional host swap space.
 
+    ``num_kv_heads`` and ``head_size`` are one value for every layer or one per layer (models
+    whose layers differ); :attr:`num_kv_heads` and :attr:`head_size` hold what was given: an int
+    when every layer agrees, else the tuple of each layer's.
+
     Size it with ``num_blocks`` or with a memory budget: ``memory_budget`` bytes, or
     ``memory_fraction`` of free CUDA memory (of ``memory_budget`` when both are given; of the
     host's available memory on CPU). ``dtype`` is the model's dtype; ``kv_cache_dtype`` is
-    ``"auto"`` (store ``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"`` with ``k_scale`` and
-    ``v_scale``. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
+    ``"auto"`` (store ``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"``. An fp8 cache stores
+    ``x / scale``, one key scale and one value scale per layer (:meth:`scales`): ``k_scale`` and
+    ``v_scale`` give every layer the same fixed scales; left ``None``, each layer's scales are
+    calibrated from the first keys and values it stores (:meth:`calibrate`, as vLLM's
+    ``calculate_kv_scales`` does), so that their largest magnitude uses a quarter of the
+    format's range. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
     Blocks start zeroed: an unwritten slot never holds NaN. On a CPU device the caches are
     allocated with :func:`advise_huge_pages`.
     """
@@ -129,40 +174,40 @@ class PagedKVCache:
     def __init__(
         self,
         num_layers: int,
-        num_kv_heads: int,
-        head_size: int,
+        num_kv_heads: int | Sequence[int],
+        head_size: int | Sequence[int],
         block_size: int = 16,
         num_blocks: int | None = None,
         *,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
         kv_cache_dtype: str = "auto",
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
         num_host_blocks: int = 0,
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
     ) -> None:
-        if num_layers <= 0 or num_kv_heads <= 0 or head_size <= 0 or block_size <= 0:
-            raise ValueError(
-                "num_layers, num_kv_heads, head_size and block_size must be positive, got "
-                f"{num_layers}, {num_kv_heads}, {head_size}, {block_size}"
-            )
+        shapes = layer_shapes(num_layers, num_kv_heads, head_size)
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_dtype = cache_dtype_for(dtype, kv_cache_dtype)
-        check_head_size(head_size, kv_cache_dtype)
+        for size in sorted({size for _, size in shapes}):
+            check_head_size(size, kv_cache_dtype)
         check_block_size(block_size)
-        x = 16 // _element_size(self.cache_dtype)
         self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_size = head_size
+        self.layer_shapes: tuple[tuple[int, int], ...] = tuple(shapes)
+        heads, sizes = zip(*shapes)
+        self.num_kv_heads = heads[0] if len(set(heads)) == 1 else heads
+        self.head_size = sizes[0] if len(set(sizes)) == 1 else sizes
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block(
-            num_layers, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype
+            num_layers, heads, sizes, block_size, dtype, kv_cache_dtype
         )
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(
@@ -174,31 +219,75 @@ class PagedKVCache:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
-        self.key_block_shape = (num_kv_heads, head_size // x, block_size, x)
-        self.value_block_shape = (num_kv_heads, head_size, block_size)
 
-        # One allocation per kind; layer l's cache is a contiguous view of it.
-        self._keys = self._allocate(num_blocks, self.key_block_shape, self.device)
-        self._values = self._allocate(num_blocks, self.value_block_shape, self.device)
-        self.key_caches: list[torch.Tensor] = list(self._keys.unbind(0))
-        self.value_caches: list[torch.Tensor] = list(self._values.unbind(0))
+        # One allocation per kind and layer shape; a layer's cache is a contiguous view of it.
+        # ``_groups`` lists the layers of each shape, in the order of the allocations.
+        order = sorted(range(num_layers), key=lambda layer: shapes[layer])
+        self._groups = [list(g) for _, g in groupby(order, key=lambda layer: shapes[layer])]
+        self._key_groups, self.key_caches = self._allocate(num_blocks, self.device, keys=True)
+        self._value_groups, self.value_caches = self._allocate(num_blocks, self.device)
         pin = self.device.type == "cuda"
         host = torch.device("cpu")
-        self._host_keys = self._allocate(num_host_blocks, self.key_block_shape, host, pin)
-        self._host_values = self._allocate(num_host_blocks, self.value_block_shape, host, pin)
-        self.host_key_caches: list[torch.Tensor] = list(self._host_keys.unbind(0))
-        self.host_value_caches: list[torch.Tensor] = list(self._host_values.unbind(0))
-        self.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=self.device)
-        self.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=self.device)
+        self._host_key_groups, self.host_key_caches = self._allocate(
+            num_host_blocks, host, keys=True, pin=pin
+        )
+        self._host_value_groups, self.host_value_caches = self._allocate(
+            num_host_blocks, host, pin=pin
+        )
+        if (k_scale is None) != (v_scale is None):
+            raise ValueError("give both k_scale and v_scale, or neither (calibrated)")
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < inf):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        fixed = k_scale is not None
+        self.k_scales = torch.full(
+            (num_layers,), float(k_scale) if fixed else 1.0, dtype=torch.float32, device=self.device
+        )
+        self.v_scales = torch.full(
+            (num_layers,), float(v_scale) if fixed else 1.0, dtype=torch.float32, device=self.device
+        )
+        self._calibrated = [fixed or not is_fp8(kv_cache_dtype)] * num_layers
+
+    # ------------------------------------------------------------------ fp8 scales
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_scale, v_scale)`` of one layer: one-element float32 tensors on the cache's
+        device, as the ops take them (1.0 for a cache that is not fp8)."""
+        return self.k_scales[layer : layer + 1], self.v_scales[layer : layer + 1]
+
+    def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Set an fp8 layer's scales from the keys and values about to be stored in it, the
+        first time only (and never when they were given): the largest magnitude maps to
+        ``1 / FP8_SCALE_HEADROOM`` of the format's largest value, leaving room for later tokens
+        (vLLM's ``calculate_kv_scales`` leaves 2-4x). Runs on the device, without a host sync."""
+        if self._calibrated[layer] or key.numel() == 0:
+            return
+        largest = FP8_FORMATS[self.kv_cache_dtype][1]
+        for scales, states in ((self.k_scales, key), (self.v_scales, value)):
+            amax = states.detach().abs().amax().to(torch.float32)
+            scales[layer] = (amax * FP8_SCALE_HEADROOM / largest).clamp_min(_SMALLEST_SCALE)
+        self._calibrated[layer] = True
 
     def _allocate(
-        self, blocks: int, block_shape: tuple[int, ...], device: torch.device, pin: bool = False
-    ) -> torch.Tensor:
-        shape = (self.num_layers, blocks, *block_shape)
-        cache = torch.empty(shape, dtype=self.cache_dtype, device=device, pin_memory=pin)
-        if not pin:
-            advise_huge_pages(cache)  # before zero_() touches the pages
-        return cache.zero_()
+        self, blocks: int, device: torch.device, keys: bool = False, pin: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed key (``keys``) or value caches of ``blocks`` blocks: one allocation per layer
+        shape, and each layer's view of its allocation."""
+        x = 16 // _element_size(self.cache_dtype)
+        allocations, views = [], [torch.empty(0)] * self.num_layers
+        for layers in self._groups:
+            heads, size = self.layer_shapes[layers[0]]
+            block = (
+                (heads, size // x, self.block_size, x) if keys else (heads, size, self.block_size)
+            )
+            shape = (len(layers), blocks, *block)
+            cache = torch.empty(shape, dtype=self.cache_dtype, device=device, pin_memory=pin)
+            if not pin:
+                advise_huge_pages(cache)  # before zero_() touches the pages
+            allocations.append(cache.zero_())
+            for layer, view in zip(layers, cache.unbind(0)):
+                views[layer] = view
+        return allocations, views
 
     # ------------------------------------------------------------------ access
 
@@ -217,10 +306,16 @@ class PagedKVCache:
     # ------------------------------------------------------------------ executing plans
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
-        """Copy-on-write: ``block[dst] = block[src]`` in every layer's keys and values, one call."""
+        """Copy-on-write: ``block[dst] = block[src]`` in every layer's keys and values, one call
+        per layer shape."""
         mapping = self._mapping(pairs, self.device)
         if mapping.shape[0]:
-            _ops.copy_blocks(self.key_caches, self.value_caches, mapping)
+            for layers in self._groups:
+                _ops.copy_blocks(
+                    [self.key_caches[layer] for layer in layers],
+                    [self.value_caches[layer] for layer in layers],
+                    mapping,
+                )
 
     def swap_out(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copy ``(device block, host block)`` pairs to host memory, for every layer."""
@@ -271,6 +366,7 @@ class PagedKVCache:
             device=self.device,
             seq_lens_tensor=seq_lens,
             manager_window=manager.sliding_window,
+            manager_chunk=manager.attention_chunk_size,
         )
 
     def decode_metadata(self, manager: BlockManager, seq_ids: Sequence[int]) -> AttentionMetadata:
@@ -288,6 +384,7 @@ class PagedKVCache:
             device=self.device,
             seq_lens_tensor=seq_lens,
             manager_window=manager.sliding_window,
+            manager_chunk=manager.attention_chunk_size,
         )
 
     def _check_manager(self, manager: BlockManager) -> None:

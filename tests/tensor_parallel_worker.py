@@ -22,11 +22,11 @@ import torch
 from paged_attention import cache as cache_module
 from paged_attention.demo import default_workload
 from paged_attention.engine import Engine, SamplingParams
+from paged_attention.geometry import ModelGeometry
+from paged_attention.integrations.tensor_parallel import TensorParallel
 from paged_attention.integrations.transformers import (
     ATTN_IMPLEMENTATION,
-    ModelGeometry,
     PagedCache,
-    TensorParallel,
     cache_argument_name,
 )
 

@@ -60,8 +60,8 @@ def make_cache(num_kv_heads=2, dtype=torch.float32, kv_cache_dtype="auto", num_b
         num_blocks,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
-        k_scale=0.05 if kv_cache_dtype != "auto" else 1.0,
-        v_scale=0.04 if kv_cache_dtype != "auto" else 1.0,
+        k_scale=0.05 if kv_cache_dtype != "auto" else None,
+        v_scale=0.04 if kv_cache_dtype != "auto" else None,
     )
     if kv_cache_dtype == "auto":
         # Unwritten slots are NaN: attention that reads one fails loudly.
@@ -81,11 +81,12 @@ def oracle(module, q, k, v, query_positions, kv_cache_dtype="auto", cache=None):
     """Dense reference: query token at position p attends keys 0..p with reference semantics
     (reference.attention_logits), in float32. q: [n, H, D], k/v: [L, Hkv, D] unpaged."""
     if kv_cache_dtype != "auto":  # what the cache can hold
+        k_scale, v_scale = cache.scales(0)
         k = reference.dequantize(
-            reference.quantize(k, kv_cache_dtype, cache.k_scale), kv_cache_dtype, cache.k_scale
+            reference.quantize(k, kv_cache_dtype, k_scale), kv_cache_dtype, k_scale
         )
         v = reference.dequantize(
-            reference.quantize(v, kv_cache_dtype, cache.v_scale), kv_cache_dtype, cache.v_scale
+            reference.quantize(v, kv_cache_dtype, v_scale), kv_cache_dtype, v_scale
         )
     out = []
     for i, p in enumerate(query_positions):
@@ -121,8 +122,8 @@ def run_step(module, cache, manager, chunks, kv_cache_dtype="auto"):
         torch.cat([c[3] for c in chunks]),
         cache.layer(0),
         meta,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
+        k_scale=cache.scales(0)[0],
+        v_scale=cache.scales(0)[1],
     )
     return out.split(lens)
 
@@ -185,8 +186,7 @@ def test_decode_matches_reference_paged_attention(option):
         meta.max_seq_len,
         module.alibi_slopes,
         "auto",
-        cache.k_scale,
-        cache.v_scale,
+        *cache.scales(0),
         module.sliding_window,
         module.logits_soft_cap,
         module.attention_chunk_size,

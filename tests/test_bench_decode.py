@@ -52,13 +52,14 @@ def run_bench_decode(args: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_gpu_check_runs_the_benchmark_twice():
+def test_gpu_check_runs_the_benchmark_three_times():
+    """The grid against the peers, one 128K-token sequence (v2's reduce) and FlexAttention."""
     commands = gpu_check_bench_commands()
-    assert len(commands) == 2
+    assert len(commands) == 3
     assert all(shlex.join(c).count("--device cuda") == 1 for c in commands)
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["grid", "flex"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["grid", "reduce", "flex"])
 def test_gpu_check_bench_arguments_run(index, tmp_path):
     args = on_a_tiny_cpu_grid(gpu_check_bench_commands()[index], tmp_path)
     run_bench_decode(args)
@@ -111,5 +112,26 @@ def test_shape_flags_are_recorded(tmp_path):
     report = json.loads(json_path.read_text())
     assert report["shape"] == {"num_heads": 8, "num_kv_heads": 1, "head_size": 96, "block_size": 8}
     assert [r["method"] for r in report["rows"]] == ["v1", "gather+sdpa", "limit"]
+    machine = report["machine"]  # the CPU is recorded, so runs on different CPUs stay apart
+    assert machine["cpu_model"] and isinstance(machine["cpu_isa_flags"], list)
+    variants = machine["kernel_variants"]
+    assert variants["vector"] in ("avx512", "avx2", "baseline")
+    assert variants["bf16_matmul"] in ("amx", "avx512bf16", "none")
+    assert variants["bf16_matmuls_usable"][-1] == "reference"
     assert all(r.get("error") is None for r in report["rows"])
     assert report["rows"][0]["kv_bytes"] == 2 * 2 * 300 * 1 * 96 * 2
+
+
+def test_cpu_identity_reads_the_first_processor(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n"
+        "flags\t\t: fpu avx2 fma avx512f avx512_bf16 sha_ni\n\n"
+        "processor\t: 1\nmodel name\t: other\nflags\t\t: amx_tile\n"
+    )
+    identity = load_bench_decode().cpu_identity(str(cpuinfo))
+    assert identity == dict(
+        cpu_model="AMD EPYC 9R14",
+        cpu_vendor="AuthenticAMD",
+        cpu_isa_flags=["avx2", "fma", "avx512f", "avx512_bf16"],
+    )

@@ -29,6 +29,7 @@ def test_every_row_and_method_on_a_tiny_grid(tmp_path):
         + ["--plot", str(png_path)]
     )
     report = json.loads(json_path.read_text())
+    assert report["machine"]["cpu_model"] and "kernel_variants" in report["machine"]
     rows = report["rows"]
     assert all(r.get("error") is None and r["time_s"] > 0 for r in rows), rows
     for dtype in ("float32", "bfloat16"):
@@ -38,6 +39,8 @@ def test_every_row_and_method_on_a_tiny_grid(tmp_path):
         assert ("d", "v1") in methods and ("a", "v1") not in methods
         assert {("a", "limit"), ("d", "limit")} <= methods and ("b", "limit") not in methods
         assert {(row, "flop-limit") for row in "abcd"} <= methods
+        if dtype == "bfloat16":  # the product in the row's own dtype as well
+            assert {(row, "flop-limit-bfloat16") for row in "abcd"} <= methods
     ours = {r["row"]: r for r in rows if r["method"] == "ours" and r["dtype"] == "float32"}
     assert [ours[row]["query_len"] for row in "abcd"] == [4, 40, 160, 1]  # b: 512 / 2048 of 160
     assert ours["a"]["fraction_of_limit"] > 0 and ours["d"]["speedup_vs_v1"] > 0

@@ -713,6 +713,10 @@ def test_options_validation():
         BlockManager(4, 16, sliding_window=0)
     with pytest.raises(ValueError):
         BlockManager(4, 16, sliding_window=8, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="prefix caching"):
+        BlockManager(4, 16, attention_chunk_size=8, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        BlockManager(4, 16, attention_chunk_size=0)
     with pytest.raises(ValueError):
         BlockManager(4, 16, max_blocks_per_seq=0)
 
@@ -735,6 +739,7 @@ def test_options_validation():
         ({"num_host_blocks": -1}, ValueError, "num_host_blocks"),
         ({"sliding_window": 2.5}, TypeError, "sliding_window"),
         ({"sliding_window": True}, TypeError, "sliding_window"),
+        ({"attention_chunk_size": 8.0}, TypeError, "attention_chunk_size"),
         ({"max_blocks_per_seq": 2.5}, TypeError, "max_blocks_per_seq"),
     ],
 )
@@ -823,6 +828,51 @@ def test_sliding_window_releases_blocks_outside_the_window():
     check_invariants(bm)
     bm.free(1)
     assert bm.num_free_device_blocks() == 8
+
+
+def test_attention_chunks_release_the_blocks_before_the_current_chunk():
+    bm = BlockManager(8, 4, attention_chunk_size=8)
+    bm.allocate(1, 7)  # positions 0..6 in blocks 0, 1
+    bm.append_slots(1, 2)  # position 7 still reads chunk 0..7: nothing released
+    assert bm.block_table(1) == [0, 1, 2]
+    bm.append_slots(1)  # position 9 reads 8..9: blocks 0 and 1 (positions 0..7) go
+    assert bm.block_table(1) == [RELEASED, RELEASED, 2]
+    assert bm.num_free_device_blocks() == 7
+    assert bm.slot_mapping_tensor([1], 10).tolist() == [-1] * 8 + [8, 9]
+    for _ in range(5):  # positions 10..14 read from 8: block 2 stays
+        bm.decode_step([1])
+    assert bm.block_table(1) == [RELEASED, RELEASED, 2, 3]
+    bm.decode_step([1])  # position 15 reads 8..15
+    pairs, tables, lens, slots = bm.decode_step([1])  # position 16 opens chunk 16..23
+    assert bm.block_table(1) == [RELEASED] * 4 + [4] and tables.tolist() == [[0, 0, 0, 0, 4]]
+    assert lens.tolist() == [17] and slots.tolist() == [16]
+    check_invariants(bm)
+
+
+def test_truncate_with_attention_chunks():
+    bm = BlockManager(8, 4, attention_chunk_size=8)
+    bm.allocate(1, 12)
+    bm.append_slots(1, 2)  # position 12 reads 8..12: blocks 0 and 1 are released
+    assert bm.block_table(1) == [RELEASED, RELEASED, 2, 3]
+    # Cut to 7 tokens: the next token (position 7) would read chunk 0..7, released.
+    assert_fails_cleanly(bm, ValueError, lambda: bm.truncate(1, 7), "keep at least 8")
+    assert bm.truncate(1, 8) == [] and bm.block_table(1) == [RELEASED, RELEASED]
+    bm.append_slots(1)  # position 8 reads 8: a fresh block for it, nothing else
+    assert bm.block_table(1)[:2] == [RELEASED, RELEASED] and len(bm.block_table(1)) == 3
+    check_invariants(bm)
+
+
+def test_windowed_and_chunked_layers_keep_what_either_reads():
+    bm = BlockManager(16, 4, sliding_window=6, attention_chunk_size=8)
+    bm.allocate(1, 8)
+    bm.append_slots(1, 4)  # position 8: the window reads 3..8, the chunk 8: block 0 stays
+    assert bm.block_table(1) == [0, 1, 2]
+    bm.append_slots(1, 2)  # position 12: the window reads 7..12, the chunk 8..12
+    assert bm.block_table(1) == [RELEASED, 1, 2, 3]
+    for _ in range(4):  # up to position 17: the window reads from 12, the chunk from 16
+        bm.decode_step([1])
+    assert bm.block_table(1) == [RELEASED, RELEASED, RELEASED, 3, 4]
+    check_invariants(bm)
 
 
 def test_sliding_window_shared_release_and_swap():
@@ -915,8 +965,11 @@ class ShadowCache:
         self.host = np.full(max(bm.num_host_blocks, 1) * size, -1, dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}  # what each sequence wrote, in order
         self.values: dict[int, list[int]] = {}  # a value per token that depends on its prefix
-        # The first position the latest computed token of each sequence attends (window).
+        # The first position the latest computed token of each sequence attends (window, chunk).
         self.attends_from: dict[int, int] = {}
+
+    def _first_read(self, position: int) -> int:
+        return int(self.bm.reach.first_read(np.array([position]))[0])
 
     @staticmethod
     def _value(previous: int, token: int) -> int:
@@ -929,8 +982,7 @@ class ShadowCache:
 
     def _extend(self, seq_id: int, tokens: list[int]) -> None:
         values = self.values.setdefault(seq_id, [])
-        window = self.bm.sliding_window
-        self.attends_from[seq_id] = 0 if window is None else max(len(values) + 1 - window, 0)
+        self.attends_from[seq_id] = self._first_read(len(values))
         self.tokens.setdefault(seq_id, []).extend(tokens)
         for token in tokens:
             values.append(self._value(values[-1] if values else 0, token))
@@ -1002,8 +1054,7 @@ class ShadowCache:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         self._copy(self.bm.truncate(seq_id, num_tokens), self.device, self.device)
         del self.tokens[seq_id][num_tokens:], self.values[seq_id][num_tokens:]
-        window = self.bm.sliding_window  # the next token's window is what must still be there
-        self.attends_from[seq_id] = 0 if window is None else max(num_tokens + 1 - window, 0)
+        self.attends_from[seq_id] = self._first_read(num_tokens)  # what the next token reads
 
     def check(self) -> None:
         size = self.bm.block_size
@@ -1022,7 +1073,13 @@ class ShadowCache:
 
 def test_replay_random_workload():
     for seed, options in enumerate(
-        [{"enable_prefix_caching": True}, {"sliding_window": 5}, {}] * 2
+        [
+            {"enable_prefix_caching": True},
+            {"sliding_window": 5},
+            {"attention_chunk_size": 6},
+            {"sliding_window": 3, "attention_chunk_size": 8},
+            {},
+        ]
     ):
         rng = random.Random(seed)
         bm = BlockManager(48, 4, 48, watermark=0.0, **options)
@@ -1072,7 +1129,14 @@ def test_replay_random_workload():
 
 def test_replay_speculative_decoding():
     # Verification steps as in assisted generation: append draft tokens, keep the accepted ones.
-    for seed, options in enumerate([{"enable_prefix_caching": True}, {"sliding_window": 6}, {}]):
+    for seed, options in enumerate(
+        [
+            {"enable_prefix_caching": True},
+            {"sliding_window": 6},
+            {"attention_chunk_size": 4},
+            {},
+        ]
+    ):
         rng = random.Random(seed)
         bm = BlockManager(64, 4, watermark=0.0, **options)
         shadow = ShadowCache(bm)
@@ -1191,8 +1255,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before = snapshot(self.bm)
         try:
             self.shadow.truncate(seq_id, num_tokens)
-        except (OutOfBlocksError, ValueError) as error:  # no block for a copy; a window cut
-            assert isinstance(error, OutOfBlocksError) or "sliding window" in str(error)
+        except (OutOfBlocksError, ValueError) as error:  # no block for a copy; a cut too deep
+            assert isinstance(error, OutOfBlocksError) or "were released" in str(error)
             assert snapshot(self.bm) == before
 
     @precondition(lambda self: self._live())
@@ -1224,6 +1288,10 @@ class SlidingWindowMachine(BlockManagerMachine):
     options = {"sliding_window": 3}
 
 
+class ChunkedAttentionMachine(BlockManagerMachine):
+    options = {"attention_chunk_size": 4}
+
+
 _MACHINE_SETTINGS = settings(
     max_examples=80,
     stateful_step_count=50,
@@ -1234,6 +1302,8 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = _MACHINE_SETTINGS
 TestSlidingWindowMachine = SlidingWindowMachine.TestCase
 TestSlidingWindowMachine.settings = _MACHINE_SETTINGS
+TestChunkedAttentionMachine = ChunkedAttentionMachine.TestCase
+TestChunkedAttentionMachine.settings = _MACHINE_SETTINGS
 
 
 def test_errors_are_block_manager_errors():

@@ -9,7 +9,7 @@ from paged_attention.block_errors import (
     UnknownSequenceError,
 )
 from paged_attention.block_pool import CachingBlockPool
-from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains
+from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains, Reach
 
 
 def make_tables(block_size: int = 4, max_blocks_per_seq: int | None = None) -> BlockTables:
@@ -103,14 +103,33 @@ def test_extend_fork_and_replace_last():
     assert tables.table_of(5, on_host=False) == [0, 1, 9, 12]
 
 
-def test_window_releases_and_release():
+def test_reach_of_windows_and_chunks():
+    positions = np.arange(12)
+    assert Reach().first_read(positions).tolist() == [0] * 12
+    assert Reach(sliding_window=3).first_read(positions).tolist() == [0, 0, *range(10)]
+    assert (
+        Reach(attention_chunk_size=4).first_read(positions).tolist() == [0] * 4 + [4] * 4 + [8] * 4
+    )
+    both = Reach(sliding_window=2, attention_chunk_size=4).first_read(positions)
+    assert both.tolist() == [0, 0, 0, 0, 3, 4, 4, 4, 7, 8, 8, 8]  # the earlier of the two
+    # The shortest sequence whose next token reads nothing before position 8.
+    assert Reach(sliding_window=3).shortest_reading_from(8) == 10
+    assert Reach(attention_chunk_size=6).shortest_reading_from(8) == 12
+    assert Reach(sliding_window=3, attention_chunk_size=6).shortest_reading_from(8) == 12
+    assert not Reach().releases and Reach(attention_chunk_size=4).releases
+
+
+def test_releases_and_release():
     tables = make_tables()
     row = tables.row(2)  # 8 tokens in blocks 0, 1
-    assert tables.window_releases(row, 9, None).tolist() == []
-    assert tables.window_releases(row, 9, 4).tolist() == [0]  # token 8 attends 5..8
-    assert tables.window_releases(row, 9, 6).tolist() == []  # token 8 attends 3..8
+    assert tables.releases(row, 8, Reach()).tolist() == []
+    assert tables.releases(row, 8, Reach(4)).tolist() == [0]  # token 8 attends 5..8
+    assert tables.releases(row, 8, Reach(6)).tolist() == []  # token 8 attends 3..8
+    assert tables.releases(row, 8, Reach(attention_chunk_size=8)).tolist() == [0, 1]
+    assert tables.releases(row, 8, Reach(attention_chunk_size=6)).tolist() == [0]  # reads 6..8
+    assert tables.releases(row, 8, Reach(attention_chunk_size=12)).tolist() == []
     rows = tables.rows([1, 2])
-    releasing, released = tables.rows_releasing(rows, tables.seq_lens[rows] + 1, 4)
+    releasing, released = tables.rows_releasing(rows, tables.seq_lens[rows], Reach(4))
     assert releasing == [row] and [r.tolist() for r in released] == [[0]]
     assert tables.release(row, released[0]).tolist() == [0]
     assert tables.table_of(2, on_host=False) == [RELEASED, 1]
@@ -123,7 +142,7 @@ def test_slots_of_the_last_tokens_skip_released_blocks():
     tables = make_tables()
     rows = tables.rows([1, 2])
     assert tables.slots(rows, np.array([2, 3])).tolist() == [15, 28, 5, 6, 7]
-    tables.release(1, tables.window_releases(1, 9, 4))
+    tables.release(1, tables.releases(1, 8, Reach(4)))
     assert tables.slots(rows[1:], np.array([6])).tolist() == [-1, -1, 4, 5, 6, 7]
 
 

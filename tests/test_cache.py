@@ -49,13 +49,75 @@ def test_layout_matches_design(dtype, kv_cache_dtype, x, storage):
     assert cache.bytes_per_block == 2 * LAYERS * KV_HEADS * HEAD * BLOCK * element
     held = sum(t.numel() * t.element_size() for t in (*cache.key_caches, *cache.value_caches))
     assert held == cache.device_bytes == 5 * cache.bytes_per_block
-    assert cache.k_scale.dtype == torch.float32 and cache.k_scale.shape == (1,)
+    for scale in cache.scales(LAYERS - 1):
+        assert scale.dtype == torch.float32 and scale.shape == (1,)
+
+
+def test_fp8_scales_are_given_or_calibrated_per_layer():
+    fixed = make_cache(kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.25)
+    assert [s.item() for s in fixed.scales(1)] == [0.5, 0.25]
+    fixed.calibrate(1, torch.full((3, KV_HEADS, HEAD), 100.0), torch.ones(3, KV_HEADS, HEAD))
+    assert [s.item() for s in fixed.scales(1)] == [0.5, 0.25]  # given scales stay
+    calibrated = make_cache(kv_cache_dtype="fp8_e4m3")
+    key = torch.randn(5, KV_HEADS, HEAD) * 30
+    value = torch.randn(5, KV_HEADS, HEAD)
+    calibrated.calibrate(0, key, value)
+    k_scale, v_scale = calibrated.scales(0)
+    assert k_scale.item() == pytest.approx(key.abs().max().item() * 4 / 448)
+    assert v_scale.item() == pytest.approx(value.abs().max().item() * 4 / 448)
+    assert [s.item() for s in calibrated.scales(1)] == [1.0, 1.0]  # not calibrated yet
+    calibrated.calibrate(0, key * 10, value * 10)  # only the first keys and values count
+    assert calibrated.scales(0)[0].item() == k_scale.item()
+    auto = make_cache()
+    auto.calibrate(0, key, value)
+    assert [s.item() for s in auto.scales(0)] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="give both k_scale and v_scale"):
+        make_cache(kv_cache_dtype="fp8", k_scale=0.5)
+    with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
+        make_cache(kv_cache_dtype="fp8", k_scale=0.0, v_scale=1.0)
 
 
 def test_layers_are_views_of_one_allocation():
     cache = make_cache()
     cache.key_caches[1][3].fill_(7.0)
-    assert cache._keys[1, 3].eq(7.0).all() and not cache._keys[0].any()
+    (keys,) = cache._key_groups
+    assert keys[1, 3].eq(7.0).all() and not keys[0].any()
+
+
+def test_layers_of_different_shapes_each_get_their_own():
+    # Layers 0 and 2: 2 KV heads of 32; layer 1: 1 KV head of 64 (per-layer shapes).
+    cache = PagedKVCache(
+        3, [2, 1, 2], [32, 64, 32], BLOCK, 6, dtype=torch.float32, num_host_blocks=3
+    )
+    assert cache.layer_shapes == ((2, 32), (1, 64), (2, 32))
+    assert cache.num_kv_heads == (2, 1, 2) and cache.head_size == (32, 64, 32)
+    assert [tuple(k.shape) for k in cache.key_caches] == [
+        (6, 2, 8, BLOCK, 4),
+        (6, 1, 16, BLOCK, 4),
+        (6, 2, 8, BLOCK, 4),
+    ]
+    assert cache.value_caches[1].shape == (6, 1, 64, BLOCK)
+    assert len(cache._key_groups) == 2  # one allocation per shape
+    assert cache.bytes_per_block == 2 * (2 * 32 + 64 + 2 * 32) * BLOCK * 4
+    assert cache.bytes_per_block == bytes_per_block(
+        3, [2, 1, 2], [32, 64, 32], BLOCK, torch.float32
+    )
+    fill_random(cache, 4)
+    expected = [t[2].clone() for t in (*cache.key_caches, *cache.value_caches)]
+    cache.copy_blocks([(2, 5)])
+    assert all(
+        torch.equal(t[5], want)
+        for t, want in zip((*cache.key_caches, *cache.value_caches), expected)
+    )
+    cache.swap_out([(5, 1)])
+    for layer in range(3):
+        cache.key_caches[layer][5] = 0
+    cache.swap_in([(1, 0)])
+    assert all(torch.equal(t[0], want) for t, want in zip(cache.key_caches, expected))
+    with pytest.raises(ValueError, match="one per layer"):
+        PagedKVCache(3, [2, 1], 32, BLOCK, 4)
+    with pytest.raises(ValueError, match="head_size 48 is not supported"):
+        PagedKVCache(2, 1, [32, 48], BLOCK, 4)
 
 
 def vma_flags(address: int) -> list[str]:
@@ -78,11 +140,11 @@ def vma_flags(address: int) -> list[str]:
 )
 def test_cpu_caches_are_advised_to_use_huge_pages():
     cache = make_cache(num_blocks=2048)  # 3 layers x 2048 blocks x 2 KiB: 12 MiB per kind
-    for tensor in (cache._keys, cache._values):
+    for tensor in (*cache._key_groups, *cache._value_groups):
         huge = 2 << 20
         first_huge_page = -(-tensor.data_ptr() // huge) * huge
         assert "hg" in vma_flags(first_huge_page)  # MADV_HUGEPAGE is set on the mapping
-    assert not cache._keys.any() and not cache._values.any()  # advised, then zeroed
+    assert not any(t.any() for t in (*cache._key_groups, *cache._value_groups))  # zeroed
     small = torch.empty(1024)
     assert not advise_huge_pages(small)  # spans no whole 2 MiB page
     assert not advise_huge_pages(torch.empty(0))

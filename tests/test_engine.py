@@ -874,3 +874,20 @@ def test_chat_messages_are_checked(text_model):
     with pytest.raises(ValueError, match="prompt must hold at least one token"):
         engine.add_request("", SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_fp8_kv_cache_calibrates_like_paged_cache(model):
+    from paged_attention.integrations.transformers import PagedCache
+
+    prompt = prompts(1, seed=30)[0]
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, kv_cache_dtype="fp8")
+    (out,) = engine.generate([prompt], SamplingParams(10))
+    cache = PagedCache(model, BLOCK, 64, kv_cache_dtype="fp8")
+    ids = torch.tensor([prompt])
+    want = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, cache=cache
+    )[0, len(prompt) :].tolist()
+    assert out.outputs == [want]
+    for layer in range(2):
+        assert engine.kv_cache.scales(layer)[0].item() == cache.kv_cache.scales(layer)[0].item()
+        assert engine.kv_cache.scales(layer)[0].item() != 1.0

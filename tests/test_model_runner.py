@@ -4,6 +4,8 @@ Mistral (sliding window) and Qwen2 (mixed layers) models."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,10 +17,8 @@ from paged_attention.engine.model_runner import ModelRunner  # noqa: E402
 from paged_attention.engine.request import Request, RequestMetrics, SamplingParams  # noqa: E402
 from paged_attention.engine.request import Sequence as EngineSequence  # noqa: E402
 from paged_attention.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
-from paged_attention.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION,
-    ModelGeometry,
-)
+from paged_attention.geometry import ModelGeometry  # noqa: E402
+from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
@@ -107,7 +107,7 @@ def test_step_cache_needs_the_steps_metadata():
             model(
                 input_ids=torch.tensor([[4, 5, 6]]),
                 position_ids=torch.tensor([[0, 1, 2]]),
-                past_key_values=runner.cache,
+                cache=runner.cache,
             )
         request, seq = sequence_request(0)
         request.prompt = [4, 5, 6]
@@ -117,7 +117,7 @@ def test_step_cache_needs_the_steps_metadata():
             model(
                 input_ids=torch.tensor([[4, 5]]),
                 position_ids=torch.tensor([[0, 1]]),
-                past_key_values=runner.cache,
+                cache=runner.cache,
             )
     model.set_attn_implementation("sdpa")
 
@@ -133,7 +133,7 @@ def test_a_padded_decode_step_on_the_static_buffers_equals_the_eager_step():
     for i, prompt in enumerate([[5, 6, 7, 8, 9], list(range(10, 33)), [40, 41]]):
         engine.add_request(prompt, SamplingParams(20, temperature=1.0, n=1 + i % 2, seed=i))
     engine.step()  # the prompts; decode steps from here on
-    graphs = DecodeGraphs(engine.runner, max_batch=8, max_seq_len=256, window=None)
+    graphs = DecodeGraphs(engine.runner, max_batch=8, max_seq_len=256, block_manager=None)
     for _ in range(3):
         out = engine.scheduler.schedule()
         assert out.decode and not out.prefill and graphs.fits(out)
@@ -155,6 +155,26 @@ def test_cuda_graphs_need_a_cuda_model():
         Engine(build("llama"), num_blocks=16, block_size=BLOCK, cuda_graphs=True)
 
 
+def test_the_step_cache_checks_each_layer_against_the_geometry():
+    # Mistral slides over a window in every layer; a geometry that read it as full attention
+    # (the Phi-MoE mistake: a window only the mask applies) is caught at the first layer, with
+    # prefix caching (no window in the manager) as without.
+    model = build("mistral")
+    geometry = ModelGeometry.of(model)
+    misread = dataclasses.replace(
+        geometry,
+        layers=tuple(dataclasses.replace(layer, sliding_window=0) for layer in geometry.layers),
+    )
+    kv = misread.kv_cache(BLOCK, 16, None)
+    manager = misread.block_manager(kv, enable_prefix_caching=True)
+    runner = ModelRunner(model, misread, kv)
+    request, seq = sequence_request(0)
+    request.prompt = [4, 5, 6]
+    manager.allocate(0, 3)
+    out = SchedulerOutput(prefill=[ScheduledChunk(request, seq, 0, 3, allocated=True)])
+    with pytest.raises(ValueError, match="attends with a sliding window of 12, but its config"):
+        runner.run(out, manager)
+    model.set_attn_implementation("sdpa")
 def greedy_generate(model, prompt, max_new_tokens):
     model.set_attn_implementation("sdpa")
     try:

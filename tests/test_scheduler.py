@@ -4,6 +4,7 @@ scheduled tokens computed (commit) and appends one token to every sampling seque
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -207,3 +208,16 @@ def test_a_request_outgrowing_the_pool_alone_ends_instead_of_looping():
         rejected += run_step(scheduler).rejected
     assert [(r, "outgrew the whole KV budget" in why) for r, why in rejected] == [(request, True)]
     assert manager.seq_ids() == [] and manager.num_free_device_blocks() == 3
+
+
+@pytest.mark.parametrize(
+    "window, chunk, expected",
+    [(None, None, 1 + 3 * 11), (8, None, 2 + 3 * 3), (None, 16, 2 + 3 * 5), (8, 16, 2 + 3 * 5)],
+)
+def test_blocks_needed_caps_each_sequence_by_what_its_tokens_read(window, chunk, expected):
+    # A 6-token prompt, 3 samples of up to 6 + 40 - 1 = 45 tokens in blocks of 4: without a
+    # release each sample holds its own 11 blocks past the shared full prompt block; a window of
+    # 8 or a chunk of 16 caps that at 8/4 + 1 or 16/4 + 1 blocks (and the prompt's 2 blocks).
+    manager = BlockManager(64, BLOCK, sliding_window=window, attention_chunk_size=chunk)
+    scheduler = Scheduler(manager, max_num_seqs=4)
+    assert scheduler.blocks_needed(make_request(0, 6, max_new_tokens=40, n=3)) == expected

@@ -1,29 +1,36 @@
 """Hugging Face transformers generate() on PagedCache: token-for-token equality with transformers'
 default cache on tiny Llama, Mistral (sliding window) and Qwen2 (mixed full/sliding layers)
 models built from fixed configs and seeds, block accounting, forks instead of copies, and the
-engine-facing packed step API."""
+checks that every attention call computes what the cache was built for (every other supported
+family: tests/test_model_zoo.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
 from transformers import (
     DynamicCache,
-    GPT2Config,
-    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    masking_utils,
 )
 
 from paged_attention.block_manager import OutOfBlocksError
 from paged_attention.demo import tiny_llama_config
-from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache
+from paged_attention.integrations.transformers import (
+    ATTN_IMPLEMENTATION,
+    PagedCache,
+    cache_argument_name,
+)
+from paged_attention.integrations.transformers_backend import MaskPattern, paged_attention_mask
 
 BLOCK = 8
 COMMON = tiny_llama_config(
@@ -80,7 +87,7 @@ def generate_both(model, cache_kwargs=None, **kwargs):
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     cache = PagedCache(model, **{"block_size": BLOCK, "num_blocks": 512, **(cache_kwargs or {})})
     torch.manual_seed(7)
-    got = model.generate(**kwargs, past_key_values=cache)
+    got = model.generate(**kwargs, cache=cache)
     model.set_attn_implementation("sdpa")
     return expected, got, cache
 
@@ -189,7 +196,7 @@ def test_prefill_of_expanded_copies_shares_every_block(llama):
         max_new_tokens=1,
         do_sample=True,
         num_return_sequences=4,
-        past_key_values=cache,
+        cache=cache,
     )
     assert cache.blocks_in_use() == math.ceil(21 / BLOCK)
     assert cache.stats().num_seqs == 4
@@ -198,7 +205,7 @@ def test_prefill_of_expanded_copies_shares_every_block(llama):
 
 def step_logits(model, cache, ids, mask):
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        return model(input_ids=ids, attention_mask=mask, cache=cache).logits[:, -1]
 
 
 def test_repeat_select_and_reorder_match_dynamic_cache(llama):
@@ -238,17 +245,11 @@ def test_repeat_select_and_reorder_match_dynamic_cache(llama):
     llama.set_attn_implementation("sdpa")
 
 
-def test_unsupported_model_names_what_is_supported():
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match=r"llama.*mistral.*qwen2"):
-        PagedCache(gpt2, num_blocks=8)
-
-
 def test_wrong_attention_implementation_raises(llama):
     llama.set_attn_implementation("sdpa")
     cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
     with pytest.raises(ValueError, match='set_attn_implementation\\("paged_attention"\\)'):
-        llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache)
+        llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache=cache)
 
 
 def test_attention_without_paged_cache_raises(llama):
@@ -277,17 +278,15 @@ def test_cpu_cache_without_a_size_takes_a_quarter_of_host_memory_up_to_4_gib(lla
 def test_new_batch_needs_reset(llama):
     llama.set_attn_implementation(ATTN_IMPLEMENTATION)
     cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
-    llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache)
+    llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache=cache)
     with pytest.raises(ValueError, match="reset"):
         llama.generate(
             input_ids=torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]),
             max_new_tokens=2,
-            past_key_values=cache,
+            cache=cache,
         )
     cache.reset()
-    out = llama.generate(
-        input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache
-    )
+    out = llama.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache=cache)
     assert out.shape == (1, 5)
     llama.set_attn_implementation("sdpa")
 
@@ -297,18 +296,14 @@ def test_new_prompt_of_the_same_batch_size_needs_reset(llama):
     try:
         cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
         first = torch.tensor([[5, 6, 7, 8, 9]])
-        llama.generate(input_ids=first, max_new_tokens=3, do_sample=False, past_key_values=cache)
+        llama.generate(input_ids=first, max_new_tokens=3, do_sample=False, cache=cache)
         held = cache.block_manager.stats().device.used_blocks
         other = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])  # longer, unrelated
         with pytest.raises(ValueError, match="do not start with them"):
-            llama.generate(
-                input_ids=other, max_new_tokens=3, do_sample=False, past_key_values=cache
-            )
+            llama.generate(input_ids=other, max_new_tokens=3, do_sample=False, cache=cache)
         assert cache.block_manager.stats().device.used_blocks == held  # nothing was reserved
         cache.reset()
-        out = llama.generate(
-            input_ids=other, max_new_tokens=3, do_sample=False, past_key_values=cache
-        )
+        out = llama.generate(input_ids=other, max_new_tokens=3, do_sample=False, cache=cache)
         llama.set_attn_implementation("sdpa")
         assert torch.equal(out, llama.generate(input_ids=other, max_new_tokens=3, do_sample=False))
     finally:
@@ -324,10 +319,10 @@ def test_continuation_of_the_cached_tokens_matches_the_default_cache(llama):
         return llama.generate(input_ids=follow_up, max_new_tokens=6, do_sample=False, **cache)
 
     llama.set_attn_implementation("sdpa")
-    want = two_turns(dict(past_key_values=DynamicCache(config=llama.config)))
+    want = two_turns(dict(cache=DynamicCache(config=llama.config)))
     llama.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
-        got = two_turns(dict(past_key_values=PagedCache(llama, block_size=BLOCK, num_blocks=32)))
+        got = two_turns(dict(cache=PagedCache(llama, block_size=BLOCK, num_blocks=32)))
     finally:
         llama.set_attn_implementation("sdpa")
     assert torch.equal(got, want)
@@ -350,13 +345,13 @@ def test_cache_built_for_another_model_is_refused(llama):
             other.set_attn_implementation(ATTN_IMPLEMENTATION)
             cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
             with pytest.raises(ValueError, match=message):
-                other.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache)
+                other.generate(input_ids=ids, max_new_tokens=2, cache=cache)
             assert cache.block_manager.seq_ids() == []
         # The cache's own model switched to paged attention, the model using it not.
         cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
         with pytest.raises(ValueError, match="did not run through"):
             deeper.set_attn_implementation("sdpa")
-            deeper.generate(input_ids=ids, max_new_tokens=2, past_key_values=cache)
+            deeper.generate(input_ids=ids, max_new_tokens=2, cache=cache)
     finally:
         llama.set_attn_implementation("sdpa")
 
@@ -367,7 +362,7 @@ def test_training_mode_raises_instead_of_dropping_key_value_gradients(llama):
     llama.train()
     try:
         with pytest.raises(RuntimeError, match="inference-only"):
-            llama(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
+            llama(input_ids=torch.tensor([[5, 6, 7]]), cache=cache)
         assert cache.block_manager.seq_ids() == []  # refused before any block was reserved
     finally:
         llama.eval()
@@ -379,9 +374,7 @@ def test_out_of_blocks_says_what_to_change(llama):
     cache = PagedCache(llama, block_size=BLOCK, num_blocks=2)
     try:
         with pytest.raises(OutOfBlocksError, match="num_blocks=.*reset"):
-            llama.generate(
-                input_ids=torch.tensor([[5, 6, 7]] * 2), max_new_tokens=20, past_key_values=cache
-            )
+            llama.generate(input_ids=torch.tensor([[5, 6, 7]] * 2), max_new_tokens=20, cache=cache)
         cache.reset()
         assert cache.block_manager.num_free_device_blocks() == 2
     finally:
@@ -397,14 +390,14 @@ def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
     llama.set_attn_implementation("sdpa")
     with torch.no_grad():
         want = [
-            llama(input_ids=ids, attention_mask=mask, past_key_values=dense).logits,
-            llama(input_ids=new, attention_mask=step_mask, past_key_values=dense).logits,
+            llama(input_ids=ids, attention_mask=mask, cache=dense).logits,
+            llama(input_ids=new, attention_mask=step_mask, cache=dense).logits,
         ]
         llama.set_attn_implementation(ATTN_IMPLEMENTATION)
         cache = PagedCache(llama, BLOCK, 32, kv_cache_dtype=kv_cache_dtype)
         got = [
-            llama(input_ids=ids, attention_mask=mask, past_key_values=cache).logits,
-            llama(input_ids=new, attention_mask=step_mask, past_key_values=cache).logits,
+            llama(input_ids=ids, attention_mask=mask, cache=cache).logits,
+            llama(input_ids=new, attention_mask=step_mask, cache=cache).logits,
         ]
     llama.set_attn_implementation("sdpa")
     assert cache.kv_cache.key_caches[0].dtype == torch.uint8
@@ -449,7 +442,7 @@ def test_assisted_generation_matches_the_default_cache(kind, mode, monkeypatch):
     calls = count_varlen_rows(monkeypatch)
     target.set_attn_implementation(ATTN_IMPLEMENTATION)
     cache.reset()
-    again = target.generate(**kwargs, past_key_values=cache)
+    again = target.generate(**kwargs, cache=cache)
     target.set_attn_implementation("sdpa")
     assert torch.equal(got, expected) and torch.equal(again, expected)
     # Draft tokens were verified several at a time (the prefill is the first call).
@@ -463,7 +456,7 @@ def test_crop_drops_the_last_tokens_of_every_row(llama):
         cache = PagedCache(llama, block_size=BLOCK, num_blocks=32)
         ids, mask = left_padded([9, 11, 17], seed=4)
         with torch.no_grad():
-            llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            llama(input_ids=ids, attention_mask=mask, cache=cache)
         rows = list(cache._rows)
         lengths = [cache.block_manager.num_tokens(s) for s in rows]
         cache.crop(-4)
@@ -479,3 +472,123 @@ def test_crop_drops_the_last_tokens_of_every_row(llama):
         assert cache.get_seq_length() == 10
     finally:
         llama.set_attn_implementation("sdpa")
+
+
+# ------------------------------------------------------------------------------------------
+# Every call is checked against what the cache was built for
+
+
+def read_as(cache, **changes):
+    """Make ``cache`` believe layer 0 reads otherwise (as a model read wrongly would)."""
+    layers = list(cache.geometry.layers)
+    layers[0] = dataclasses.replace(layers[0], **changes)
+    cache.geometry = dataclasses.replace(cache.geometry, layers=tuple(layers))
+
+
+@pytest.mark.parametrize(
+    "kind, changes, message",
+    [
+        ("mistral", dict(sliding_window=0), "attends with a sliding window of 12, but its config"),
+        ("llama", dict(sliding_window=5), "attends with full attention, but its config reads"),
+        ("llama", dict(logits_soft_cap=5.0), "no logit soft-cap, but its config reads as a logit"),
+        ("llama", dict(sinks=True), "has no attention sinks"),
+    ],
+)
+def test_a_layer_read_wrongly_raises_before_anything_is_computed(kind, changes, message):
+    model = build(kind)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
+    read_as(cache, **changes)
+    ids, mask = left_padded([9, 14])
+    with pytest.raises(ValueError, match=message):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, cache=cache)
+    assert cache.block_manager.seq_ids() == []
+
+
+def probe(mask_function, local_size=None, padding=None):
+    return MaskPattern(mask_function, local_size, padding, None).attended()
+
+
+def test_the_mask_probe_tells_causal_windows_and_chunks():
+    assert probe(masking_utils.causal_mask_function) == (0, 0)
+    window = masking_utils.sliding_window_causal_mask_function(5)
+    assert probe(window, 5) == (5, 0)
+    assert probe(window) == (5, 0)  # the local size not named: probed far into the sequence
+    # Chunks count from a row's first real token: 3 left pads here.
+    padding = torch.tensor([[False] * 3 + [True] * 40])
+    chunks = masking_utils.chunked_causal_mask_function(4, torch.tensor([3]))
+    assert probe(chunks, 4, padding) == (0, 4)
+    with pytest.raises(ValueError, match="not one run ending at the query"):
+        probe(masking_utils.bidirectional_mask_function)
+
+
+def test_the_mask_function_passes_the_padding_on_with_its_pattern():
+    padding = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    carried = paged_attention_mask(
+        attention_mask=padding, mask_function=masking_utils.causal_mask_function
+    )
+    assert carried is not padding and torch.equal(carried, padding)
+    assert carried.paged_attention_pattern.padding is padding
+    empty = paged_attention_mask(attention_mask=None, mask_function=None, local_size=7)
+    assert empty.numel() == 0 and empty.paged_attention_pattern.local_size == 7
+
+
+def test_generate_takes_the_cache_under_transformers_current_keyword(llama):
+    # cache=... where the installed transformers names it so, past_key_values where it does not:
+    # either way no deprecation warning.
+    llama.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        cache = PagedCache(llama, block_size=BLOCK, num_blocks=16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            llama.generate(
+                input_ids=torch.tensor([[5, 6, 7]]),
+                max_new_tokens=3,
+                **{cache_argument_name(llama): cache},
+            )
+    finally:
+        llama.set_attn_implementation("sdpa")
+    assert cache.get_seq_length() == 5
+
+
+def test_fp8_generate_matches_an_fp8_reference_with_calibrated_scales(llama):
+    # Issue 28: fp8 through PagedCache used scales of 1.0 with no way to pass others. Each
+    # layer's scales now come from the prompt's keys and values (or are given); generate()
+    # equals transformers' own attention over keys and values quantised with those scales.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from paged_attention import reference
+
+    small = build("llama")  # keys and values far below 1: scale 1.0 leaves them subnormal
+    with torch.no_grad():
+        for layer in small.model.layers:
+            layer.self_attn.k_proj.weight.mul_(0.01)
+            layer.self_attn.v_proj.weight.mul_(0.01)
+    ids, _ = left_padded([20], seed=3)
+    small.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dense = small(ids).logits
+    small.set_attn_implementation(ATTN_IMPLEMENTATION)
+    calibrated = PagedCache(small, BLOCK, 32, kv_cache_dtype="fp8")
+    fixed = PagedCache(small, BLOCK, 32, kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0)
+    with torch.no_grad():
+        errors = [(small(ids, cache=c).logits - dense).abs().max() for c in (calibrated, fixed)]
+    assert errors[0] < errors[1] / 5
+    scales = calibrated.kv_cache.scales
+    assert all(0 < s.item() < 1e-3 for layer in range(2) for s in scales(layer))
+
+    def fp8_reference(module, query, key, value, attention_mask, **kwargs):
+        quantised = []
+        for states, scale in zip((key, value), scales(module.layer_idx)):
+            stored = reference.quantize(states, "fp8", scale)
+            quantised.append(reference.dequantize(stored, "fp8", scale).to(states.dtype))
+        return sdpa_attention_forward(module, query, *quantised, attention_mask, **kwargs)
+
+    AttentionInterface.register("fp8_reference", fp8_reference)
+    small.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(small, BLOCK, 32, kv_cache_dtype="fp8")
+    got = small.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
+    small.set_attn_implementation("fp8_reference")
+    want = small.generate(ids, max_new_tokens=12, do_sample=False)
+    assert got.tolist() == want.tolist()

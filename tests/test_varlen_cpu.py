@@ -206,6 +206,42 @@ def test_a_query_group_larger_than_a_tile():
     check(make_case([40, 9], [3, 9], 264, 1, 32, seed=5))
 
 
+BF16_MATMUL = "PAGED_ATTENTION_CPU_BF16_MATMUL"
+
+
+@pytest.mark.parametrize("variant", ["none", "reference", "avx512bf16", "amx"])
+@pytest.mark.parametrize(
+    ("head_size", "flags"),
+    [
+        (80, dict(alibi=True, sinks=True)),
+        (120, dict(soft_cap=30.0, sliding_window=200)),
+        (64, dict(chunk=96)),
+    ],
+    ids=["80-alibi-sinks", "120-softcap-window", "64-chunks"],
+)
+def test_bf16_products(variant, head_size, flags, monkeypatch):
+    """Every bf16 product variant of the tiled kernel, forced (csrc/cpu/variants.h): a whole
+    prompt of two key tiles (the second partial), a chunk, and a short run, with head sizes that
+    pad the products' depth (80) and rows (120)."""
+    if variant != "none" and variant not in ops._cpu_bf16_matmuls():
+        pytest.skip(f"this CPU does not run the {variant} products")
+    monkeypatch.setenv(BF16_MATMUL, variant)
+    kv = make_case([300, 70, 9], [300, 40, 9], 8, 2, head_size, 16, torch.bfloat16, seed=head_size)
+    check(kv, **flags)
+
+
+def test_a_bad_bf16_product_switch_raises_and_leaves_out(monkeypatch):
+    kv = make_case([40, 5], [40, 1], 8, 2, 64, 16, torch.bfloat16)
+    monkeypatch.setenv(BF16_MATMUL, "fastest")
+    out = torch.full(kv.query.shape, UNTOUCHED, dtype=kv.query.dtype)
+    with pytest.raises(RuntimeError, match=f"{BF16_MATMUL}=fastest is not a bf16 product variant"):
+        ops.paged_attention_varlen(out, *op_args(kv, features(kv)))
+    assert (out == UNTOUCHED).all()
+    # float32 operands never use the bf16 products, so the switch is not read
+    kv = make_case([40, 5], [40, 1], 8, 2, 64, 16, torch.float32)
+    check(kv)
+
+
 @pytest.mark.parametrize("chunk", [0, 48])
 def test_one_row_per_sequence_equals_v1(chunk):
     kv = make_case([1, 37, 300, 513], [1, 1, 1, 1], 8, 2, 64, spare_rows=0)

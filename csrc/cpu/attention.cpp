@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/Version.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -18,32 +17,11 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/decode_attention.h"
 #include "cpu/prefill_attention.h"
+#include "cpu/variants.h"
 
 namespace paged_attention::cpu {
 
 namespace {
-
-enum class Isa { kBaseline, kAvx2, kAvx512 };
-
-// Follows torch's own choice (which honours ATEN_CPU_CAPABILITY) and the CPU's features.
-Isa selected_isa() {
-  static const Isa isa = [] {
-#ifdef PA_HAVE_X86_VARIANTS
-    const std::string capability = at::get_cpu_capability();
-    if (capability.find("AVX512") != std::string::npos && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-      return Isa::kAvx512;
-    }
-    if (capability.find("AVX2") != std::string::npos && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      return Isa::kAvx2;
-    }
-#endif
-    return Isa::kBaseline;
-  }();
-  return isa;
-}
 
 template <typename scalar_t, typename cache_t>
 void run_all_units(const AttentionParams& p) {
@@ -75,8 +53,23 @@ void gemm_f32(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
 }
 
+// The products of the prefill kernel: bf16 ones where the query and cache are bf16 and a bf16
+// variant is chosen (variants.h), float32 ones otherwise.
 template <typename scalar_t, typename cache_t>
-void run_prefill(const AttentionParams& p) {
+PrefillProducts prefill_products(Bf16Matmul variant) {
+  PrefillProducts products{&gemm_f32, nullptr, nullptr};
+  if constexpr (kBf16Operands<scalar_t, cache_t>) {
+    if (variant != Bf16Matmul::kNone) {
+      const Bf16MatmulKernels kernels = bf16_matmul_kernels(variant);
+      products.bf16 = kernels.matmul;
+      products.release_bf16 = kernels.release;
+    }
+  }
+  return products;
+}
+
+template <typename scalar_t, typename cache_t>
+void run_prefill(const AttentionParams& p, const PrefillProducts& products) {
   const std::vector<PrefillUnit> units = plan_prefill_units(p);
   if (units.empty()) return;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), units.size());
@@ -86,15 +79,15 @@ void run_prefill(const AttentionParams& p) {
     for (int64_t worker = begin; worker < end; ++worker) {
 #ifdef PA_HAVE_X86_VARIANTS
       if (isa == Isa::kAvx512) {
-        run_prefill_units_avx512<scalar_t, cache_t>(p, &gemm_f32, units, next_unit);
+        run_prefill_units_avx512<scalar_t, cache_t>(p, products, units, next_unit);
         continue;
       }
       if (isa == Isa::kAvx2) {
-        run_prefill_units_avx2<scalar_t, cache_t>(p, &gemm_f32, units, next_unit);
+        run_prefill_units_avx2<scalar_t, cache_t>(p, products, units, next_unit);
         continue;
       }
 #endif
-      run_prefill_units_baseline<scalar_t, cache_t>(p, &gemm_f32, units, next_unit);
+      run_prefill_units_baseline<scalar_t, cache_t>(p, products, units, next_unit);
     }
   });
 }
@@ -102,9 +95,11 @@ void run_prefill(const AttentionParams& p) {
 // Sequences with at most p.max_query_len query rows go to the decode kernel, the others (varlen
 // only) to the prefill kernel.
 template <typename scalar_t, typename cache_t>
-void run_kernels(const AttentionParams& p) {
+void run_kernels(const AttentionParams& p, Bf16Matmul bf16_matmul) {
   run_all_units<scalar_t, cache_t>(p);
-  if (p.query_start_loc != nullptr) run_prefill<scalar_t, cache_t>(p);
+  if (p.query_start_loc != nullptr) {
+    run_prefill<scalar_t, cache_t>(p, prefill_products<scalar_t, cache_t>(bf16_matmul));
+  }
 }
 
 // The query dtypes the kernels support (the checks reject others first).
@@ -115,9 +110,10 @@ void run_kernels(const AttentionParams& p) {
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 // Fills the parameters shared by v1, v2 and varlen from checked arguments and runs the kernels
-// for the given output target; p.max_query_len is the caller's (1 for v1/v2).
-void fill_params_and_run(AttentionParams& p, const AttentionDims& dims,
-                         const AttentionArgs& args) {
+// for the given output target; p.max_query_len is the caller's (1 for v1/v2), and so is the bf16
+// product variant of the prefill kernel (varlen only).
+void fill_params_and_run(AttentionParams& p, const AttentionDims& dims, const AttentionArgs& args,
+                         Bf16Matmul bf16_matmul = Bf16Matmul::kNone) {
   const auto& [out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, sliding_window,
                logits_soft_cap, attention_chunk_size] = args;
@@ -174,13 +170,13 @@ void fill_params_and_run(AttentionParams& p, const AttentionDims& dims,
   PA_DISPATCH_QUERY_TYPES(query.scalar_type(), "paged_attention_cpu", [&] {
     switch (dims.cache_dtype) {
       case CacheDtype::kAuto:
-        run_kernels<scalar_t, scalar_t>(p);
+        run_kernels<scalar_t, scalar_t>(p, bf16_matmul);
         break;
       case CacheDtype::kFp8E4M3:
-        run_kernels<scalar_t, c10::Float8_e4m3fn>(p);
+        run_kernels<scalar_t, c10::Float8_e4m3fn>(p, bf16_matmul);
         break;
       case CacheDtype::kFp8E5M2:
-        run_kernels<scalar_t, c10::Float8_e5m2>(p);
+        run_kernels<scalar_t, c10::Float8_e5m2>(p, bf16_matmul);
         break;
     }
   });
@@ -303,12 +299,20 @@ void paged_attention_varlen(at::Tensor& out, const at::Tensor& query, const at::
   p.partition_size = std::numeric_limits<int64_t>::max() / 2;
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  // The bf16 products apply to a bf16 query over a bf16 cache; chosen here, before any kernel
+  // writes to out (a bad PAGED_ATTENTION_CPU_BF16_MATMUL raises with out as it was).
+  const Bf16Matmul bf16_matmul = query.scalar_type() == at::kBFloat16 &&
+                                         dims.cache_dtype == CacheDtype::kAuto
+                                     ? selected_bf16_matmul(selected_isa())
+                                     : Bf16Matmul::kNone;
   // Sequences of up to kDecodeMaxRows query rows per KV head (and single-row ones) through the
-  // decode kernel, the longer ones tiled.
+  // decode kernel, the longer ones tiled; with AMX products, up to kDecodeMaxRowsBesideAmx.
   const int64_t group = dims.num_heads / std::max<int64_t>(1, dims.num_kv_heads);
+  const int64_t decode_max_rows =
+      bf16_matmul == Bf16Matmul::kAmx ? kDecodeMaxRowsBesideAmx : kDecodeMaxRows;
   p.max_query_len =
-      std::clamp<int64_t>(max_query_len, 1, std::max<int64_t>(1, kDecodeMaxRows / group));
-  fill_params_and_run(p, dims, args);
+      std::clamp<int64_t>(max_query_len, 1, std::max<int64_t>(1, decode_max_rows / group));
+  fill_params_and_run(p, dims, args, bf16_matmul);
 }
 
 }  // namespace paged_attention::cpu

@@ -351,22 +351,26 @@ inline I lane_index() {
   }
 }
 
-// A float buffer whose data starts on a 64-byte boundary (vectors are loaded and stored through
+// A buffer whose data starts on a 64-byte boundary (vectors are loaded and stored through
 // memcpy, which needs no alignment, but aligned vectors never split a cache line), followed by at
-// least 16 readable floats, so a vector load that starts inside the buffer never leaves it.
-class AlignedFloats {
+// least 64 readable bytes, so a vector load that starts inside the buffer never leaves it.
+template <typename T>
+class AlignedArray {
  public:
   void resize(int64_t n) {
-    storage_.assign(n + 2 * kLanes, 0.0f);  // alignment, then >= 16 floats of readable slack
+    constexpr int64_t kSlack = 128 / sizeof(T);  // alignment, then >= 64 bytes of readable slack
+    storage_.assign(n + kSlack, T{});
     const auto address = reinterpret_cast<uintptr_t>(storage_.data());
-    data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(float);
+    data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(T);
   }
-  float* data() { return data_; }
+  T* data() { return data_; }
 
  private:
-  std::vector<float> storage_;
-  float* data_ = nullptr;
+  std::vector<T> storage_;
+  T* data_ = nullptr;
 };
+
+using AlignedFloats = AlignedArray<float>;
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 

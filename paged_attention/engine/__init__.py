@@ -12,11 +12,17 @@ Three parts, each readable on its own (the split of nano-vllm and vLLM v1):
 """
 
 from paged_attention.engine.engine import Engine, EngineStats, RequestStream
-from paged_attention.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from paged_attention.engine.request import (
+    RequestError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 
 __all__ = [
     "Engine",
     "EngineStats",
+    "RequestError",
     "RequestMetrics",
     "RequestOutput",
     "RequestStream",

@@ -23,6 +23,7 @@ from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_o
 from paged_attention.engine.model_runner import ModelRunner
 from paged_attention.engine.request import (
     Request,
+    RequestError,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -30,7 +31,7 @@ from paged_attention.engine.request import (
 from paged_attention.engine.request import Sequence as EngineSequence
 from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
-from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, ModelGeometry
+from paged_attention.geometry import ModelGeometry
 
 
 @dataclass
@@ -76,10 +77,13 @@ class Engine:
     no limit, else at least ``max_num_seqs``): the tokens one step computes, decodes first;
     longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
     a model on one CUDA device, off for a tensor-parallel one): decode steps replay CUDA graphs
-    captured per padded batch size. ``compile`` (default off; a CPU model): decode steps run
-    through ``torch.compile`` instead, one graph per padded batch size, each compiled at its
-    first step (a minute or more for a 30-layer model on two cores), which pays back on a
-    long-running server, not in a short run (docs/performance.md).
+    captured per padded batch size. ``kv_cache_dtype`` (``"auto"`` or an fp8 format) with
+    ``k_scale``/``v_scale`` as :class:`~paged_attention.cache.PagedKVCache` takes them (without
+    them, each layer's scales are calibrated from the first step's keys and values).
+    ``compile`` (default off; a CPU model): decode steps run through ``torch.compile`` instead,
+    one graph per padded batch size, each compiled at its first step (a minute or more for a
+    30-layer model on two cores), which pays back on a long-running server, not in a short run
+    (docs/performance.md).
     Logits stay on the model's device; only sampled token ids come back to the host. Switches
     ``model`` to the ``"paged_attention"`` attention implementation.
 
@@ -102,6 +106,9 @@ class Engine:
         eos_token_id: int | Sequence[int] | None = None,
         cuda_graphs: bool | None = None,
         tokenizer=None,
+        kv_cache_dtype: str = "auto",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
         compile: bool = False,
     ) -> None:
         if not isinstance(compile, bool):
@@ -114,6 +121,9 @@ class Engine:
             num_blocks,
             None,
             num_host_blocks=4 * num_blocks if num_host_blocks is None else num_host_blocks,
+            kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         self.block_manager = geometry.block_manager(self.kv_cache, enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -121,7 +131,6 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.runner = ModelRunner(
             model,
@@ -129,7 +138,7 @@ class Engine:
             self.kv_cache,
             decode_graphs=cuda_graphs,
             max_num_seqs=max_num_seqs,
-            sliding_window=self.block_manager.sliding_window,
+            block_manager=self.block_manager,
             compile_decode=compile,
         )
         self.tensor_parallel = geometry.tensor_parallel
@@ -462,28 +471,36 @@ class Engine:
 
     def _new_request(self, prompt, params, arrival_time: float | None) -> Request:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise RequestError(
+                f"params must be SamplingParams, got {type(params).__name__}", "params"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer (Engine(tokenizer=...))")
+            raise RequestError(
+                "stop strings need an engine with a tokenizer (Engine(tokenizer=...))", "stop"
+            )
         tokens = self._prompt_ids(prompt)
         if not tokens:
-            raise ValueError("prompt must hold at least one token")
+            raise RequestError("prompt must hold at least one token", "prompt")
         outside = [t for t in tokens if not 0 <= t < self.vocab_size]
         if outside:
-            raise ValueError(
+            raise RequestError(
                 f"prompt token {outside[0]} is outside the model's vocabulary [0, "
-                f"{self.vocab_size})"
+                f"{self.vocab_size})",
+                "prompt",
             )
         if params.num_seqs > self.max_num_seqs:
-            raise ValueError(
+            raise RequestError(
                 f"the request runs {params.num_seqs} sequences, more than "
-                f"max_num_seqs={self.max_num_seqs}"
+                f"max_num_seqs={self.max_num_seqs}",
+                "beam_width" if params.is_beam_search else "n",
             )
         wanted = len(tokens) + params.max_new_tokens
         if self.max_model_len is not None and wanted > self.max_model_len:
-            raise ValueError(
+            raise RequestError(
                 f"the prompt ({len(tokens)} tokens) and max_new_tokens ({params.max_new_tokens}) "
-                f"need {wanted} positions; the model's context holds {self.max_model_len}"
+                f"need {wanted} positions; the model's context holds {self.max_model_len}",
+                "prompt" if len(tokens) >= self.max_model_len else "max_new_tokens",
+                limit="context",
             )
         request = Request(
             request_id=next(self._request_ids),
@@ -494,7 +511,14 @@ class Engine:
         )
         reason = self.scheduler.rejection_reason(request)
         if reason is not None:
-            raise ValueError(f"the request can never run in this engine's KV cache: {reason}")
+            prompt_blocks = -(-(len(tokens) + 1) // self.block_size)
+            raise RequestError(
+                f"the request can never run in this engine's KV cache: {reason}",
+                "prompt"
+                if prompt_blocks > self.block_manager.num_device_blocks
+                else "max_new_tokens",
+                limit="kv_cache",
+            )
         return request
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -502,9 +526,10 @@ class Engine:
         if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
                 kind = "text" if isinstance(prompt, str) else "chat messages"
-                raise ValueError(
+                raise RequestError(
                     f"a prompt of {kind} needs an engine with a tokenizer (Engine(tokenizer=...)); "
-                    "without one, pass token ids"
+                    "without one, pass token ids",
+                    "prompt",
                 )
             if isinstance(prompt, str):
                 return list(self.tokenizer(prompt)["input_ids"])
@@ -512,15 +537,19 @@ class Engine:
                 if not isinstance(message.get("role"), str) or not isinstance(
                     message.get("content"), str
                 ):
-                    raise ValueError(
+                    raise RequestError(
                         "chat messages must be dicts with string 'role' and 'content', got "
-                        f"{message!r}"
+                        f"{message!r}",
+                        "prompt",
                     )
             text = self.tokenizer.apply_chat_template(
                 list(prompt), add_generation_prompt=True, tokenize=False
             )
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return _token_list(prompt)
+        try:
+            return _token_list(prompt)
+        except (TypeError, ValueError) as error:
+            raise RequestError(str(error), "prompt") from None
 
     def _admit(self, request: Request, owner=None) -> None:
         self._requests[request.request_id] = request

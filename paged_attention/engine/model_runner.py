@@ -24,8 +24,9 @@ from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
 from paged_attention.cache import PagedKVCache
 from paged_attention.engine.scheduler import SchedulerOutput
-from paged_attention.integrations.transformers import (
-    ModelGeometry,
+from paged_attention.geometry import ModelGeometry
+from paged_attention.integrations.transformers_backend import (
+    ATTN_IMPLEMENTATION,
     PagedCacheBase,
     cache_argument_name,
 )
@@ -48,7 +49,7 @@ class StepCache(PagedCacheBase):
             query_length = query_length.shape[0]
         return int(query_length), 0
 
-    def _attend_layer(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
+    def _attend_layer(self, layer_idx, query, key, value, padding, scale, sinks):
         batch, num_heads, q_len, head_size = query.shape
         metadata = self.metadata
         if metadata is None:
@@ -61,16 +62,18 @@ class StepCache(PagedCacheBase):
         packed = [
             t[0].transpose(0, 1).reshape(q_len, t.shape[1], head_size) for t in (query, key, value)
         ]
-        out = self._packed_attention(layer_idx, *packed, metadata, scale, window, cap)
+        out = self._packed_attention(layer_idx, *packed, metadata, scale, sinks)
         return out.view(1, q_len, num_heads, head_size)
 
 
 class ModelRunner:
-    """Runs ``model`` (switched to the ``"paged_attention"`` implementation by the caller) over
-    the paged cache ``kv``, one scheduler step at a time. With ``decode_graphs`` (CUDA), decode
-    steps of up to ``max_num_seqs`` sequences replay CUDA graphs instead (:class:`DecodeGraphs`);
-    with ``compile_decode`` (CPU), they run through ``torch.compile`` (:class:`CompiledDecode`).
-    Prompt chunks, and steps that mix them with decodes, always run eagerly."""
+    """Runs ``model`` over the paged cache ``kv``, one scheduler step at a time; switches the
+    model to the ``"paged_attention"`` attention implementation. ``block_manager``: the manager
+    that plans the steps (what it releases bounds what a layer may attend; None: it releases
+    nothing). With ``decode_graphs`` (CUDA), decode steps of up to ``max_num_seqs`` sequences
+    replay CUDA graphs instead (:class:`DecodeGraphs`); with ``compile_decode`` (CPU),
+    they run through ``torch.compile`` (:class:`CompiledDecode`). Prompt chunks, and steps
+    that mix them with decodes, always run eagerly."""
 
     def __init__(
         self,
@@ -80,9 +83,10 @@ class ModelRunner:
         *,
         decode_graphs: bool = False,
         max_num_seqs: int = 64,
-        sliding_window: int | None = None,
+        block_manager: BlockManager | None = None,
         compile_decode: bool = False,
     ) -> None:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.kv_cache = kv
         self.device = geometry.device
@@ -94,12 +98,12 @@ class ModelRunner:
                 raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
             positions = getattr(model.config, "max_position_embeddings", None) or math.inf
             max_seq_len = int(min(positions, kv.num_blocks * kv.block_size))
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, sliding_window)
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, block_manager)
         if compile_decode:
-            self.graphs = self._compiled_decode(geometry, max_num_seqs, sliding_window)
+            self.graphs = self._compiled_decode(geometry, max_num_seqs, block_manager)
 
     def _compiled_decode(
-        self, geometry: ModelGeometry, max_num_seqs: int, sliding_window: int | None
+        self, geometry: ModelGeometry, max_num_seqs: int, block_manager: BlockManager | None
     ) -> CompiledDecode:
         if self.device.type != "cpu":
             raise ValueError(
@@ -113,7 +117,7 @@ class ModelRunner:
             )
         positions = getattr(self.model.config, "max_position_embeddings", None) or math.inf
         max_seq_len = int(min(positions, self.kv_cache.num_blocks * self.kv_cache.block_size))
-        return CompiledDecode(self, max_num_seqs, max_seq_len, sliding_window)
+        return CompiledDecode(self, max_num_seqs, max_seq_len, block_manager)
 
     def execute_block_ops(self, block_ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """The copies and swaps the manager planned, in the order it planned them (a block a
@@ -129,7 +133,6 @@ class ModelRunner:
     def metadata(self, out: SchedulerOutput, manager: BlockManager) -> AttentionMetadata:
         """One AttentionMetadata for the step's packed rows: the decode rows first, as
         ``decode_step`` described them, then the prompt chunks."""
-        window = manager.sliding_window
         query_lens = [1] * len(out.decode) + [c.count for c in out.prefill]
         parts = []  # (block tables, seq lens, slots)
         if out.decode:
@@ -153,7 +156,14 @@ class ModelRunner:
             seq_lens = torch.cat([p[1] for p in parts])
             slots = torch.cat([p[2] for p in parts])
         return AttentionMetadata.build(
-            query_lens, seq_lens.tolist(), tables, slots, self.device, seq_lens, window
+            query_lens,
+            seq_lens.tolist(),
+            tables,
+            slots,
+            self.device,
+            seq_lens,
+            manager.sliding_window,
+            manager.attention_chunk_size,
         )
 
     def forward(self, input_ids, position_ids, metadata: AttentionMetadata, keep) -> torch.Tensor:
@@ -206,15 +216,22 @@ class DecodeGraphs:
     and slot -1, so they store and attend nothing (their logits are dropped). Every graph is
     captured with ``max_seq_len`` (the longest context the cache and the model allow) and block
     tables that wide, so it serves every step of its batch size; a step that does not fit runs
-    eagerly. A size is captured at its first step: warmed up on a side stream, then captured."""
+    eagerly. A size is captured at its first step: warmed up on a side stream, then captured.
+    ``block_manager``: the manager that plans the steps (what it releases, None: nothing)."""
 
     def __init__(
-        self, runner: ModelRunner, max_batch: int, max_seq_len: int, window: int | None
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        max_seq_len: int,
+        block_manager: BlockManager | None,
     ) -> None:
         device = runner.device
         self.runner = runner
         self.max_seq_len = max_seq_len
-        self.window = window
+        # What the manager releases bounds what a layer may attend (AttentionMetadata).
+        self.manager_window = None if block_manager is None else block_manager.sliding_window
+        self.manager_chunk = None if block_manager is None else block_manager.attention_chunk_size
         self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if s < max_batch]
         self.sizes.append(max_batch)
         self.max_blocks = -(-max_seq_len // runner.kv_cache.block_size)
@@ -270,7 +287,8 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
-            manager_window=self.window,
+            manager_window=self.manager_window,
+            manager_chunk=self.manager_chunk,
         )
         return self.input_ids[:, :size], self.positions[:, :size], metadata, 0
 
@@ -320,9 +338,13 @@ class CompiledDecode(DecodeGraphs):
     INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True}
 
     def __init__(
-        self, runner: ModelRunner, max_batch: int, max_seq_len: int, window: int | None
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        max_seq_len: int,
+        block_manager: BlockManager | None,
     ) -> None:
-        super().__init__(runner, max_batch, max_seq_len, window)
+        super().__init__(runner, max_batch, max_seq_len, block_manager)
         self.sizes = [s for s in self.SIZES if s < max_batch] + [max_batch]
         self.compile_seconds: dict[int, float] = {}
         """Seconds the first step of each size took (compiling it, then running it)."""

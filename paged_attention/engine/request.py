@@ -13,16 +13,29 @@ import torch
 from paged_attention.engine.detokenizer import IncrementalDetokenizer
 
 
-def _check_int(name: str, value, minimum: int | None = None) -> None:
+class RequestError(ValueError):
+    """A request the engine refuses. ``argument`` names what is at fault: ``"prompt"``,
+    ``"params"``, or a :class:`SamplingParams` field; ``limit`` is ``"context"`` when the request
+    needs more positions than the model's context, ``"kv_cache"`` when more KV blocks than the
+    whole pool, else ``None``."""
+
+    def __init__(self, message: str, argument: str, limit: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.limit = limit
+
+
+def _check_int(name: str, value, minimum: int | None = None, argument: str | None = None) -> None:
+    argument = argument or name
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise RequestError(f"{name} must be an integer, got {value!r}", argument)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise RequestError(f"{name} must be >= {minimum}, got {value}", argument)
 
 
 def _check_real(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise RequestError(f"{name} must be a finite number, got {value!r}", name)
 
 
 # A temperature below this samples as greedy decoding: dividing float32 logits by it would
@@ -62,27 +75,33 @@ class SamplingParams:
         _check_int("beam_width", self.beam_width, 1)
         _check_int("seed", self.seed)
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise ValueError(
-                f"seed must fit in 64 bits (between -2**63 and 2**64 - 1), got {self.seed}"
+            raise RequestError(
+                f"seed must fit in 64 bits (between -2**63 and 2**64 - 1), got {self.seed}", "seed"
             )
         _check_real("temperature", self.temperature)
         _check_real("top_p", self.top_p)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
-            raise ValueError("beam search (beam_width > 1) needs n = 1 and temperature = 0")
+            raise RequestError(
+                "beam search (beam_width > 1) needs n = 1 and temperature = 0", "beam_width"
+            )
         stop = tuple(self.stop_token_ids)
         for token in stop:
-            _check_int("stop_token_ids entries", token, 0)
+            _check_int("stop_token_ids entries", token, 0, "stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         for string in strings:
             if not isinstance(string, str) or not string:
-                raise ValueError(f"stop entries must be non-empty strings, got {string!r}")
+                raise RequestError(
+                    f"stop entries must be non-empty strings, got {string!r}", "stop"
+                )
         if strings and self.beam_width > 1:
-            raise ValueError("stop strings are not supported with beam search (beam_width > 1)")
+            raise RequestError(
+                "stop strings are not supported with beam search (beam_width > 1)", "stop"
+            )
         object.__setattr__(self, "stop", strings)
 
     @property

@@ -164,17 +164,19 @@ class Scheduler:
     def blocks_needed(self, request: Request) -> int:
         """The most device blocks ``request``'s sequences can hold together: the prompt's full
         blocks, shared by every sample or beam, plus each sequence's own blocks up to
-        ``prompt + max_new_tokens - 1`` tokens (the last token is never stored); with a sliding
-        window, each sequence's own blocks are capped by the window."""
+        ``prompt + max_new_tokens - 1`` tokens (the last token is never stored); with a manager
+        that releases blocks (a sliding window, attention chunks), each sequence's own blocks
+        are capped by the span a token reads."""
         size = self.block_manager.block_size
         prompt = len(request.prompt)
         longest = prompt + request.params.max_new_tokens - 1
         num_seqs = request.params.num_seqs
         shared = prompt // size
         own = _cdiv(longest, size) - shared
-        window = self.block_manager.sliding_window
-        if window is not None:
-            return _cdiv(prompt, size) + num_seqs * min(own, _cdiv(window, size) + 1)
+        reach = self.block_manager.reach
+        if reach.releases:
+            span = max(reach.sliding_window or 0, reach.attention_chunk_size or 0)
+            return _cdiv(prompt, size) + num_seqs * min(own, _cdiv(span, size) + 1)
         return shared + num_seqs * own
 
     def rejection_reason(self, request: Request) -> str | None:

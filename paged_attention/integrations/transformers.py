@@ -1,21 +1,16 @@
-"""Hugging Face transformers on a paged KV cache.
-
-Importing this module registers an attention implementation named ``"paged_attention"``
-(``transformers.AttentionInterface``) and a matching mask function
-(``transformers.AttentionMaskInterface``, which hands the 2D padding mask through instead of
-building a dense ``[batch, 1, q, kv]`` mask)::
+"""Hugging Face transformers ``generate()`` on a paged KV cache::
 
     import paged_attention.integrations.transformers  # registers "paged_attention"
     from paged_attention.integrations.transformers import PagedCache
 
     model.set_attn_implementation("paged_attention")
-    out = model.generate(**inputs, past_key_values=PagedCache(model, num_blocks=1024))
+    out = model.generate(**inputs, cache=PagedCache(model, num_blocks=1024))
 
-How it fits transformers' call order: every attention layer calls
-``past_key_values.update(key, value, layer_idx)`` and then the attention function. ``update``
-only hands the new keys and values on; the attention function stores them in the paged cache
-(``reshape_and_cache``, pad tokens skipped) and attends over each sequence's paged context. The
-first layer of a forward pass also does the step's bookkeeping in the block manager:
+(``past_key_values=`` in transformers releases before the ``cache`` keyword.) The attention
+implementation and the cache base live in
+:mod:`paged_attention.integrations.transformers_backend`; the model is read by
+:class:`~paged_attention.geometry.ModelGeometry` (docs/models.md lists the supported families).
+The first layer of a forward pass does the step's bookkeeping in the block manager:
 
 * the first forward of a ``generate`` call allocates one sequence per batch row; rows that are
   exact copies of the previous row (``num_return_sequences``, beams) *fork* its blocks instead;
@@ -24,447 +19,25 @@ first layer of a forward pass also does the step's bookkeeping in the block mana
 * ``reorder_cache`` (beam search), ``batch_select_indices`` and ``batch_repeat_interleave``
   become forks and frees of block tables: no key or value is copied, and the next step copies at
   most the one partly filled last block of a beam that shares it.
-
-:class:`PagedCacheBase` is what both caches of this project share with transformers: the engine's
-packed steps (``paged_attention.engine.model_runner.StepCache``) subclass it too.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
-import threading
-from dataclasses import dataclass
 
 import torch
 
-from paged_attention import cache as _cache_module
-from paged_attention.attention import AttentionMetadata, PagedAttention
-from paged_attention.block_manager import BlockManager, OutOfBlocksError, reassign
-from paged_attention.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
-from paged_attention.integrations.tensor_parallel import TensorParallel
+from paged_attention.attention import AttentionMetadata
+from paged_attention.block_manager import OutOfBlocksError, reassign
+from paged_attention.geometry import ModelGeometry
+from paged_attention.integrations.transformers_backend import (
+    ATTN_IMPLEMENTATION,
+    PagedCacheBase,
+    cache_argument_name,
+)
 
-try:
-    import transformers
-    from transformers.cache_utils import Cache
-except ImportError as error:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "paged_attention.integrations.transformers needs transformers 5.x: "
-        "pip install 'paged_attention[hf]'"
-    ) from error
-
-ATTN_IMPLEMENTATION = "paged_attention"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# Without a size, a CPU cache takes this much of the available host memory, at most
-# _CPU_DEFAULT_MAX_BYTES (vLLM's CPU backend reserves 4 GiB by default); CUDA takes 90% of the
-# free device memory.
-_CPU_DEFAULT_FRACTION = 0.25
-_CPU_DEFAULT_MAX_BYTES = 4 << 30
-_CUDA_DEFAULT_FRACTION = 0.9
-
-
-def cache_argument_name(model: torch.nn.Module) -> str:
-    """The keyword under which ``model``'s forward takes a cache: ``"cache"`` in transformers
-    releases that renamed it (passing ``past_key_values`` there logs a deprecation warning), else
-    ``"past_key_values"``."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        return "past_key_values"
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
-def _interface(name: str, module_name: str):
-    """``transformers.<name>``, or from the module that defined it in releases that did not
-    export it at the top level."""
-    found = getattr(transformers, name, None)
-    if found is None:
-        import importlib
-
-        found = getattr(importlib.import_module(module_name), name)
-    return found
-
-
-AttentionInterface = _interface("AttentionInterface", "transformers.modeling_utils")
-AttentionMaskInterface = _interface("AttentionMaskInterface", "transformers.masking_utils")
-
-# The cache whose ``update`` ran last in this thread, and the key tensor it returned: the
-# attention function that follows in the same layer reads it (transformers does not pass the
-# cache to attention functions).
-_active = threading.local()
-
-
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """The ``"paged_attention"`` attention function: query ``[batch, heads, q, dim]``, key and
-    value ``[batch, kv_heads, q, dim]`` (this step's only); returns ``([batch, q, heads, dim],
-    None)``."""
-    state = getattr(_active, "value", None)
-    if state is None or state[1] is not key:
-        raise RuntimeError(
-            f'attn_implementation="{ATTN_IMPLEMENTATION}" needs past_key_values=PagedCache(model, '
-            "...) and use_cache=True: the keys and values live in the paged cache"
-        )
-    _active.value = None
-    if dropout and module.training:
-        raise ValueError(
-            f'attn_implementation="{ATTN_IMPLEMENTATION}" is for inference; got attention '
-            f"dropout {dropout} in training mode (call model.eval())"
-        )
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        raise RuntimeError(
-            f'attn_implementation="{ATTN_IMPLEMENTATION}" is inference-only: the paged KV cache '
-            "has no autograd, so key and value gradients would be lost. Run the model under "
-            "torch.no_grad() or torch.inference_mode() (generate() does)"
-        )
-    cache: PagedCacheBase = state[0]
-    out = cache.attend(
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        module.scaling if scaling is None else scaling,
-        sliding_window or 0,
-        softcap or 0.0,
-    )
-    return out, None
-
-
-def paged_attention_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
-    """Mask function of ``"paged_attention"``: causality and windows are the attention's job,
-    so only the 2D padding mask ``[batch, past + q]`` (or ``None``) is passed on."""
-    return attention_mask
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)
-
-
-# ------------------------------------------------------------------------------------------
-# What a model's KV cache must hold
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    """The shape of a decoder-only model's KV cache, read from its config. On a
-    tensor-parallel model (``tensor_parallel.size > 1``) ``num_heads`` and ``num_kv_heads``
-    count this rank's heads, the ones its cache holds."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    layer_windows: tuple[int, ...]  # sliding window of each layer (0 = full attention)
-    dtype: torch.dtype
-    device: torch.device
-    tensor_parallel: TensorParallel = TensorParallel()
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelGeometry:
-        config = _text_config(model)
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
-            raise ValueError(
-                f"PagedCache supports decoder-only models with model_type in "
-                f"{SUPPORTED_MODEL_TYPES} (Llama-, Mistral- and Qwen2-style); got {model_type!r}"
-            )
-        parameter = next(model.parameters())
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        split = TensorParallel.of(model, num_heads, num_kv_heads, head_size)
-        return cls(
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads // split.size,
-            num_kv_heads=num_kv_heads // split.size,
-            head_size=head_size,
-            layer_windows=tuple(_layer_windows(config)),
-            dtype=parameter.dtype,
-            device=parameter.device,
-            tensor_parallel=split,
-        )
-
-    @property
-    def shared_window(self) -> int:
-        """The window every layer slides over, or 0 when some layer attends everything (or the
-        layers differ): only then may a block manager release blocks that left the window."""
-        windows = set(self.layer_windows)
-        return windows.pop() if len(windows) == 1 else 0
-
-    def kv_cache(
-        self,
-        block_size: int,
-        num_blocks: int | None,
-        max_memory: int | float | None,
-        *,
-        num_host_blocks: int = 0,
-        kv_cache_dtype: str = "auto",
-    ) -> PagedKVCache:
-        """The model's :class:`PagedKVCache`: ``num_blocks``, or as many as ``max_memory``
-        allows (bytes, or a fraction of free CUDA / available host memory), or by default 90% of
-        free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB.
-
-        Tensor parallel: the cache holds this rank's KV heads, so a block takes ``1 / size`` of
-        the bytes and a budget (``max_memory`` is per rank) holds ``size`` times the blocks. The
-        CPU default is shared by the ranks (they run on one host). Every rank gets the same
-        number of blocks, the smallest any rank's budget allows, so that their block managers
-        decide alike; ranks given different explicit sizes raise ValueError."""
-        split = self.tensor_parallel
-        memory_budget = memory_fraction = None
-        if isinstance(max_memory, float):
-            memory_fraction = max_memory
-        elif max_memory is not None:
-            memory_budget = int(max_memory)
-        elif num_blocks is None:
-            if self.device.type == "cuda":
-                memory_fraction = _CUDA_DEFAULT_FRACTION
-            else:
-                available = _cache_module._host_available_bytes()
-                memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
-                memory_budget //= split.size
-        if split.size > 1 and num_blocks is None:
-            num_blocks = self._blocks_for_budget_on_every_rank(
-                block_size, kv_cache_dtype, memory_budget, memory_fraction
-            )
-            memory_budget = memory_fraction = None
-        if split.size > 1:
-            low, high = split.min_max([num_blocks, num_host_blocks, block_size])
-            if low != high:
-                raise ValueError(
-                    "the tensor-parallel ranks were given different cache sizes (num_blocks "
-                    f"{low[0]}..{high[0]}, num_host_blocks {low[1]}..{high[1]}, block_size "
-                    f"{low[2]}..{high[2]}): every rank must build its cache with the same "
-                    "arguments"
-                )
-        return PagedKVCache(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_size,
-            block_size,
-            num_blocks,
-            dtype=self.dtype,
-            device=self.device,
-            kv_cache_dtype=kv_cache_dtype,
-            num_host_blocks=num_host_blocks,
-            memory_budget=memory_budget,
-            memory_fraction=memory_fraction,
-        )
-
-    def _blocks_for_budget_on_every_rank(
-        self, block_size, kv_cache_dtype, memory_budget, memory_fraction
-    ) -> int:
-        """The most blocks every tensor-parallel rank's budget holds (one all-reduce)."""
-        error, count = None, 0
-        try:
-            block_bytes = bytes_per_block(
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_size,
-                block_size,
-                self.dtype,
-                kv_cache_dtype,
-            )
-            count = num_blocks_for_budget(block_bytes, self.device, memory_budget, memory_fraction)
-        except ValueError as raised:  # raised after the all-reduce, so on every rank
-            error = raised
-        (fewest,), _ = self.tensor_parallel.min_max([count])
-        if fewest <= 0:
-            raise error or ValueError(
-                "another tensor-parallel rank's memory budget holds no KV block"
-            )
-        return fewest
-
-    def block_manager(self, kv: PagedKVCache, enable_prefix_caching: bool) -> BlockManager:
-        """A manager over ``kv``'s blocks. When every layer slides over the same window it
-        releases the blocks that left it (not with prefix caching, whose cached blocks other
-        sequences may still need)."""
-        window = self.shared_window
-        return kv.make_manager(
-            enable_prefix_caching=enable_prefix_caching,
-            sliding_window=window if window and not enable_prefix_caching else None,
-        )
-
-
-def _text_config(model):
-    config = model.config
-    getter = getattr(config, "get_text_config", None)
-    return getter() if getter is not None else config
-
-
-def _layer_windows(config) -> list[int]:
-    """Sliding window of each layer (0 = full attention), as the model's attention applies it."""
-    window = getattr(config, "sliding_window", None) or 0
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and config.model_type != "mistral":
-        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
-    return [window] * config.num_hidden_layers
-
-
-# ------------------------------------------------------------------------------------------
-# Caches
-
-
-class PagedCacheBase(Cache):
-    """A ``transformers.Cache`` whose layers attend through :class:`PagedAttention` over a
-    :class:`PagedKVCache`, for the model it was built for. A subclass defines what a forward
-    pass stores and attends: ``_attend_layer(layer_idx, query, key, value, attention_mask,
-    scale, window, cap)`` (``[batch, heads, q, dim]`` in, ``[batch, q, heads, dim]`` out)."""
-
-    def __init__(self, model: torch.nn.Module, geometry: ModelGeometry, kv: PagedKVCache) -> None:
-        super().__init__(layers=[])
-        self.geometry = geometry
-        self.num_layers = geometry.num_layers
-        self.num_kv_heads = geometry.num_kv_heads
-        self.head_size = geometry.head_size
-        self.layer_windows = list(geometry.layer_windows)
-        self.kv_cache = kv
-        self.tensor_parallel = geometry.tensor_parallel
-        self._model_config = model.config
-        self._modules: dict[int, PagedAttention] = {}
-        self._checks_steps = geometry.tensor_parallel.checks_steps
-        self._checked_metadata: AttentionMetadata | None = None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        implementation = getattr(self._model_config, "_attn_implementation", None)
-        if implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(
-                f"PagedCache was built for a model whose attention implementation is "
-                f'{implementation!r}, not "{ATTN_IMPLEMENTATION}": call '
-                f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") on it or load it with '
-                f'attn_implementation="{ATTN_IMPLEMENTATION}" (a PagedCache serves the model it '
-                "was built for)"
-            )
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(
-                f"PagedCache was built for a model with {self.num_layers} layers, got layer_idx "
-                f"{layer_idx}: build a PagedCache for the model it serves"
-            )
-        unconsumed = getattr(_active, "value", None)
-        if unconsumed is not None and unconsumed[0] is self:
-            _active.value = None
-            raise ValueError(
-                "the previous attention layer did not run through "
-                f'attn_implementation="{ATTN_IMPLEMENTATION}": the model using this PagedCache '
-                "must be the one it was built for, with that attention implementation"
-            )
-        self._begin_layer(layer_idx)
-        _active.value = (self, key_states)
-        return key_states, value_states
-
-    def attend(self, module, query, key, value, attention_mask, scale, window, cap):
-        """Called by the attention function with this layer's new query/key/value ``[batch,
-        heads, q, dim]``; returns ``[batch, q, heads, dim]``."""
-        layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
-        if layers is not None and layers != self.num_layers:
-            raise ValueError(
-                f"PagedCache was built for a model with {self.num_layers} layers; the model "
-                f"using it has {layers}: build a PagedCache for the model it serves"
-            )
-        head_size = query.shape[-1]
-        if key.shape[1] != self.num_kv_heads or head_size != self.head_size:
-            raise ValueError(
-                f"PagedCache was built for {self.num_kv_heads} KV heads of size {self.head_size}; "
-                f"layer {module.layer_idx} of the model using it has {key.shape[1]} of size "
-                f"{head_size}: build a PagedCache for the model it serves"
-            )
-        return self._attend_layer(
-            module.layer_idx, query, key, value, attention_mask, scale, window, cap
-        )
-
-    def _begin_layer(self, layer_idx: int) -> None:
-        """Hook: ``update`` of layer ``layer_idx`` is about to hand its keys and values on."""
-
-    def _packed_attention(
-        self, layer_idx, query, key, value, metadata: AttentionMetadata, scale, window, cap
-    ) -> torch.Tensor:
-        """PagedAttention over packed ``[tokens, heads, dim]`` rows described by ``metadata``."""
-        if self._checks_steps and metadata is not self._checked_metadata:
-            self._check_step_on_every_rank(metadata)
-        module = self._modules.get(layer_idx)
-        num_heads = query.shape[1]
-        if (
-            module is None
-            or module.num_heads != num_heads
-            or module.scale != float(scale)
-            or module.sliding_window != window
-            or module.logits_soft_cap != cap
-        ):
-            module = PagedAttention(
-                num_heads,
-                self.head_size,
-                self.num_kv_heads,
-                scale=scale,
-                sliding_window=window,
-                logits_soft_cap=cap,
-                kv_cache_dtype=self.kv_cache.kv_cache_dtype,
-            )
-            self._modules[layer_idx] = module
-        return module(
-            query,
-            key,
-            value,
-            self.kv_cache.layer(layer_idx),
-            metadata,
-            k_scale=self.kv_cache.k_scale,
-            v_scale=self.kv_cache.v_scale,
-        )
-
-    def _check_step_on_every_rank(self, metadata: AttentionMetadata) -> None:
-        """Tensor parallel, under PAGED_ATTENTION_DEBUG_CHECKS=1: every rank's forward pass
-        uses the same tables and slots. Once per forward pass (its layers share the metadata),
-        and not while a CUDA graph is captured, which cannot hold the host copy (the engine's
-        per-step check of its plan still runs)."""
-        if self.kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        self._checked_metadata = metadata
-        self.tensor_parallel.check_same_on_every_rank(
-            "the step's block tables, seq lens and slot mapping",
-            [
-                metadata.block_tables,
-                metadata.seq_lens_tensor,
-                metadata.query_start_loc,
-                metadata.slot_mapping,
-            ],
-        )
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    # transformers' generate() reads these per-layer lists (e.g. to slice the already cached
-    # tokens off a continuation's input_ids); this cache holds no transformers layer objects.
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [window > 0 for window in self.layer_windows]
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.num_layers
+__all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "cache_argument_name"]
 
 
 class PagedCache(PagedCacheBase):
@@ -475,16 +48,20 @@ class PagedCache(PagedCacheBase):
     (int) or a fraction (float) of free CUDA memory (of available host memory on CPU). With
     neither: 90% of free memory on CUDA; on CPU a quarter of the available host memory, at most
     4 GiB. ``num_host_blocks`` adds host swap space, ``kv_cache_dtype`` is ``"auto"`` or an fp8
-    format, and ``enable_prefix_caching`` lets sequences allocated with their token ids share
-    cached prompt blocks.
+    format (with fixed ``k_scale``/``v_scale``, or without them each layer's scales calibrated
+    from the prompt's keys and values: :class:`~paged_attention.cache.PagedKVCache`), and
+    ``enable_prefix_caching`` lets sequences allocated with their token ids share cached prompt
+    blocks.
 
-    Supports decoder-only Llama-, Mistral- and Qwen2-style models (GQA and sliding windows
-    included) with ``attn_implementation="paged_attention"``, with the head sizes the kernels
-    are built for. One ``PagedCache`` serves the model it was built for, one ``generate`` call at
-    a time; :meth:`reset` frees every block for the next one. A later ``generate`` on the same
-    cache must continue what it holds (its ``input_ids`` start with the tokens already cached, as
-    with transformers' own caches); a new prompt without ``reset()`` raises. To see those
-    ``input_ids``, the first ``PagedCache`` of a model wraps the model's
+    Supports decoder-only models whose attention goes through transformers' attention
+    interface (docs/models.md: GQA/MQA, sliding windows, soft-caps, sinks, per-layer shapes),
+    with ``attn_implementation="paged_attention"`` and the head sizes the kernels are built for;
+    what it cannot serve raises :class:`~paged_attention.geometry.UnsupportedModelError` here,
+    naming the reason. One ``PagedCache`` serves the model it was built for, one ``generate``
+    call at a time; :meth:`reset` frees every block for the next one. A later ``generate`` on
+    the same cache must continue what it holds (its ``input_ids`` start with the tokens already
+    cached, as with transformers' own caches); a new prompt without ``reset()`` raises. To see
+    those ``input_ids``, the first ``PagedCache`` of a model wraps the model's
     ``prepare_inputs_for_generation`` once (the wrapper only compares, at the first step of a
     ``generate`` call).
     """
@@ -498,6 +75,8 @@ class PagedCache(PagedCacheBase):
         *,
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
         enable_prefix_caching: bool = False,
     ) -> None:
         geometry = ModelGeometry.of(model)
@@ -507,6 +86,8 @@ class PagedCache(PagedCacheBase):
             max_memory,
             num_host_blocks=num_host_blocks,
             kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         super().__init__(model, geometry, kv)
         self.block_manager = geometry.block_manager(kv, enable_prefix_caching)
@@ -607,10 +188,10 @@ class PagedCache(PagedCacheBase):
 
     # ------------------------------------------------------------------ attention
 
-    def _attend_layer(self, layer_idx, query, key, value, attention_mask, scale, window, cap):
+    def _attend_layer(self, layer_idx, query, key, value, padding, scale, sinks):
         batch, num_heads, q_len, head_size = query.shape
         if self._step_open:
-            self._begin_step(batch, q_len, key, value, attention_mask)
+            self._begin_step(batch, q_len, key, value, padding)
             self._step_open = False
         packed = [
             t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_size)
@@ -618,7 +199,7 @@ class PagedCache(PagedCacheBase):
         ]
         if self._token_index is not None:
             packed = [t[self._token_index] for t in packed]
-        out = self._packed_attention(layer_idx, *packed, self._metadata, scale, window, cap)
+        out = self._packed_attention(layer_idx, *packed, self._metadata, scale, sinks)
         if self._token_index is not None:
             full = out.new_zeros(batch * q_len, num_heads, head_size)
             full[self._token_index] = out
@@ -653,6 +234,7 @@ class PagedCache(PagedCacheBase):
                     self.kv_cache.device,
                     seq_lens,
                     self.block_manager.sliding_window,
+                    self.block_manager.attention_chunk_size,
                 )
             else:
                 metadata = self._grow_rows(counts, duplicates)
@@ -716,6 +298,7 @@ class PagedCache(PagedCacheBase):
             self.kv_cache.device,
             seq_lens,
             self.block_manager.sliding_window,
+            self.block_manager.attention_chunk_size,
         )
 
     @staticmethod

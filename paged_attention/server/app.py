@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 
 from starlette.applications import Starlette
@@ -233,7 +232,7 @@ class _Server:
         except EngineClosedError as error:
             raise APIError(str(error), status=503, code="shutting_down") from None
         except ValueError as error:
-            raise _engine_refusal(error, body, len(stream.prompt), self.owner.engine) from None
+            raise _engine_refusal(error, body) from None
         output = await client.next(stream)
         if output.rejected is not None:
             raise APIError(
@@ -333,23 +332,19 @@ class _ClientWatch:
         self._gone.cancel()
 
 
-_ENGINE_ARGUMENTS = {"max_new_tokens": "max_tokens", "n": "n", "seed": "seed", "stop": "stop"}
-
-
-def _engine_refusal(error: ValueError, request, prompt_len: int, engine) -> APIError:
-    """The engine's ValueError for a request it can never serve, as a 400 naming the
-    request's field: the engine names its own argument (max_new_tokens is max_tokens), except
-    when the request needs more KV blocks than the pool has, where the prompt is to blame if
-    it alone overflows the pool and the completion's length otherwise."""
-    message = str(error)
+def _engine_refusal(error: ValueError, request) -> APIError:
+    """The engine's refusal of a request (``RequestError``) as a 400 naming the request's
+    field: the engine names its own argument (its ``max_new_tokens`` is the request's
+    ``max_tokens`` or ``max_completion_tokens``, its ``prompt`` the ``messages`` or ``prompt``)."""
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-    if "KV cache" in message:
-        prompt_blocks = -(-(prompt_len + 1) // engine.block_size)
-        if prompt_blocks > engine.block_manager.num_device_blocks:
-            return APIError(message, param=prompt_param, code="context_length_exceeded")
-        name = request.max_tokens_param
-        return APIError(f"{message}: ask for fewer {name}", param=name, code="kv_cache_exceeded")
-    for argument, param in _ENGINE_ARGUMENTS.items():
-        if re.search(rf"\b{argument}\b", message):
-            return APIError(message.replace(argument, param), param=param)
-    return APIError(message, param=prompt_param)
+    argument = getattr(error, "argument", "prompt")
+    param = {"max_new_tokens": request.max_tokens_param, "prompt": prompt_param}.get(
+        argument, argument
+    )
+    code = {"context": "context_length_exceeded", "kv_cache": "kv_cache_exceeded"}.get(
+        getattr(error, "limit", None)
+    )
+    message = str(error)
+    if code == "kv_cache_exceeded" and param != prompt_param:
+        message += f": ask for fewer {param}"
+    return APIError(message, param=param, code=code)

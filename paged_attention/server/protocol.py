@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from paged_attention.engine import RequestOutput, SamplingParams
+from paged_attention.engine import RequestError, RequestOutput, SamplingParams
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 """The engine's finish reasons as OpenAI names them (``abort``: the server ended the request,
@@ -311,9 +311,8 @@ def sampling_params(
             seed=seed,
             stop=tuple(stop),
         )
-    except ValueError as error:  # what the engine refuses beyond the checks above (the seed)
-        param = "seed" if str(error).startswith("seed") else None
-        raise APIError(str(error), param=param) from None
+    except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
+        raise APIError(str(error), param=error.argument) from None
 
 
 # --------------------------------------------------------------------- responses

@@ -1,0 +1,482 @@
+"""What a decoder-only model's KV cache must hold, read from the model itself.
+
+Per layer: query heads, KV heads, head size, the softmax scale, a sliding window or attention
+chunk, the logit soft-cap and whether the layer has attention sinks (:class:`LayerGeometry`); for
+the model: those layers, its dtype, device and tensor-parallel split (:class:`ModelGeometry`),
+which build the :class:`~paged_attention.cache.PagedKVCache` (each layer's own shape when layers
+differ) and the :class:`~paged_attention.block_manager.BlockManager` that fit it. What paged
+attention cannot serve is refused here, with the reason (:class:`UnsupportedModelError`).
+
+The model is read by the names transformers gives its config and attention modules
+(``layer_types``, ``sliding_window``, ``attention_chunk_size``, ``num_key_value_heads``,
+``head_dim``, an attention module's ``layer_idx``, ``scaling`` and ``sinks``, ...), without
+importing transformers: the engine builds its cache from this module alone. The transformers
+attention backend (``paged_attention.integrations.transformers_backend``) checks at every
+forward pass that each layer computes what was read here, so a model read wrongly raises rather
+than giving wrong tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+
+from paged_attention import cache as _cache_module
+from paged_attention.block_manager import BlockManager
+from paged_attention.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from paged_attention.integrations.tensor_parallel import TensorParallel
+
+# Without a size, a CPU cache takes this much of the available host memory, at most
+# _CPU_DEFAULT_MAX_BYTES (vLLM's CPU backend reserves 4 GiB by default); CUDA takes 90% of the
+# free device memory.
+_CPU_DEFAULT_FRACTION = 0.25
+_CPU_DEFAULT_MAX_BYTES = 4 << 30
+_CUDA_DEFAULT_FRACTION = 0.9
+
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+_ATTENTION_LAYER_TYPES = (FULL, SLIDING, CHUNKED)
+
+
+class UnsupportedModelError(ValueError):
+    """A model paged attention cannot serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One attention layer as its kernels see it. ``sliding_window`` ``W > 0``: each query reads
+    the last ``W`` positions; ``attention_chunk_size`` ``C > 0``: a query at position ``p``
+    reads only its own chunk, ``p - p % C .. p``; both 0: every position before it.
+    ``logits_soft_cap`` 0 means none; ``sinks``: the layer adds one learned logit per head to
+    its softmax's denominator (gpt-oss); ``scale`` is the module's softmax scale (None when the
+    module does not name it: the scale each call passes is the one used)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float | None = None
+    sliding_window: int = 0
+    attention_chunk_size: int = 0
+    logits_soft_cap: float = 0.0
+    sinks: bool = False
+
+    @property
+    def attends_everything(self) -> bool:
+        return not self.sliding_window and not self.attention_chunk_size
+
+    def describe(self) -> str:
+        """What the layer attends, in words."""
+        return describe_attention(self.sliding_window, self.attention_chunk_size)
+
+
+def describe_attention(sliding_window: int, attention_chunk_size: int) -> str:
+    """A sliding window or chunks (0: none), in words."""
+    if sliding_window:
+        return f"a sliding window of {sliding_window}"
+    if attention_chunk_size:
+        return f"chunks of {attention_chunk_size}"
+    return "full attention"
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The shape of a decoder-only model's KV cache and how each layer attends. On a
+    tensor-parallel model (``tensor_parallel.size > 1``) the head counts are this rank's, the
+    ones its cache holds."""
+
+    layers: tuple[LayerGeometry, ...]
+    dtype: torch.dtype
+    device: torch.device
+    tensor_parallel: TensorParallel = TensorParallel()
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelGeometry:
+        """Read ``model`` (a transformers causal LM, or anything with its config and attention
+        module attributes). Raises :class:`UnsupportedModelError` naming the reason for what
+        paged attention cannot serve, and ValueError for a tensor-parallel split it cannot."""
+        config = text_config(model)
+        configs = layer_configs(config)
+        refuse_unsupported(model, configs)
+        kinds = layer_types(configs)
+        modules = attention_modules(model)
+        layers = [
+            _read_layer(index, kinds[index], configs[index], modules.get(index))
+            for index in range(len(configs))
+        ]
+        parameter = next(model.parameters())
+        first = layers[0]
+        split = TensorParallel.of(model, first.num_heads, first.num_kv_heads, first.head_size)
+        if split.size > 1:
+            layers = [_split(layer, index, split.size) for index, layer in enumerate(layers)]
+        return cls(
+            layers=tuple(layers),
+            dtype=parameter.dtype,
+            device=parameter.device,
+            tensor_parallel=split,
+        )
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int | tuple[int, ...]:
+        """KV heads of every layer, or each layer's when they differ (as PagedKVCache takes)."""
+        return _one_or_each(layer.num_kv_heads for layer in self.layers)
+
+    @property
+    def head_size(self) -> int | tuple[int, ...]:
+        """Head size of every layer, or each layer's when they differ."""
+        return _one_or_each(layer.head_size for layer in self.layers)
+
+    def released_reach(self) -> tuple[int | None, int | None]:
+        """``(sliding_window, attention_chunk_size)`` a block manager may release blocks by, so
+        that no layer reads a released block: the widest window when every layer slides, the
+        chunk size when every layer attends in chunks of one size; ``(None, None)`` (release
+        nothing) when some layer attends every position, or layers mix windows and chunks."""
+        windows = {layer.sliding_window for layer in self.layers}
+        chunks = {layer.attention_chunk_size for layer in self.layers}
+        if 0 not in windows:
+            return max(windows), None
+        if 0 not in chunks and len(chunks) == 1:
+            return None, chunks.pop()
+        return None, None
+
+    # ------------------------------------------------------------------ what it builds
+
+    def kv_cache(
+        self,
+        block_size: int,
+        num_blocks: int | None,
+        max_memory: int | float | None,
+        *,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> PagedKVCache:
+        """The model's :class:`PagedKVCache`: ``num_blocks``, or as many as ``max_memory``
+        allows (bytes, or a fraction of free CUDA / available host memory), or by default 90% of
+        free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB.
+        An fp8 ``kv_cache_dtype`` takes fixed ``k_scale``/``v_scale`` or, without them,
+        calibrates each layer's scales from the first keys and values it stores.
+
+        Tensor parallel: the cache holds this rank's KV heads, so a block takes ``1 / size`` of
+        the bytes and a budget (``max_memory`` is per rank) holds ``size`` times the blocks. The
+        CPU default is shared by the ranks (they run on one host). Every rank gets the same
+        number of blocks, the smallest any rank's budget allows, so that their block managers
+        decide alike; ranks given different explicit sizes raise ValueError."""
+        split = self.tensor_parallel
+        memory_budget = memory_fraction = None
+        if isinstance(max_memory, float):
+            memory_fraction = max_memory
+        elif max_memory is not None:
+            memory_budget = int(max_memory)
+        elif num_blocks is None:
+            if self.device.type == "cuda":
+                memory_fraction = _CUDA_DEFAULT_FRACTION
+            else:
+                available = _cache_module._host_available_bytes()
+                memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
+                memory_budget //= split.size
+        if split.size > 1 and num_blocks is None:
+            num_blocks = self._blocks_for_budget_on_every_rank(
+                block_size, kv_cache_dtype, memory_budget, memory_fraction
+            )
+            memory_budget = memory_fraction = None
+        if split.size > 1:
+            low, high = split.min_max([num_blocks, num_host_blocks, block_size])
+            if low != high:
+                raise ValueError(
+                    "the tensor-parallel ranks were given different cache sizes (num_blocks "
+                    f"{low[0]}..{high[0]}, num_host_blocks {low[1]}..{high[1]}, block_size "
+                    f"{low[2]}..{high[2]}): every rank must build its cache with the same "
+                    "arguments"
+                )
+        return PagedKVCache(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            block_size,
+            num_blocks,
+            dtype=self.dtype,
+            device=self.device,
+            kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            num_host_blocks=num_host_blocks,
+            memory_budget=memory_budget,
+            memory_fraction=memory_fraction,
+        )
+
+    def _blocks_for_budget_on_every_rank(
+        self, block_size, kv_cache_dtype, memory_budget, memory_fraction
+    ) -> int:
+        """The most blocks every tensor-parallel rank's budget holds (one all-reduce)."""
+        error, count = None, 0
+        try:
+            block_bytes = bytes_per_block(
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_size,
+                block_size,
+                self.dtype,
+                kv_cache_dtype,
+            )
+            count = num_blocks_for_budget(block_bytes, self.device, memory_budget, memory_fraction)
+        except ValueError as raised:  # raised after the all-reduce, so on every rank
+            error = raised
+        (fewest,), _ = self.tensor_parallel.min_max([count])
+        if fewest <= 0:
+            raise error or ValueError(
+                "another tensor-parallel rank's memory budget holds no KV block"
+            )
+        return fewest
+
+    def block_manager(self, kv: PagedKVCache, enable_prefix_caching: bool) -> BlockManager:
+        """A manager over ``kv``'s blocks. When no layer attends every position (all slide over
+        windows, or attend in chunks of one size) it releases the blocks no layer reads any
+        more; not with prefix caching, whose cached blocks other sequences may still need."""
+        window, chunk = (None, None) if enable_prefix_caching else self.released_reach()
+        return kv.make_manager(
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=window,
+            attention_chunk_size=chunk,
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Reading a model
+
+
+def text_config(model: torch.nn.Module):
+    """The config of the model's text decoder (the model's own for a causal LM)."""
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    if getter is None:
+        return config
+    try:
+        return getter(decoder=True)
+    except TypeError:  # releases without the keyword
+        return getter()
+
+
+def layer_configs(config) -> list:
+    """Each decoder layer's config: transformers' per-layer view of a heterogeneous config
+    (layers that differ in heads, head size or window), else the one config for every layer.
+    Per-layer settings are read from these: a heterogeneous config refuses to give one value
+    for all layers."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * config.num_hidden_layers
+
+
+def layer_types(configs: list) -> list[str]:
+    """Each layer's kind as transformers names it (``"full_attention"``,
+    ``"sliding_attention"``, ``"chunked_attention"``, or a non-attention kind such as
+    ``"linear_attention"``): ``config.layer_types``, else, as transformers' own caches infer it,
+    sliding where the layer's config sets a ``sliding_window``, chunked where it sets an
+    ``attention_chunk_size``."""
+    kinds = getattr(configs[0], "layer_types", None)
+    if kinds is None:
+        kinds = [_inferred_layer_type(config) for config in configs]
+    kinds = [str(kind) for kind in kinds]
+    if len(kinds) != len(configs):
+        raise UnsupportedModelError(
+            f"the model's config lists {len(kinds)} layer_types for its {len(configs)} layers"
+        )
+    return kinds
+
+
+def _inferred_layer_type(config) -> str:
+    if getattr(config, "sliding_window", None):
+        return SLIDING
+    if getattr(config, "attention_chunk_size", None):
+        return CHUNKED
+    return FULL
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The self-attention module of each layer index of the model's text decoder (transformers'
+    ``get_decoder()``: not a vision tower's): a module with an integer ``layer_idx`` whose class
+    is an attention (transformers' convention), the first one per index."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    found: dict[int, torch.nn.Module] = {}
+    for module in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
+        index = getattr(module, "layer_idx", None)
+        if (
+            isinstance(index, int)
+            and not isinstance(index, bool)
+            and "attention" in type(module).__name__.lower()
+            and not getattr(module, "is_cross_attention", False)
+        ):
+            found.setdefault(index, module)
+    return found
+
+
+def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
+    """Raise :class:`UnsupportedModelError` with the reason when paged attention cannot serve
+    ``model``: an encoder-decoder, a model whose attention bypasses transformers' attention
+    interface, multi-head latent attention, layers with recurrent or linear-attention state, or
+    layers that reuse another layer's keys and values. ``configs``: each layer's."""
+    name = type(model).__name__
+    config = configs[0]
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{name} is an encoder-decoder model; paged attention serves decoder-only models "
+            "(the cross-attention's keys and values are not a growing sequence)"
+        )
+    kinds = getattr(config, "layer_types", None) or []
+    other = sorted({str(kind) for kind in kinds} - set(_ATTENTION_LAYER_TYPES))
+    if other or getattr(model, "_is_stateful", False):
+        what = ", ".join(repr(kind) for kind in other) or "recurrent"
+        raise UnsupportedModelError(
+            f"{name} is a hybrid model: its {what} layers keep a recurrent, convolution or "
+            "linear-attention state instead of keys and values (as Qwen3-Next, "
+            "Granite-MoE-Hybrid, Jamba, LFM2, Falcon-H1, Bamba and Zamba do), which a paged KV "
+            "cache does not hold"
+        )
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    modes = getattr(config, "kv_sharing_modes", None) or []
+    if shared or "reuse" in modes:
+        count = shared or sum(mode == "reuse" for mode in modes)
+        raise UnsupportedModelError(
+            f"{name} shares keys and values between layers ({count} of its layers reuse another "
+            "layer's instead of storing their own, as in Gemma 3n), which a paged cache does not "
+            "support"
+        )
+    key_size, value_size = next(
+        (sizes for sizes in map(_latent_head_sizes, configs) if sizes[0] != sizes[1]),
+        (None, None),
+    )
+    if key_size != value_size:
+        raise UnsupportedModelError(
+            f"{name} uses multi-head latent attention (DeepSeek-V2/V3 style): its key heads "
+            f"hold {key_size} values and its value heads {value_size}, while a paged cache "
+            "stores keys and values of one head size"
+        )
+    can_switch = getattr(type(model), "_can_set_attn_implementation", None)
+    if callable(can_switch) and not can_switch():
+        raise UnsupportedModelError(
+            f"{name} computes attention in its own code instead of calling transformers' "
+            "attention interface (its attention implementation cannot be switched, so "
+            'set_attn_implementation("paged_attention") would leave it unchanged): its keys and '
+            "values never reach a paged cache"
+        )
+
+
+def _latent_head_sizes(config) -> tuple[int | None, int | None]:
+    """Key and value head sizes of a multi-head latent attention config (equal when the config
+    does not describe one)."""
+    value_size = getattr(config, "v_head_dim", None)
+    key_size = getattr(config, "qk_head_dim", None)
+    if key_size is None:
+        parts = [getattr(config, name, None) for name in ("qk_nope_head_dim", "qk_rope_head_dim")]
+        if all(isinstance(part, int) for part in parts):
+            key_size = sum(parts)
+    if key_size is None or value_size is None:
+        return None, None
+    return key_size, value_size
+
+
+def _int_attribute(owner, names: Iterable[str]) -> int | None:
+    for name in names:
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _read_layer(index: int, kind: str, config, module) -> LayerGeometry:
+    """Layer ``index`` from its attention module's attributes, then its config's."""
+    num_heads = _int_attribute(module, ("num_heads", "num_attention_heads")) or _int_attribute(
+        config, ("num_attention_heads",)
+    )
+    if num_heads is None:
+        raise UnsupportedModelError(f"cannot read layer {index}'s number of attention heads")
+    head_size = _int_attribute(module, ("head_dim", "head_size")) or _int_attribute(
+        config, ("head_dim",)
+    )
+    if head_size is None:
+        head_size = config.hidden_size // num_heads
+    value_size = _int_attribute(module, ("v_head_dim",))
+    if value_size is not None and value_size != head_size:
+        raise UnsupportedModelError(
+            f"layer {index}'s key heads hold {head_size} values and its value heads "
+            f"{value_size} (multi-head latent attention); a paged cache stores keys and values "
+            "of one head size"
+        )
+    num_kv_heads = _kv_heads(module, config, num_heads, head_size)
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(
+            f"layer {index} has {num_heads} query heads over {num_kv_heads} KV heads, which do "
+            "not group evenly"
+        )
+    window = chunk = 0
+    if kind == SLIDING:
+        window = getattr(config, "sliding_window", None) or 0
+        if not window:
+            raise UnsupportedModelError(
+                f"layer {index} is a sliding-window layer but the config sets no sliding_window"
+            )
+    elif kind == CHUNKED:
+        chunk = getattr(config, "attention_chunk_size", None) or 0
+        if not chunk:
+            raise UnsupportedModelError(
+                f"layer {index} is a chunked-attention layer but the config sets no "
+                "attention_chunk_size"
+            )
+    cap = getattr(module, "attn_logit_softcapping", None)
+    if cap is None:
+        cap = getattr(config, "attn_logit_softcapping", None)
+    scale = getattr(module, "scaling", None)
+    sinks = getattr(module, "sinks", None)
+    return LayerGeometry(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        scale=float(scale) if isinstance(scale, (int, float)) else None,
+        sliding_window=int(window),
+        attention_chunk_size=int(chunk),
+        logits_soft_cap=float(cap or 0.0),
+        sinks=isinstance(sinks, torch.Tensor),
+    )
+
+
+def _kv_heads(module, config, num_heads: int, head_size: int) -> int:
+    """A layer's KV heads: as its attention module names them, or by the width of its own key
+    projection, else as its config does (``multi_query``: one); none named: one per query
+    head."""
+    named = _int_attribute(module, ("num_key_value_heads", "num_kv_heads", "kv_heads"))
+    if named is not None:
+        return named
+    groups = _int_attribute(module, ("num_key_value_groups",))
+    if groups is not None:
+        return num_heads // groups
+    key_features = _int_attribute(getattr(module, "k_proj", None), ("out_features",))
+    if key_features is not None:
+        return key_features // head_size
+    if getattr(config, "multi_query", False):
+        return 1
+    return _int_attribute(config, ("num_key_value_heads", "num_kv_heads")) or num_heads
+
+
+def _split(layer: LayerGeometry, index: int, size: int) -> LayerGeometry:
+    """This rank's share of a layer's heads."""
+    if layer.num_heads % size or layer.num_kv_heads % size:
+        raise ValueError(
+            f"layer {index} has {layer.num_heads} query heads and {layer.num_kv_heads} KV heads, "
+            f"which do not divide over a tensor-parallel size of {size}"
+        )
+    return replace(
+        layer, num_heads=layer.num_heads // size, num_kv_heads=layer.num_kv_heads // size
+    )
+
+
+def _one_or_each(values: Iterable[int]) -> int | tuple[int, ...]:
+    values = tuple(values)
+    return values[0] if len(set(values)) == 1 else values

@@ -1,0 +1,94 @@
+"""ModelGeometry: each layer read from the config and the attention modules, the cache and block
+manager built from it, and what it refuses (the refusal of every unsupported family, and the
+equality of every supported one with transformers: tests/test_model_zoo.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from test_model_zoo import BLOCK, CHUNK, WINDOW, build  # noqa: E402
+
+from paged_attention.geometry import (  # noqa: E402
+    LayerGeometry,
+    ModelGeometry,
+    UnsupportedModelError,
+)
+
+
+def layers(model_type: str, **overrides) -> tuple[LayerGeometry, ...]:
+    return ModelGeometry.of(build(model_type, **overrides)).layers
+
+
+def test_each_layer_is_read_with_its_own_window_heads_and_scale():
+    gemma2 = layers("gemma2")
+    assert [layer.sliding_window for layer in gemma2] == [WINDOW, 0]
+    assert {layer.logits_soft_cap for layer in gemma2} == {2.0}
+    assert {layer.scale for layer in gemma2} == {32**-0.5}  # query_pre_attn_scalar
+    assert {(layer.num_heads, layer.num_kv_heads, layer.head_size) for layer in gemma2} == {
+        (4, 2, 32)
+    }
+    qwen2 = layers("qwen2")  # sliding from max_window_layers on
+    assert [layer.sliding_window for layer in qwen2] == [0, WINDOW]
+    assert [layer.sliding_window for layer in layers("mistral")] == [WINDOW, WINDOW]
+    assert [layer.sliding_window for layer in layers("phimoe")] == [WINDOW, WINDOW]
+    assert {layer.num_kv_heads for layer in layers("gpt_bigcode")} == {1}  # multi-query
+    assert {layer.num_kv_heads for layer in layers("gpt2")} == {4}  # fused projections
+    assert {layer.num_kv_heads for layer in layers("opt")} == {4}  # read from k_proj
+    assert [layer.sinks for layer in layers("gpt_oss")] == [True, True]
+    assert not any(layer.sinks for layer in layers("llama"))
+    assert {layer.scale for layer in layers("granite")} == {1.0}  # attention_multiplier
+    assert [layer.head_size for layer in layers("gemma4_text")] == [32, 64]
+
+
+def test_what_a_block_manager_may_release():
+    def geometry(*pairs):
+        return ModelGeometry(
+            tuple(
+                LayerGeometry(4, 2, 32, sliding_window=w, attention_chunk_size=c) for w, c in pairs
+            ),
+            torch.float32,
+            torch.device("cpu"),
+        )
+
+    assert geometry((8, 0), (16, 0)).released_reach() == (16, None)  # the widest window
+    assert geometry((0, 8), (0, 8)).released_reach() == (None, 8)
+    assert geometry((8, 0), (0, 0)).released_reach() == (None, None)  # a full layer
+    assert geometry((0, 8), (0, 16)).released_reach() == (None, None)  # chunks differ
+    assert geometry((8, 0), (0, 8)).released_reach() == (None, None)  # windows and chunks
+    windowed = geometry((8, 0), (16, 0))
+    kv = windowed.kv_cache(BLOCK, 16, None)
+    assert windowed.block_manager(kv, enable_prefix_caching=False).sliding_window == 16
+    # Prefix caching keeps every block: other sequences may hit them later.
+    cached = windowed.block_manager(kv, enable_prefix_caching=True)
+    assert not cached.reach.releases and cached.enable_prefix_caching
+
+
+def test_layers_of_different_shapes_get_a_cache_of_each_shape():
+    geometry = ModelGeometry.of(build("gemma4_text"))
+    assert geometry.head_size == (32, 64) and geometry.num_kv_heads == 2
+    kv = geometry.kv_cache(BLOCK, 8, None)
+    assert kv.value_caches[0].shape == (8, 2, 32, BLOCK)
+    assert kv.value_caches[1].shape == (8, 2, 64, BLOCK)
+
+
+def test_layer_types_that_do_not_match_the_layers_are_refused():
+    model = build("llama")
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="config sets no sliding_window"):
+        ModelGeometry.of(model)
+    model.config.layer_types = ["full_attention"] * 3
+    with pytest.raises(UnsupportedModelError, match="3 layer_types for its 2 layers"):
+        ModelGeometry.of(model)
+
+
+def test_chunked_layers_are_read_with_their_chunk_size():
+    llama4 = layers("llama4_text")
+    assert [(layer.attention_chunk_size, layer.sliding_window) for layer in llama4] == [
+        (CHUNK, 0),
+        (0, 0),
+    ]
+    only_chunks = ModelGeometry.of(build("llama4_text", layer_types=["chunked_attention"] * 2))
+    assert only_chunks.released_reach() == (None, CHUNK)

@@ -1,0 +1,336 @@
+"""Every supported decoder-only architecture, token for token against transformers' default cache.
+
+Each model type gets a tiny random model built from transformers' own config class (two layers,
+a mix of full and windowed or chunked layers where the family has one, fixed seeds) with weights
+large enough (``initializer_range=0.1``) that attention is far from uniform: for every type a
+25% error in the softmax scale changes the tokens, and for each attention feature (window,
+chunks, soft-cap, sinks) ignoring it does. Through ``generate()`` (greedy, sampling, beams on a
+left-padded batch, prompt-lookup decoding, which crops rejected drafts) and through the Engine
+(prefix caching, chunked prefill, swap and recompute preemption, released blocks), a model on a
+:class:`PagedCache` gives exactly the tokens of the same model on its default cache and attention
+implementation. The families paged attention cannot serve are refused at construction, each with
+its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoConfig  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: E402
+
+from paged_attention.block_manager import RELEASED  # noqa: E402
+from paged_attention.engine import Engine, SamplingParams  # noqa: E402
+from paged_attention.geometry import ModelGeometry, UnsupportedModelError  # noqa: E402
+from paged_attention.integrations.transformers import (  # noqa: E402
+    ATTN_IMPLEMENTATION,
+    PagedCache,
+)
+
+VOCAB = 128
+BLOCK = 8
+WINDOW = 12  # shorter than the prompts: windowed layers really slide
+CHUNK = 16
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA where the family has it
+    head_dim=32,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# Per model type: what its tiny config sets besides COMMON (the keys its class knows).
+ZOO = {
+    "llama": {},
+    "mistral": dict(sliding_window=WINDOW),
+    "ministral": MIXED,
+    "mixtral": dict(MOE, sliding_window=WINDOW),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "gemma": {},
+    "gemma2": dict(MIXED, attn_logit_softcapping=2.0, query_pre_attn_scalar=32),
+    "gemma3_text": dict(MIXED, query_pre_attn_scalar=32),
+    # layers of two head sizes (the full-attention layer's heads are wider)
+    "gemma4_text": dict(
+        MIXED,
+        per_layer_config={1: {"head_dim": 64}},
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=16,
+    ),
+    "phi": {},
+    "phi3": dict(sliding_window=WINDOW),
+    "phimoe": dict(MOE, sliding_window=WINDOW),
+    "gpt2": {},
+    "gpt_neox": {},
+    "gptj": dict(rotary_dim=16),
+    "codegen": dict(rotary_dim=16),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=128, init_std=0.1),
+    "starcoder2": dict(sliding_window=WINDOW),
+    "gpt_bigcode": {},  # multi-query: one KV head
+    "stablelm": {},
+    "persimmon": {},
+    "cohere": {},
+    "cohere2": MIXED,
+    "granite": {},
+    "granitemoe": MOE,
+    "olmo": {},
+    "olmo2": {},
+    "olmo3": MIXED,
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "glm": {},
+    "glm4": {},
+    "helium": {},
+    "smollm3": {},
+    "gpt_oss": dict(MIXED, **MOE),
+    "exaone4": MIXED,
+    "ernie4_5": {},
+    "internlm3": {},
+    "nemotron": {},
+    "apertus": {},
+    "arcee": {},
+    "seed_oss": {},
+    "hunyuan_v1_dense": {},
+    # a chunked layer (with rotary embeddings) and a full one (without: NoPE)
+    "llama4_text": dict(
+        MOE,
+        attention_chunk_size=CHUNK,
+        layer_types=["chunked_attention", "full_attention"],
+        no_rope_layers=[1, 0],
+        intermediate_size_mlp=128,
+    ),
+}
+# Per refused family: its tiny config and the reason the refusal must name.
+REFUSED = {
+    "bloom": ({}, "computes attention in its own code"),
+    "falcon": ({}, "computes attention in its own code"),
+    "mpt": ({}, "computes attention in its own code"),
+    "deepseek_v2": ({}, "multi-head latent attention"),
+    "deepseek_v3": ({}, "multi-head latent attention"),
+    "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2), "hybrid model"),
+    "granitemoehybrid": ({}, "hybrid model"),
+    "jamba": ({}, "hybrid model"),
+    "lfm2": (dict(full_attn_idxs=[1]), "hybrid model"),
+    "falcon_h1": ({}, "hybrid model"),
+    "bamba": ({}, "hybrid model"),
+    "zamba": (dict(num_hidden_layers=3), "hybrid model"),
+    "gemma3n_text": (dict(num_kv_shared_layers=1), "shares keys and values between layers"),
+}
+
+
+def build(model_type: str, device: str = "cpu", **overrides) -> torch.nn.Module:
+    """A tiny random ``model_type`` causal LM: COMMON's keys its config class knows, then the
+    family's own settings, then ``overrides``. On the meta device it holds no weights."""
+    default = AutoConfig.for_model(model_type)
+    known = {*default.to_dict(), *getattr(default, "attribute_map", {})}
+    derived = {
+        key for key in known if getattr(getattr(type(default), key, None), "fset", 0) is None
+    }
+    common = {key: value for key, value in COMMON.items() if key in known - derived}
+    family = ZOO[model_type] if model_type in ZOO else REFUSED[model_type][0]
+    config = AutoConfig.for_model(model_type, **{**common, **family, **overrides})
+    torch.manual_seed(0)
+    with torch.device(device):
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).eval()
+
+
+def left_padded(lengths, seed=0, repeat=None):
+    """A left-padded batch of random prompts (``repeat``: each prompt is that phrase three
+    times and a tail, so prompt lookup finds drafts)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        if repeat:
+            phrase = torch.randint(3, VOCAB, (repeat,), generator=gen).tolist()
+            rows.append(phrase * 3 + torch.randint(3, VOCAB, (n,), generator=gen).tolist())
+        else:
+            rows.append(torch.randint(3, VOCAB, (n,), generator=gen).tolist())
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(rows):
+        ids[row, width - len(tokens) :] = torch.tensor(tokens)
+        mask[row, width - len(tokens) :] = 1
+    return ids, mask
+
+
+class Zoo:
+    """A model and the attention implementation it came with (transformers' default)."""
+
+    def __init__(self, model_type: str, **overrides) -> None:
+        self.model_type = model_type
+        self.model = build(model_type, **overrides)
+        self.default = self.model.config._attn_implementation
+
+    def generate(self, paged: bool, seed: int = 7, **kwargs) -> torch.Tensor:
+        """``generate`` on the default cache, or on a fresh PagedCache."""
+        model = self.model
+        extra = {}
+        if paged:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            extra["cache"] = PagedCache(model, block_size=BLOCK, num_blocks=96)
+        try:
+            torch.manual_seed(seed)
+            return model.generate(**kwargs, **extra, pad_token_id=0)
+        finally:
+            model.set_attn_implementation(self.default)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.generate(
+            False,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; more only wait for each other (and, on a busy
+    machine, for cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=sorted(ZOO))
+def zoo(request) -> Zoo:
+    return Zoo(request.param)
+
+
+def test_generate_matches_the_default_cache(zoo):
+    ids, mask = left_padded([5, 11, 19])
+    batch = dict(input_ids=ids, attention_mask=mask, eos_token_id=None)
+    greedy = dict(batch, max_new_tokens=12, do_sample=False)
+    expected = zoo.generate(False, **greedy)
+    assert torch.equal(zoo.generate(True, **greedy), expected), f"{zoo.model_type}: greedy"
+    # The weights make attention matter: 25% off in the softmax scale changes the tokens.
+    modules = [m for m in zoo.model.modules() if isinstance(getattr(m, "scaling", None), float)]
+    assert modules
+    for module in modules:
+        module.scaling *= 1.25
+    try:
+        assert not torch.equal(zoo.generate(False, **greedy), expected)
+    finally:
+        for module in modules:
+            module.scaling /= 1.25
+    lookup_ids, _ = left_padded([5], seed=1, repeat=6)
+    calls = {
+        "sampling": dict(batch, max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=2),
+        "beams": dict(batch, max_new_tokens=8, num_beams=2, num_return_sequences=2),
+        "prompt lookup": dict(input_ids=lookup_ids, max_new_tokens=12, prompt_lookup_num_tokens=3),
+    }
+    for name, kwargs in calls.items():
+        expected = zoo.generate(False, **kwargs)
+        assert torch.equal(zoo.generate(True, **kwargs), expected), f"{zoo.model_type}: {name}"
+
+
+def test_engine_matches_the_default_cache(zoo):
+    gen = torch.Generator().manual_seed(2)
+    system = torch.randint(3, VOCAB, (2 * BLOCK + 3,), generator=gen).tolist()
+    prompts = [system + torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (2, 7)]
+    prompts += [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (13, 20)]
+    new = 10
+    expected = [zoo.greedy(prompt, new) for prompt in prompts]
+    setups = {  # 12 blocks of 8 are too few for the four at once: requests are preempted
+        "prefix caching, chunked prefill, swap": dict(max_num_batched_tokens=12, max_num_seqs=4),
+        "prefix caching, recompute": dict(num_host_blocks=0),
+    }
+    window, chunk = ModelGeometry.of(zoo.model).released_reach()
+    if window or chunk:  # without prefix caching, blocks no layer reads are released
+        setups["releasing blocks"] = dict(enable_prefix_caching=False)
+    for name, setup in setups.items():
+        engine = Engine(zoo.model, num_blocks=12, block_size=BLOCK, eos_token_id=[], **setup)
+        try:
+            outputs = engine.generate(prompts, SamplingParams(new))
+        finally:
+            zoo.model.set_attn_implementation(zoo.default)
+        assert [o.outputs[0] for o in outputs] == expected, f"{zoo.model_type}: {name}"
+        stats = engine.stats
+        if name == "releasing blocks":
+            assert engine.block_manager.reach.releases
+        else:
+            assert stats.prompt_tokens_cached > 0, name
+            preempted = stats.swaps_out if "swap" in name else stats.preemptions_by_recompute
+            assert preempted > 0, name
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_unsupported_families_are_refused_with_the_reason(model_type):
+    model = build(model_type, device="meta")  # refused before any weight is read
+    message = REFUSED[model_type][1]
+    with pytest.raises(UnsupportedModelError, match=message):
+        PagedCache(model, block_size=BLOCK, num_blocks=8)
+    with pytest.raises(UnsupportedModelError, match=message):
+        Engine(model, num_blocks=8, block_size=BLOCK)
+
+
+# Each attention feature, removed from the config: the tokens change, so a paged attention that
+# ignored it would fail the equality tests above.
+FEATURES = [
+    pytest.param("mistral", dict(sliding_window=None), id="sliding window"),
+    pytest.param("gemma2", dict(attn_logit_softcapping=None), id="logit soft-cap"),
+    pytest.param("llama4_text", dict(attention_chunk_size=4 * CHUNK), id="attention chunks"),
+]
+
+
+@pytest.mark.parametrize("model_type, without", FEATURES)
+def test_ignoring_an_attention_feature_changes_the_tokens(model_type, without):
+    ids, mask = left_padded([5, 11, 19])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    with_it, without_it = Zoo(model_type), Zoo(model_type, **without)
+    assert not torch.equal(with_it.generate(False, **kwargs), without_it.generate(False, **kwargs))
+
+
+def test_attention_sinks_change_the_tokens():
+    zoo = Zoo("gpt_oss")
+    ids, mask = left_padded([5, 11, 19])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    right = zoo.generate(False, **kwargs)
+    sinks = [m.sinks for m in zoo.model.modules() if hasattr(m, "sinks")]
+    assert ModelGeometry.of(zoo.model).layers[0].sinks
+    with torch.no_grad():
+        for parameter in sinks:
+            parameter.fill_(-1e4)  # a sink that takes no share of the softmax: as if absent
+    assert not torch.equal(zoo.generate(False, **kwargs), right)
+
+
+def test_a_model_of_chunked_layers_only_releases_what_no_chunk_reads():
+    zoo = Zoo("llama4_text", layer_types=["chunked_attention"] * 2, no_rope_layers=[1, 1])
+    ids, mask = left_padded([5, 11, 19])
+    greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    zoo.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(zoo.model, block_size=BLOCK, num_blocks=96)
+    try:
+        got = zoo.model.generate(**greedy, cache=cache, pad_token_id=0, eos_token_id=None)
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+    assert torch.equal(got, zoo.generate(False, **greedy, eos_token_id=None))
+    assert cache.block_manager.attention_chunk_size == CHUNK
+    # The longest row holds 19 + 30 - 1 tokens: the blocks before its last token's chunk (from
+    # position 32) went back to the pool.
+    released = cache.block_manager.block_table(cache._rows[2])[: 32 // BLOCK]
+    assert released == [RELEASED] * (32 // BLOCK)
+    test_engine_matches_the_default_cache(zoo)  # releasing blocks there too
