@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU: run decode steps through torch.compile, one graph per padded batch size "
+        "(1, 8, 32 and --max-num-seqs), all compiled before the server accepts requests (one to "
+        "two minutes each for SmolLM2 on two cores); about 1.5-2x the tokens/s afterwards",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=_non_negative_float,
         default=30.0,
@@ -141,7 +148,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
     """The engine the server drives, sized by the arguments."""
     from paged_attention.cache import bytes_per_block, num_blocks_for_budget
     from paged_attention.engine import Engine
-    from paged_attention.integrations.transformers import ModelGeometry
+    from paged_attention.geometry import ModelGeometry
 
     num_blocks = args.num_blocks
     if num_blocks is None:
@@ -159,7 +166,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
         except ValueError as error:
             raise UsageError(f"--kv-memory: {error}") from None
     try:
-        return Engine(
+        engine = Engine(
             model,
             tokenizer=tokenizer,
             num_blocks=num_blocks,
@@ -168,9 +175,18 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            compile=args.compile,
         )
     except ValueError as error:  # sizes the engine refuses, or a model it cannot serve
         raise UsageError(str(error)) from None
+    if args.compile:
+        seconds = engine.compile_decode_steps()
+        logging.info(
+            "compiled decode steps for batch sizes %s in %.0f s",
+            ", ".join(map(str, seconds)),
+            sum(seconds.values()),
+        )
+    return engine
 
 
 def _url_host(host: str) -> str:

@@ -196,16 +196,18 @@ def greedy_generate(model, prompt, max_new_tokens):
 def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
     # Compiling costs seconds even for this 2-layer model, so one test covers the compiled path:
     # a mixed-window model (qwen2), three sequences padded to the size-8 graph, then two (a
-    # request finished), with the prompts' steps and a mixed step eager in between.
+    # request finished), with the prompts' steps and a mixed step eager in between; then the
+    # other size compiled ahead (compile_decode_steps, as the server does) without touching the
+    # cache, and a request alone through it.
     from paged_attention.engine import Engine, SamplingParams
     from paged_attention.engine.model_runner import CompiledDecode
 
     model = build("qwen2")
     engine = Engine(
-        model, num_blocks=64, block_size=BLOCK, max_num_seqs=16, eos_token_id=[], compile=True
+        model, num_blocks=64, block_size=BLOCK, max_num_seqs=8, eos_token_id=[], compile=True
     )
     compiled = engine.runner.graphs
-    assert isinstance(compiled, CompiledDecode) and compiled.sizes == [1, 8, 16]
+    assert isinstance(compiled, CompiledDecode) and compiled.sizes == [1, 8]
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (5, 19, 11)]
     lengths = (12, 12, 7)
@@ -213,6 +215,16 @@ def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
     assert list(compiled.compile_seconds) == [8]
     for prompt, n, out in zip(prompts, lengths, outputs):
         assert out.outputs == [greedy_generate(model, prompt, n)]
+
+    caches = [t.clone() for t in engine.kv_cache.key_caches + engine.kv_cache.value_caches]
+    seconds = engine.compile_decode_steps()
+    assert sorted(seconds) == [1, 8] and seconds[8] == compiled.compile_seconds[8]
+    after = engine.kv_cache.key_caches + engine.kv_cache.value_caches
+    assert all(torch.equal(a, b) for a, b in zip(caches, after))
+    assert engine.compile_decode_steps() == seconds  # nothing left to compile
+    alone = engine.generate([prompts[1][:7]], SamplingParams(9))[0]
+    assert alone.outputs == [greedy_generate(model, prompts[1][:7], 9)]
+    assert compiled.compile_seconds == seconds
 
 
 def test_compile_is_for_cpu_models():
@@ -223,3 +235,6 @@ def test_compile_is_for_cpu_models():
     model = build("llama").to("meta")
     with pytest.raises(ValueError, match="compiled decode steps are for a model on the CPU"):
         Engine(model, num_blocks=16, block_size=BLOCK, cuda_graphs=False, compile=True)
+    eager = Engine(build("llama"), num_blocks=16, block_size=BLOCK)
+    with pytest.raises(ValueError, match="compile_decode_steps needs an engine built with compile"):
+        eager.compile_decode_steps()

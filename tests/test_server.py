@@ -591,6 +591,24 @@ def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
     assert option in error and "Traceback" not in error
 
 
+def test_serve_compile_compiles_every_batch_size_before_serving(tiny):
+    import argparse
+
+    from paged_attention import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--model", MODEL, "--num-blocks", "16", "--max-num-seqs", "1"])
+    eager = serve.build_engine(*tiny, args)
+    args.compile = True
+    engine = serve.build_engine(*tiny, args)
+    assert list(engine.runner.graphs.compile_seconds) == [1]  # before any request
+    prompt = chat_prompt(tiny[1], "Hello")
+    params = SamplingParams(max_new_tokens=6)
+    (compiled,), (expected,) = engine.generate([prompt], params), eager.generate([prompt], params)
+    assert compiled.outputs == expected.outputs
+
+
 # --------------------------------------------------------------------- the real model
 
 

@@ -20,7 +20,7 @@ from typing import Union
 import torch
 
 from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_of
-from paged_attention.engine.model_runner import ModelRunner
+from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
 from paged_attention.engine.request import (
     Request,
     RequestError,
@@ -170,6 +170,15 @@ class Engine:
         self._owners: dict[int, weakref.ref] = {}
 
     # ------------------------------------------------------------------ requests
+
+    def compile_decode_steps(self) -> dict[int, float]:
+        """With ``compile=True``: compiles the decode step of every padded batch size now, so
+        that no request waits for a compile (a server calls this before it accepts requests);
+        sizes already compiled are kept. Touches neither the cache nor any request. Returns the
+        seconds each size's compile took."""
+        if not isinstance(self.runner.graphs, CompiledDecode):
+            raise ValueError("compile_decode_steps needs an engine built with compile=True")
+        return self.runner.graphs.compile_all()
 
     def add_request(
         self,

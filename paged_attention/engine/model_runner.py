@@ -259,17 +259,22 @@ class DecodeGraphs:
         tables, seq_lens, slots = out.decode_tensors
         tokens = torch.tensor([c.seq.tokens[-1] for c in out.decode])
         positions = torch.tensor([c.start for c in out.decode])
+        self.pad(size, start=batch)
         self.input_ids[0, :batch].copy_(tokens, non_blocking=True)
-        self.input_ids[0, batch:size] = 0
         self.positions[0, :batch].copy_(positions, non_blocking=True)
-        self.positions[0, batch:size] = 0
-        self.block_tables[:size].zero_()
         self.block_tables[:batch, : tables.shape[1]].copy_(tables, non_blocking=True)
         self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
-        self.seq_lens[batch:size] = 0
         self.slots[:batch].copy_(slots, non_blocking=True)
-        self.slots[batch:size] = -1
         return size
+
+    def pad(self, size: int, start: int = 0) -> None:
+        """Rows ``start`` to ``size`` of the static buffers become padding (seq_len 0, slot -1:
+        they store and attend nothing); the block tables of all ``size`` rows are cleared."""
+        self.input_ids[0, start:size] = 0
+        self.positions[0, start:size] = 0
+        self.block_tables[:size].zero_()
+        self.seq_lens[start:size] = 0
+        self.slots[start:size] = -1
 
     def forward(self, size: int) -> torch.Tensor:
         """The model over the first ``size`` rows of the static buffers (what a graph captures;
@@ -323,8 +328,9 @@ class CompiledDecode(DecodeGraphs):
     them, the query/key/value projections as one product and the gate/up projections as
     another (``enable_concat_linear``); the norms, rotary embeddings and activations fuse into
     a few loops, and ``cpp_wrapper`` calls a step's kernels from C++ instead of Python. A size
-    is compiled at its first step, which takes long (one to two minutes for a 30-layer model on
-    two busy cores; docs/performance.md), so the sizes are few: a step pads to the next one.
+    is compiled at its first step, or every size at once by :meth:`compile_all`; compiling takes
+    long (one to two minutes per size for a 30-layer model on two cores; docs/performance.md),
+    so the sizes are few: a step pads to the next one.
     The weights are captured when a size is compiled: an engine serves the weights it first
     saw.
 
@@ -355,19 +361,30 @@ class CompiledDecode(DecodeGraphs):
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         size = self.fill(out)
+        return self._run_size(size)[: len(out.decode)].float()
+
+    def compile_all(self) -> dict[int, float]:
+        """Compiles every size not compiled yet, now, on padding rows only (they store and
+        attend nothing, so the cache is untouched); returns :attr:`compile_seconds`."""
+        for size in self.sizes:
+            if size not in self._steps:
+                self.pad(size)
+                self._run_size(size)
+        return dict(self.compile_seconds)
+
+    def _run_size(self, size: int) -> torch.Tensor:
+        """The compiled step of the first ``size`` rows of the static buffers (compiled first
+        if this size has not run yet)."""
         step = self._steps.get(size)
         with torch.no_grad():
-            if step is None:
-                started = time.perf_counter()
-                function = types.FunctionType(CompiledDecode._step.__code__.replace(), globals())
-                step = torch.compile(
-                    types.MethodType(function, self), fullgraph=True, dynamic=False
-                )
-                with torch._inductor.config.patch(self.INDUCTOR_OPTIONS):
-                    logits = step(size)
-                self._steps[size] = step
-                self.compile_seconds[size] = time.perf_counter() - started
-            else:
+            if step is not None:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    logits = step(size)
-        return logits[: len(out.decode)].float()
+                    return step(size)
+            started = time.perf_counter()
+            function = types.FunctionType(CompiledDecode._step.__code__.replace(), globals())
+            step = torch.compile(types.MethodType(function, self), fullgraph=True, dynamic=False)
+            with torch._inductor.config.patch(self.INDUCTOR_OPTIONS):
+                logits = step(size)
+            self._steps[size] = step
+            self.compile_seconds[size] = time.perf_counter() - started
+            return logits

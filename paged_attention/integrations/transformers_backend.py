@@ -155,12 +155,16 @@ class MaskPattern:
     def attended(self) -> tuple[int, int] | None:
         """``(sliding_window, attention_chunk_size)`` of the mask (0, 0: causal, every earlier
         position), probed at two query positions; None when it cannot be probed now (while a
-        CUDA graph is captured, which allows no device-to-host copy). Raises ValueError for a
-        mask that is none of the three."""
+        CUDA graph is captured, which allows no device-to-host copy, or ``torch.compile``
+        traces, where the probe's result would be data-dependent; an engine's first steps, its
+        prompts', run eagerly and probe it). Raises ValueError for a mask that is none of the
+        three."""
         if self.mask_function is None:
             return 0, 0
         device = self.device or torch.device("cpu")
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
             return None
         size = self.local_size or _PROBE_SPAN
         first = 2 * size + (size - 1) // 2  # and first + 1 share a chunk of `size` (size > 1)
