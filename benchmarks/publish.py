@@ -1,0 +1,678 @@
+"""Write the published results from the benchmark JSON committed under docs/results/.
+
+Every figure in README.md's headline table, on docs/benchmarks.md and on docs/performance.md is
+written here, between marker comments, from the JSON files the benchmarks wrote; each table
+names the machine the JSON records and the command that produced it. The command is the line
+naming the file in docs/results/INDEX.txt (``<file> <command>``; separators such as ``:``,
+``|``, ``-`` or backquotes around either are ignored), else the one the JSON records
+(bench_server.py records it), else the benchmark's script with "(arguments not recorded)".
+INDEX.txt's ``note: ...`` lines are published with the tables.
+
+    python benchmarks/publish.py            # rewrite the marked sections
+    python benchmarks/publish.py --check    # exit 1, naming the file, if a section is stale
+
+``make bench`` runs the benchmarks into docs/results/ and then this script; after copying new
+JSON (and its PNGs into docs/img/) by hand, run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+IMAGES = ROOT / "docs" / "img"
+BEGIN = "<!-- results:begin (written by benchmarks/publish.py from docs/results/; do not edit) -->"
+END = "<!-- results:end -->"
+
+# The instruction-set features worth naming in a machine's one-line description.
+ISA_NAMES = (
+    ("avx512f", "AVX-512"),
+    ("avx512_bf16", "AVX512-BF16"),
+    ("amx_bf16", "AMX"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the results
+
+
+def load_results(directory: Path = RESULTS) -> dict[str, dict]:
+    """Every JSON file of ``directory`` by file name, in name order."""
+    return {path.name: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def kind_of(data: dict) -> str | None:
+    """Which benchmark wrote ``data``, from its shape (file names may vary)."""
+    rows = data.get("rows")
+    first = rows[0] if isinstance(rows, list) and rows else {}
+    if {"memory", "compute", "from_memory"} <= data.keys():
+        return "decode_cpu_core"
+    if {"utilisation", "sharing"} <= data.keys():
+        return "memory"
+    if data.get("benchmark") == "bench_hf_kv_bytes":
+        return "hf_kv_bytes"
+    if "results" in data and "block_manager" in data.get("results", {}):
+        return "block_manager"
+    if "info" in data and "load" in first:
+        return "server"
+    if "config" in first and "tokens_per_s" in first:
+        return "serving"
+    if "query_len" in first and "method" in first:
+        return "prefill"
+    if "method" in first and "context" in first:
+        return "decode"
+    return None
+
+
+SCRIPTS = {
+    "decode": "bench_decode.py",
+    "decode_cpu_core": "bench_decode_cpu_core.py",
+    "prefill": "bench_prefill.py",
+    "serving": "bench_serving.py",
+    "server": "bench_server.py",
+    "memory": "bench_memory.py",
+    "hf_kv_bytes": "bench_hf_kv_bytes.py",
+    "block_manager": "bench_block_manager.py",
+}
+
+
+def index_notes(directory: Path = RESULTS) -> list[str]:
+    """The ``note:`` lines of ``directory/INDEX.txt``: what every reader of the figures must
+    know about the runs (published above the benchmarks' tables)."""
+    path = directory / "INDEX.txt"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [line[len("note:") :].strip() for line in lines if line.startswith("note:")]
+
+
+def index_commands(directory: Path = RESULTS) -> dict[str, str]:
+    """File name -> command, from ``directory/INDEX.txt`` (absent: none)."""
+    path = directory / "INDEX.txt"
+    commands: dict[str, str] = {}
+    if not path.exists():
+        return commands
+    for line in path.read_text().splitlines():
+        if line.startswith("note:"):
+            continue
+        match = re.search(r"([\w.\-/]+\.json)", line)
+        if not match:
+            continue
+        name = Path(match.group(1)).name
+        command = line[match.end() :].strip().strip("`|:-—= \t").strip("`").strip()
+        if command:
+            commands.setdefault(name, command)
+    return commands
+
+
+def command_of(name: str, data: dict, kind: str, commands: dict[str, str]) -> str:
+    if name in commands:
+        return commands[name]
+    recorded = data.get("info", {}).get("command") if kind == "server" else None
+    if recorded:
+        return recorded if recorded.startswith("python") else f"python {recorded}"
+    return f"python benchmarks/{SCRIPTS[kind]} (arguments not recorded)"
+
+
+def machine_of(data: dict, kind: str) -> str:
+    """One line naming the machine a JSON file records."""
+    if kind == "memory":
+        return "any (a replay of the block manager; no timing)"
+    if kind == "hf_kv_bytes":
+        return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
+    if kind == "server":
+        info = data["info"]
+        return f"{info.get('cpu', '?')}, {info.get('cores', '?')} cores"
+    machine = data.get("machine", {})
+    if "gpu" in machine:
+        return f"{machine['gpu']} ({machine.get('sms', '?')} SMs), torch {machine.get('torch')}"
+    if machine.get("device") not in (None, "cpu"):
+        return f"{machine['device']}, torch {machine.get('torch')}"
+    model = machine.get("cpu_model") or machine.get("cpu") or "?"
+    flags = set(machine.get("cpu_isa_flags") or machine.get("cpu_isa") or ())
+    isa = "/".join(label for flag, label in ISA_NAMES if flag in flags)
+    threads = machine.get("threads")
+    parts = [model]
+    if isa:
+        parts.append(isa)
+    if threads:
+        parts.append(f"{threads} thread{'s' if threads != 1 else ''}")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+
+
+def ms(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
+
+
+def num(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def pct(fraction: float | None) -> str:
+    return "" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" * len(header)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(machine: str, command: str) -> str:
+    return f"Machine: {machine}. Command: `{command}`."
+
+
+def image(name: str, alt: str) -> str:
+    """A Markdown image of docs/img/``name``, or nothing when the file is absent."""
+    return f"\n\n![{alt}](img/{name})" if (IMAGES / name).exists() else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections of docs/benchmarks.md, one per JSON file
+
+
+def decode_section(data: dict) -> str:
+    rows = data["rows"]
+    shape = data.get("shape", {})
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "limit"))
+    keys = list(dict.fromkeys((r["dtype"], r["batch"], r["context"]) for r in rows))
+    by = {(r["dtype"], r["batch"], r["context"], r["method"]): r for r in rows}
+    body = []
+    for key in keys:
+        limit = by.get((*key, "limit"), {})
+        cells = [key[0], f"{key[1]} x {key[2]}", num(limit.get("kv_bytes", 0) / 2**20, 0)]
+        for method in methods:
+            r = by.get((*key, method))
+            if r is None or r.get("time_s") is None:
+                cells.append("n/a")
+                continue
+            cell = f"{ms(r['time_s'])}, {num(r['bytes_per_s'] / 1e9)} GB/s"
+            if r.get("fraction_of_limit") is not None and method in ("v1", "v2"):
+                cell += f" ({pct(r['fraction_of_limit'])})"
+            cells.append(cell)
+        cells.append(f"{num(limit.get('bytes_per_s', 0) / 1e9)} GB/s" if limit else "")
+        body.append(cells)
+    header = ["dtype", "batch x context", "KV MiB", *methods, "streaming limit"]
+    text = (
+        f"One decode step of {shape.get('num_heads')} query heads over "
+        f"{shape.get('num_kv_heads')} KV heads, head size {shape.get('head_size')}, block size "
+        f"{shape.get('block_size')}, scattered block tables; every method reads the same paged "
+        "cache. GB/s is the bytes of K and V the step must read divided by its time; the limit is "
+        "a streaming `sum()` over a buffer of as many bytes on the same machine, and the "
+        "percentage is of that limit"
+        + (" (caches on 2 MiB huge pages)" if data.get("huge_pages") else "")
+        + ".\n\n"
+    )
+    return text + table(header, body, "llr" + "r" * (len(methods) + 1))
+
+
+def prefill_section(data: dict) -> str:
+    rows = [r for r in data["rows"] if r.get("query_len") is not None]
+    methods = [
+        m for m in dict.fromkeys(r["method"] for r in rows) if "limit" not in m
+    ]  # the limits are summarised in the ours column
+    keys = list(dict.fromkeys((r["row"], r["dtype"]) for r in rows))
+    body = []
+    for row_name, dtype in keys:
+        group = [r for r in rows if r["row"] == row_name and r["dtype"] == dtype]
+        first = group[0]
+        cells = [
+            f"({row_name}) {first['batch']} x {first['context']}, {first['query_len']} new",
+            dtype,
+        ]
+        for method in methods:
+            r = next((g for g in group if g["method"] == method), None)
+            cells.append("n/a" if r is None or r.get("time_s") is None else ms(r["time_s"]))
+        ours = next((g for g in group if g["method"] == "ours" and g.get("time_s")), {})
+        cells.append(num(ours.get("speedup_vs_gather_sdpa"), 2, "x"))
+        cells.append(pct(ours.get("fraction_of_roof")))
+        body.append(cells)
+    header = ["row", "dtype", *methods, "ours vs gather + SDPA", "ours: % of roof"]
+    text = (
+        "Causal attention of new query rows over a paged context (`paged_attention_varlen`), "
+        "beside gathering the blocks and calling SDPA, and SDPA over contiguous K/V. The roof is "
+        "the slower of a streaming read of the step's K and V and a float32 matrix product of as "
+        "many operations, measured in the same run.\n\n"
+    )
+    return text + table(header, body, "ll" + "r" * (len(methods) + 2))
+
+
+def cpu_core_section(data: dict) -> str:
+    body = [["memory: streaming `sum()`", "", num(data["memory"]["bytes_per_s"] / 1e9, 1)]]
+    for r in data["compute"]:
+        body.append(
+            [
+                f"compute: v1 over a cache in L2 ({r['dtype']})",
+                ms(r["time_s"]),
+                num(r["bytes_per_s"] / 1e9, 1),
+            ]
+        )
+    for r in data["from_memory"]:
+        body.append(
+            [
+                f"v1 from memory, {r['batch']} x {r['context']} ({r['dtype']})",
+                ms(r["time_s"]),
+                num(r["bytes_per_s"] / 1e9, 1),
+            ]
+        )
+    text = "One core's compute rate against the rate one core streams from memory.\n\n"
+    return text + table(["measure (one thread)", "time", "GB/s"], body, "lrr")
+
+
+def serving_section(data: dict) -> str:
+    body = []
+    for r in data["rows"]:
+        computed = r.get("prompt_tokens_computed")
+        prompt = r.get("prompt_tokens")
+        body.append(
+            [
+                f"{r.get('workload', '')} ({r.get('requests', '')})",
+                r.get("dtype", ""),
+                r.get("arrivals", ""),
+                r["config"],
+                num(r.get("tokens_per_s"), 1),
+                " / ".join(num(r.get(k), 1) for k in ("ttft_p50_ms", "ttft_p99_ms"))
+                if r.get("ttft_p50_ms") is not None
+                else "",
+                " / ".join(num(r.get(k), 1) for k in ("itl_p50_ms", "itl_p99_ms"))
+                if r.get("itl_p50_ms") is not None
+                else "",
+                f"{computed} of {prompt}" if computed is not None else "",
+                str(r["peak_blocks"]) if r.get("peak_blocks") is not None else "",
+            ]
+        )
+    header = [
+        "workload (requests)",
+        "dtype",
+        "arrivals",
+        "config",
+        "tokens/s",
+        "TTFT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "prompt tokens computed",
+        "peak KV blocks",
+    ]
+    models = ", ".join(
+        f"{label}: `{data[key]}`"
+        for key, label in (("chat_model", "chat model"), ("token_model", "token-id model"))
+        if data.get(key)
+    )
+    text = (
+        f"The engine beside transformers' own batching on the same model and prompts ({models}; "
+        f"block size {data.get('block_size')}). Tokens/s is generated tokens over the wall time "
+        "from the first arrival to the last token.\n\n"
+    )
+    return text + table(header, body, "llllrrrrr")
+
+
+def server_section(data: dict) -> str:
+    info = data["info"]
+    body = [
+        [
+            r["load"],
+            num(r.get("output_tokens_per_s"), 1),
+            " / ".join(num(r.get(k), 1) for k in ("ttft_p50_ms", "ttft_p99_ms")),
+            " / ".join(num(r.get(k), 1) for k in ("itl_p50_ms", "itl_p99_ms")),
+            num(r.get("e2e_p50_ms"), 1),
+            str(r.get("errors", 0)),
+        ]
+        for r in data["rows"]
+    ]
+    header = [
+        "load",
+        "output tokens/s",
+        "TTFT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "end-to-end p50 ms",
+        "errors",
+    ]
+    text = (
+        f"Streaming chat completions over HTTP against `paged-attention serve` (model "
+        f"`{info.get('model')}`, {info.get('requests_per_run')} requests of "
+        f"{info.get('max_tokens')} tokens per load), with Poisson arrivals and closed-loop "
+        "clients.\n\n"
+    )
+    return text + table(header, body, "lrrrrr")
+
+
+def memory_section(data: dict) -> str:
+    trace = data["trace"]
+    util = [
+        [name, pct(v["utilisation"]), pct(v["waste"])] for name, v in data["utilisation"].items()
+    ]
+    sharing = data["sharing"]
+    share = []
+    for key, label in (
+        ("parallel_sampling_saving", "parallel sampling, n ="),
+        ("beam_search_saving", "beam search, width"),
+    ):
+        values = sharing[key]
+        share.append([f"{label} {' / '.join(values)}", " / ".join(pct(v) for v in values.values())])
+    text = (
+        f"A seeded trace of {trace['requests']} chat-shaped requests ({trace['distribution']}), "
+        f"served {trace['concurrency']} at a time by the real `BlockManager`; sharing over "
+        f"{sharing['requests']} requests at block size {sharing['block_size']}.\n\n"
+    )
+    return (
+        text
+        + table(["KV cache scheme", "holds tokens", "wasted"], util, "lrr")
+        + "\n\n"
+        + table(["decoding", "KV memory saved by sharing"], share, "lr")
+    )
+
+
+def hf_kv_bytes_section(data: dict) -> str:
+    body = [
+        [
+            r["run"],
+            str(r.get("prompt_len", r.get("prompt", ""))),
+            f"{r['dynamic_cache_bytes'] / 2**20:.2f} MiB",
+            f"{r['paged_peak_bytes'] / 2**20:.2f} MiB",
+            f"{r['ratio']:.2f}",
+            "yes" if r.get("same_tokens") else "no",
+        ]
+        for r in data["results"]
+    ]
+    text = (
+        f"The same `generate()` with transformers' `DynamicCache` and with `PagedCache` (block "
+        f"size {data.get('block_size')}): bytes of keys and values held.\n\n"
+    )
+    header = ["run", "prompt", "DynamicCache", "PagedCache (peak)", "ratio", "same tokens"]
+    return text + table(header, body, "lrrrrl")
+
+
+def block_manager_section(data: dict) -> str:
+    results = data["results"]
+    kinds = list(results)
+    columns = list(results[kinds[0]])
+    body = [[column, *(num(results[k][column], 1) for k in kinds)] for column in columns]
+    workload = data.get("workload", {})
+    text = (
+        f"Block-manager bookkeeping per step: {workload.get('num_seqs')} sequences of "
+        f"{workload.get('prompt_len')} tokens ({workload.get('shared_prefix')} shared), block "
+        f"size {workload.get('block_size')}, beside a list-based manager.\n\n"
+    )
+    return text + table(["measure", *kinds], body, "l" + "r" * len(kinds))
+
+
+SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
+    "decode": ("Decode attention", decode_section, "bench_decode_{device}.png"),
+    "prefill": ("Prefill / varlen attention", prefill_section, "bench_prefill_{device}.png"),
+    "decode_cpu_core": ("One CPU core: compute and memory", cpu_core_section, None),
+    "serving": ("Serving: the engine and transformers", serving_section, "bench_serving.png"),
+    "server": ("HTTP server under load", server_section, "bench_server.png"),
+    "memory": ("KV memory: paged vs. contiguous, and sharing", memory_section, "bench_memory.png"),
+    "hf_kv_bytes": ("transformers `generate()`: KV bytes held", hf_kv_bytes_section, None),
+    "block_manager": ("Block manager: cost per step", block_manager_section, None),
+}
+
+
+def benchmarks_page(results: dict[str, dict], commands: dict[str, str], notes: list[str]) -> str:
+    parts = [f'!!! note "About these runs"\n    {note}' for note in notes]
+    for kind, (title, render, picture) in SECTIONS.items():
+        for name, data in results.items():
+            if kind_of(data) != kind:
+                continue
+            device = data.get("device", "cpu")
+            heading = f"### {title}" + (f" ({device})" if kind in ("decode", "prefill") else "")
+            picture_name = picture.format(device=device) if picture else None
+            # A picture belongs to the JSON it was drawn from: the default file name only.
+            shown = picture_name and Path(picture_name).stem == Path(name).stem
+            parts.append(
+                f"{heading}\n\n"
+                + provenance(machine_of(data, kind), command_of(name, data, kind, commands))
+                + f" File: `docs/results/{name}`.\n\n"
+                + render(data)
+                + (image(picture_name, title) if shown else "")
+            )
+    unknown = [name for name, data in results.items() if kind_of(data) is None]
+    if unknown:
+        parts.append("Files of no known benchmark: " + ", ".join(f"`{n}`" for n in unknown) + ".")
+    if not results:
+        parts.append("No benchmark results are committed.")
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The README's headline table and the performance page
+
+
+def _first(results: dict[str, dict], kind: str) -> tuple[str, dict] | None:
+    return next(((n, d) for n, d in results.items() if kind_of(d) == kind), None)
+
+
+def _largest(rows: list[dict]) -> tuple:
+    return max((r["kv_bytes"], r["batch"], r["context"]) for r in rows)
+
+
+def headline_rows(results: dict[str, dict], commands: dict[str, str]) -> list[list[str]]:
+    """At most six rows: what, result, machine, command."""
+    out = []
+
+    def add(kind, name, data, what, result):
+        out.append(
+            [what, result, machine_of(data, kind), f"`{command_of(name, data, kind, commands)}`"]
+        )
+
+    found = _first(results, "decode")
+    if found:
+        name, data = found
+        for dtype in ("bfloat16", "float32"):
+            rows = [r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s")]
+            v1 = [r for r in rows if r["method"] == "v1"]
+            if not v1:
+                continue
+            top = _largest(v1)
+            row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
+            result = (
+                f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
+                f"{pct(row.get('fraction_of_limit'))} of the streaming-read limit"
+            )
+            if row.get("speedup_vs_gather_sdpa"):
+                result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
+            add(
+                "decode",
+                name,
+                data,
+                f"decode attention, {dtype}, {row['batch']} x {row['context']} tokens",
+                result,
+            )
+    found = _first(results, "prefill")
+    if found:
+        name, data = found
+        ours = [r for r in data["rows"] if r["method"] == "ours" and r.get("time_s")]
+        chunk = [r for r in ours if r["row"] == "b" and r["dtype"] == "bfloat16"] or ours[:1]
+        if chunk:
+            r = chunk[0]
+            add(
+                "prefill",
+                name,
+                data,
+                f"varlen attention, {r['dtype']}, {r['batch']} x {r['context']}, "
+                f"{r['query_len']} new tokens each",
+                f"{ms(r['time_s'])}; {num(r.get('speedup_vs_gather_sdpa'), 2)}x gather + SDPA, "
+                f"{pct(r.get('fraction_of_roof'))} of the roof",
+            )
+    found = _first(results, "serving")
+    if found:
+        name, data = found
+        rows = data["rows"]
+        workloads = [r for r in rows if r.get("workload") == "chat"] or rows
+        best = max(
+            (r for r in workloads if r["config"].startswith("engine")),
+            key=lambda r: r["tokens_per_s"],
+            default=None,
+        )
+        if best:
+            peer = next(
+                (
+                    r
+                    for r in workloads
+                    if r["config"] == "transformers generate_batch()"
+                    and (r.get("dtype"), r.get("requests"))
+                    == (best.get("dtype"), best.get("requests"))
+                ),
+                None,
+            )
+            result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
+            if peer:
+                result += (
+                    f"; transformers `generate_batch()` {num(peer['tokens_per_s'])} tokens/s, "
+                    f"{num(best['tokens_per_s'] / peer['tokens_per_s'])}x"
+                )
+            add(
+                "serving",
+                name,
+                data,
+                f"serving, {best.get('workload')} workload, {best.get('requests')} requests",
+                result,
+            )
+    found = _first(results, "memory")
+    if found and len(out) < 6:
+        name, data = found
+        util = data["utilisation"]
+        paged = util.get("paged, block 16")
+        contiguous = util.get("contiguous, max length")
+        if paged and contiguous:
+            beams = data["sharing"]["beam_search_saving"].get("4")
+            result = (
+                f"{pct(paged['waste'])} of KV memory wasted "
+                f"(contiguous max-length reservation: {pct(contiguous['waste'])})"
+            )
+            if beams is not None:
+                result += f"; beam search width 4 shares {pct(beams)}"
+            add("memory", name, data, "KV memory, paged, block 16", result)
+    found = _first(results, "server")
+    if found and len(out) < 6:
+        name, data = found
+        best = max(data["rows"], key=lambda r: r.get("output_tokens_per_s") or 0)
+        add(
+            "server",
+            name,
+            data,
+            f"HTTP server, {best['load']}",
+            f"{num(best['output_tokens_per_s'])} output tokens/s, TTFT p50 "
+            f"{num(best.get('ttft_p50_ms'))} ms",
+        )
+    return out[:6]
+
+
+def readme_section(results: dict[str, dict], commands: dict[str, str], notes: list[str]) -> str:
+    rows = headline_rows(results, commands)
+    if not rows:
+        return "No benchmark results are committed."
+    text = table(["measured", "result", "machine", "command"], rows)
+    return "\n\n".join([text, *notes])
+
+
+def performance_section(
+    results: dict[str, dict], commands: dict[str, str], notes: list[str]
+) -> str:
+    """Eager against compiled decode steps and bf16 against fp32, from the serving JSON."""
+    found = _first(results, "serving")
+    if not found:
+        return "No serving benchmark results are committed."
+    name, data = found
+    rows = [r for r in data["rows"] if r["config"] in ("engine", "engine compiled")]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                f"{r.get('workload')} ({r.get('requests')})",
+                r.get("dtype", ""),
+                r["config"],
+                num(r.get("tokens_per_s"), 1),
+                num(r.get("itl_p50_ms"), 1),
+                num(r.get("ttft_p50_ms"), 1),
+            ]
+        )
+    compile_rows = []
+    for r in rows:
+        if r["config"] == "engine compiled" and r.get("first_step_seconds"):
+            times = ", ".join(f"{n}: {num(s, 0)} s" for n, s in r["first_step_seconds"].items())
+            entry = [f"{r.get('workload')} ({r.get('requests')})", r.get("dtype", ""), times]
+            if entry not in compile_rows:
+                compile_rows.append(entry)
+    text = provenance(machine_of(data, "serving"), command_of(name, data, "serving", commands))
+    text += f" File: `docs/results/{name}`.\n\n"
+    text += table(
+        ["workload (requests)", "dtype", "config", "tokens/s", "ITL p50 ms", "TTFT p50 ms"],
+        body,
+        "lllrrr",
+    )
+    if compile_rows:
+        text += "\n\nFirst step of each padded batch size with `compile=True` (compiling):\n\n"
+        text += table(
+            ["workload (requests)", "dtype", "seconds per padded batch size"], compile_rows
+        )
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+TARGETS: dict[str, Callable[[dict, dict, list], str]] = {
+    "README.md": readme_section,
+    "docs/benchmarks.md": benchmarks_page,
+    "docs/performance.md": performance_section,
+}
+
+
+def replace_marked(text: str, body: str, path: str) -> str:
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no '{BEGIN}' ... '{END}' markers")
+    return text[: start + len(BEGIN)] + "\n" + body + "\n" + text[end:]
+
+
+def render(root: Path = ROOT) -> dict[str, str]:
+    """Path -> the file's text with its marked section written from docs/results/."""
+    results = load_results(root / "docs" / "results")
+    commands = index_commands(root / "docs" / "results")
+    notes = index_notes(root / "docs" / "results")
+    return {
+        path: replace_marked((root / path).read_text(), make(results, commands, notes), path)
+        for path, make in TARGETS.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a section is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in render().items():
+        if (ROOT / path).read_text() != text:
+            stale.append(path)
+            if not args.check:
+                (ROOT / path).write_text(text)
+    if args.check and stale:
+        print(
+            f"stale results in {', '.join(stale)}: run python benchmarks/publish.py",
+            file=sys.stderr,
+        )
+        return 1
+    for path in stale:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
