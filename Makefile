@@ -86,6 +86,8 @@ RESULTS := docs/results
 bench_run = $(PY) $(2) --json $(RESULTS)/$(1) && echo '$(1): python $(2) --json $(RESULTS)/$(1)' >> $(RESULTS)/INDEX.txt
 bench: build
 	rm -f $(RESULTS)/*.json $(RESULTS)/INDEX.txt
+	$(PY) -m paged_attention demo --json --plot docs/img/demo_kv_memory.png > $(RESULTS)/demo.json && \
+		echo 'demo.json: python -m paged_attention demo --json --plot docs/img/demo_kv_memory.png' >> $(RESULTS)/INDEX.txt
 	$(call bench_run,bench_decode_cpu.json,benchmarks/bench_decode.py --plot docs/img/bench_decode_cpu.png)
 	$(call bench_run,bench_decode_cpu_core.json,benchmarks/bench_decode_cpu_core.py)
 	$(call bench_run,bench_prefill_cpu.json,benchmarks/bench_prefill.py --plot docs/img/bench_prefill_cpu.png)

@@ -51,6 +51,8 @@ def kind_of(data: dict) -> str | None:
     """Which benchmark wrote ``data``, from its shape (file names may vary)."""
     rows = data.get("rows")
     first = rows[0] if isinstance(rows, list) and rows else {}
+    if {"kv_budget_blocks", "contiguous_blocks"} <= data.keys():
+        return "demo"
     if {"memory", "compute", "from_memory"} <= data.keys():
         return "decode_cpu_core"
     if {"utilisation", "sharing"} <= data.keys():
@@ -71,6 +73,7 @@ def kind_of(data: dict) -> str | None:
 
 
 SCRIPTS = {
+    "demo": "-m paged_attention demo --json",
     "decode": "bench_decode.py",
     "decode_cpu_core": "bench_decode_cpu_core.py",
     "prefill": "bench_prefill.py",
@@ -93,7 +96,11 @@ def index_notes(directory: Path = RESULTS) -> list[str]:
 
 
 def index_commands(directory: Path = RESULTS) -> dict[str, str]:
-    """File name -> command, from ``directory/INDEX.txt`` (absent: none)."""
+    """File name -> command, from ``directory/INDEX.txt`` (absent: none). A line names a result
+    (``bench_decode_cpu`` or ``bench_decode_cpu.json``), then ``:`` or ``|``, then the command;
+    backquotes, a leading ``-`` and a trailing ``(rc=..., ...)`` are dropped, the interpreter's
+    path becomes ``python``, and a JSON or PNG argument's directory becomes the one it is
+    committed in (docs/results/, docs/img/)."""
     path = directory / "INDEX.txt"
     commands: dict[str, str] = {}
     if not path.exists():
@@ -101,11 +108,15 @@ def index_commands(directory: Path = RESULTS) -> dict[str, str]:
     for line in path.read_text().splitlines():
         if line.startswith("note:"):
             continue
-        match = re.search(r"([\w.\-/]+\.json)", line)
+        match = re.match(r"^[\s\-*`]*([\w.\-/]+?)(?:\.json)?`?\s*[:|]\s*(.+)$", line)
         if not match:
             continue
-        name = Path(match.group(1)).name
-        command = line[match.end() :].strip().strip("`|:-—= \t").strip("`").strip()
+        name = Path(match.group(1)).name + ".json"
+        command = match.group(2).replace("`", "").strip()
+        command = re.sub(r"\s*\(rc=[^)]*\)\s*$", "", command)
+        command = re.sub(r"^\S*/python3?(?=\s)", "python", command)
+        command = re.sub(r"(?<=\s)\S*/([\w.\-]+\.json)\b", r"docs/results/\1", command)
+        command = re.sub(r"(?<=\s)\S*/([\w.\-]+\.png)\b", r"docs/img/\1", command)
         if command:
             commands.setdefault(name, command)
     return commands
@@ -117,13 +128,17 @@ def command_of(name: str, data: dict, kind: str, commands: dict[str, str]) -> st
     recorded = data.get("info", {}).get("command") if kind == "server" else None
     if recorded:
         return recorded if recorded.startswith("python") else f"python {recorded}"
-    return f"python benchmarks/{SCRIPTS[kind]} (arguments not recorded)"
+    script = SCRIPTS[kind]
+    where = script if script.startswith("-m") else f"benchmarks/{script}"
+    return f"python {where} (arguments not recorded)"
 
 
 def machine_of(data: dict, kind: str) -> str:
     """One line naming the machine a JSON file records."""
     if kind == "memory":
         return "any (a replay of the block manager; no timing)"
+    if kind == "demo":
+        return f"{data.get('device', 'cpu')} (the demo does not record the machine's model)"
     if kind == "hf_kv_bytes":
         return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
     if kind == "server":
@@ -185,6 +200,52 @@ def image(name: str, alt: str) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Sections of docs/benchmarks.md, one per JSON file
+
+
+def demo_section(data: dict) -> str:
+    peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
+    body = [
+        ["model", f"`{data['model']}`, {data.get('dtype')} on {data.get('device')}"],
+        [
+            "requests",
+            f"{data['requests']} ({data['parallel_sampling_requests']} parallel "
+            f"sampling, {data['beam_search_requests']} beam search, {data['rejected']} rejected)",
+        ],
+        ["generated tokens", f"{data['generated_tokens']} ({num(data['tokens_per_s'])} tokens/s)"],
+        ["KV budget", f"{data['kv_budget_blocks']} blocks of {data['block_size']} tokens"],
+        [
+            "peak KV blocks in use",
+            f"{peak} (contiguous max-length reservation: {contiguous}, "
+            f"{num(contiguous / peak, 1)}x)",
+        ],
+        ["blocks saved by sharing (peak)", str(data["blocks_saved_by_sharing"])],
+        [
+            "prompt tokens computed / from cache",
+            f"{data['prompt_tokens_computed']} / {data['prompt_tokens_cached']} "
+            f"(of {data['prompt_tokens']})",
+        ],
+        ["TTFT p50 / p99", f"{num(data['ttft_p50_ms'])} / {num(data['ttft_p99_ms'])} ms"],
+        ["ITL p50 / p99", f"{num(data['itl_p50_ms'])} / {num(data['itl_p99_ms'])} ms"],
+        ["copy-on-write copies", str(data["cow_copies"])],
+        [
+            "swaps out / in (requests)",
+            f"{data['swaps_out']} / {data['swaps_in']} "
+            f"({data['preemptions_by_recompute']} recomputed)",
+        ],
+        [
+            "greedy outputs == transformers' generate()",
+            f"{'yes' if data['greedy_matches_transformers'] else 'no'} "
+            f"({data['greedy_matching']} of {data['greedy_requests']} identical"
+            + (f", {data['greedy_ties']} parting at a tie" if data.get("greedy_ties") else "")
+            + ")",
+        ],
+    ]
+    text = (
+        "`python -m paged_attention demo` (what `make demo` runs): a seeded workload served with "
+        "continuous batching, swapping and prefix caching in a KV budget smaller than contiguous "
+        "reservation would need.\n\n"
+    )
+    return text + table(["", "demo"], body)
 
 
 def decode_section(data: dict) -> str:
@@ -412,6 +473,7 @@ def block_manager_section(data: dict) -> str:
 
 
 SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
+    "demo": ("Serving demo", demo_section, "demo_kv_memory.png"),
     "decode": ("Decode attention", decode_section, "bench_decode_{device}.png"),
     "prefill": ("Prefill / varlen attention", prefill_section, "bench_prefill_{device}.png"),
     "decode_cpu_core": ("One CPU core: compute and memory", cpu_core_section, None),
@@ -433,7 +495,9 @@ def benchmarks_page(results: dict[str, dict], commands: dict[str, str], notes: l
             heading = f"### {title}" + (f" ({device})" if kind in ("decode", "prefill") else "")
             picture_name = picture.format(device=device) if picture else None
             # A picture belongs to the JSON it was drawn from: the default file name only.
-            shown = picture_name and Path(picture_name).stem == Path(name).stem
+            shown = picture_name and (
+                Path(picture_name).stem == Path(name).stem or (kind, name) == ("demo", "demo.json")
+            )
             parts.append(
                 f"{heading}\n\n"
                 + provenance(machine_of(data, kind), command_of(name, data, kind, commands))
@@ -470,10 +534,24 @@ def headline_rows(results: dict[str, dict], commands: dict[str, str]) -> list[li
             [what, result, machine_of(data, kind), f"`{command_of(name, data, kind, commands)}`"]
         )
 
+    found = _first(results, "demo")
+    if found:
+        name, data = found
+        peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
+        add(
+            "demo",
+            name,
+            data,
+            f"serving demo, `{data['model']}`, {data['requests']} requests",
+            f"peak {peak} KV blocks against {contiguous} for contiguous reservation "
+            f"({num(contiguous / peak)}x); {num(data['tokens_per_s'])} tokens/s; greedy outputs "
+            f"equal `generate()`: {'yes' if data['greedy_matches_transformers'] else 'no'}",
+        )
     found = _first(results, "decode")
     if found:
         name, data = found
-        for dtype in ("bfloat16", "float32"):
+        dtypes = {r["dtype"] for r in data["rows"]}
+        for dtype in [d for d in ("bfloat16", "float32") if d in dtypes][:1]:
             rows = [r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s")]
             v1 = [r for r in rows if r["method"] == "v1"]
             if not v1:

@@ -69,12 +69,14 @@ def test_the_command_comes_from_the_index(tmp_path):
         "note: quiet machine\n"
         "bench_decode_cpu.json: python benchmarks/bench_decode.py --reps 5\n"
         "- `bench_memory.json` | `python benchmarks/bench_memory.py`\n"
-        "docs/results/bench_serving.json  python benchmarks/bench_serving.py --quick\n"
+        "bench_serving: /opt/venv/bin/python benchmarks/bench_serving.py --json "
+        "/tmp/out/bench_serving.json --plot /tmp/out/bench_serving.png (rc=0, 300 s)\n"
     )
     assert publish.index_commands(tmp_path) == {
         "bench_decode_cpu.json": "python benchmarks/bench_decode.py --reps 5",
         "bench_memory.json": "python benchmarks/bench_memory.py",
-        "bench_serving.json": "python benchmarks/bench_serving.py --quick",
+        "bench_serving.json": "python benchmarks/bench_serving.py --json "
+        "docs/results/bench_serving.json --plot docs/img/bench_serving.png",
     }
     assert publish.index_notes(tmp_path) == ["quiet machine"]
     server = {"info": {"command": "benchmarks/bench_server.py --rates 1"}, "rows": [{"load": 1}]}
