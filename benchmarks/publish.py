@@ -2,14 +2,14 @@
 
 Every figure in README.md's headline table, on docs/benchmarks.md and on docs/performance.md is
 written here, between marker comments, from the JSON files the benchmarks wrote; each table
-names the machine the JSON records and the command that produced it. The command is the line
-naming the file in docs/results/INDEX.txt (``<file> <command>``; separators such as ``:``,
-``|``, ``-`` or backquotes around either are ignored), else the one the JSON records
-(bench_server.py records it), else the benchmark's script with "(arguments not recorded)".
+names the machine the JSON records and the command that produced it: the one the JSON records
+(bench_server.py records it), else the line naming the file in docs/results/INDEX.txt
+(``<file>: <command>``), else the benchmark's script with "(arguments not recorded)".
 INDEX.txt's ``note: ...`` lines are published with the tables.
 
     python benchmarks/publish.py            # rewrite the marked sections
     python benchmarks/publish.py --check    # exit 1, naming the file, if a section is stale
+    python benchmarks/publish.py --take DIR # first take DIR's JSON, plots and INDEX.txt lines
 
 ``make bench`` runs the benchmarks into docs/results/ and then this script; after copying new
 JSON (and its PNGs into docs/img/) by hand, run it alone.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,14 +86,36 @@ SCRIPTS = {
 }
 
 
-def index_notes(directory: Path = RESULTS) -> list[str]:
-    """The ``note:`` lines of ``directory/INDEX.txt``: what every reader of the figures must
-    know about the runs (published above the benchmarks' tables)."""
+def index_notes(directory: Path = RESULTS) -> dict[str | None, list[str]]:
+    """The notes of ``directory/INDEX.txt``: ``note: TEXT`` about every run (key None) and
+    ``note FILE: TEXT`` about one file's run, what a reader of its figures must know (a smoke
+    run, a busy machine); published with the tables."""
+    notes: dict[str | None, list[str]] = {}
     path = directory / "INDEX.txt"
     if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [line[len("note:") :].strip() for line in lines if line.startswith("note:")]
+        return notes
+    for line in path.read_text().splitlines():
+        match = re.match(r"^note(?:\s+([\w.\-]+?)(?:\.json)?)?\s*:\s*(.+)$", line)
+        if match:
+            name = match.group(1) and match.group(1) + ".json"
+            notes.setdefault(name, []).append(match.group(2).strip())
+    return notes
+
+
+def normal_command(command: str) -> str:
+    """``command`` as a reader would type it from the repository's root: backquotes, a trailing
+    ``(rc=..., ...)`` and ``bash -c``/``time`` wrappers dropped, the interpreter's path made
+    ``python``, and a JSON or PNG argument's directory the one it is committed in."""
+    command = command.replace("`", "").strip()
+    command = re.sub(r"\s*\(rc=[^)]*\)\s*$", "", command)
+    command = re.sub(r"^bash -c\s+[\"']?", "", command)
+    command = re.sub(r"^/usr/bin/time( -v)?\s+", "", command)
+    command = re.sub(r"(?:^|(?<=\s))\S*/python3?(?=\s)", "python", command)
+    command = re.sub(r"(?:^|(?<=\s))\S*/([\w.\-]+\.json)\b", r"docs/results/\1", command)
+    command = re.sub(r"(?:^|(?<=\s))\S*/([\w.\-]+\.png)\b", r"docs/img/\1", command)
+    if command.startswith("benchmarks/"):
+        command = "python " + command
+    return command
 
 
 def index_commands(directory: Path = RESULTS) -> dict[str, str]:
@@ -106,28 +129,26 @@ def index_commands(directory: Path = RESULTS) -> dict[str, str]:
     if not path.exists():
         return commands
     for line in path.read_text().splitlines():
-        if line.startswith("note:"):
+        if re.match(r"^note[\s:]", line) or re.search(r"\(rc=[1-9]", line):
             continue
         match = re.match(r"^[\s\-*`]*([\w.\-/]+?)(?:\.json)?`?\s*[:|]\s*(.+)$", line)
         if not match:
             continue
         name = Path(match.group(1)).name + ".json"
-        command = match.group(2).replace("`", "").strip()
-        command = re.sub(r"\s*\(rc=[^)]*\)\s*$", "", command)
-        command = re.sub(r"^\S*/python3?(?=\s)", "python", command)
-        command = re.sub(r"(?<=\s)\S*/([\w.\-]+\.json)\b", r"docs/results/\1", command)
-        command = re.sub(r"(?<=\s)\S*/([\w.\-]+\.png)\b", r"docs/img/\1", command)
+        command = normal_command(match.group(2))
         if command:
             commands.setdefault(name, command)
     return commands
 
 
 def command_of(name: str, data: dict, kind: str, commands: dict[str, str]) -> str:
-    if name in commands:
-        return commands[name]
+    """The command that wrote ``data``: the one it records (bench_server.py's keeps its
+    arguments' quoting), else INDEX.txt's, else the script's name."""
     recorded = data.get("info", {}).get("command") if kind == "server" else None
     if recorded:
-        return recorded if recorded.startswith("python") else f"python {recorded}"
+        return normal_command(recorded)
+    if name in commands:
+        return commands[name]
     script = SCRIPTS[kind]
     where = script if script.startswith("-m") else f"benchmarks/{script}"
     return f"python {where} (arguments not recorded)"
@@ -485,8 +506,12 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
 }
 
 
-def benchmarks_page(results: dict[str, dict], commands: dict[str, str], notes: list[str]) -> str:
-    parts = [f'!!! note "About these runs"\n    {note}' for note in notes]
+def admonition(text: str) -> str:
+    return f'!!! note "About this run"\n    {text}'
+
+
+def benchmarks_page(results: dict[str, dict], commands: dict[str, str], notes: dict) -> str:
+    parts = [admonition(note) for note in notes.get(None, [])]
     for kind, (title, render, picture) in SECTIONS.items():
         for name, data in results.items():
             if kind_of(data) != kind:
@@ -502,6 +527,7 @@ def benchmarks_page(results: dict[str, dict], commands: dict[str, str], notes: l
                 f"{heading}\n\n"
                 + provenance(machine_of(data, kind), command_of(name, data, kind, commands))
                 + f" File: `docs/results/{name}`.\n\n"
+                + "".join(admonition(note) + "\n\n" for note in notes.get(name, []))
                 + render(data)
                 + (image(picture_name, title) if shown else "")
             )
@@ -525,14 +551,18 @@ def _largest(rows: list[dict]) -> tuple:
     return max((r["kv_bytes"], r["batch"], r["context"]) for r in rows)
 
 
-def headline_rows(results: dict[str, dict], commands: dict[str, str]) -> list[list[str]]:
-    """At most six rows: what, result, machine, command."""
+def headline_rows(
+    results: dict[str, dict], commands: dict[str, str], notes: dict | None = None
+) -> list[list[str]]:
+    """At most six rows: what, result, machine, command. A row whose file has a note is
+    marked with a star."""
     out = []
+    notes = notes or {}
 
     def add(kind, name, data, what, result):
-        out.append(
-            [what, result, machine_of(data, kind), f"`{command_of(name, data, kind, commands)}`"]
-        )
+        star = " \\*" if notes.get(name) else ""
+        command = command_of(name, data, kind, commands)
+        out.append([what + star, result, machine_of(data, kind), f"`{command}`"])
 
     found = _first(results, "demo")
     if found:
@@ -651,17 +681,21 @@ def headline_rows(results: dict[str, dict], commands: dict[str, str]) -> list[li
     return out[:6]
 
 
-def readme_section(results: dict[str, dict], commands: dict[str, str], notes: list[str]) -> str:
-    rows = headline_rows(results, commands)
+def readme_section(results: dict[str, dict], commands: dict[str, str], notes: dict) -> str:
+    rows = headline_rows(results, commands, notes)
     if not rows:
         return "No benchmark results are committed."
     text = table(["measured", "result", "machine", "command"], rows)
-    return "\n\n".join([text, *notes])
+    starred = [note for name, file_notes in notes.items() if name for note in file_notes]
+    marks = (
+        ["\\* " + note for note in dict.fromkeys(starred)]
+        if any("\\*" in r[0] for r in rows)
+        else []
+    )
+    return "\n\n".join([text, *notes.get(None, []), *marks])
 
 
-def performance_section(
-    results: dict[str, dict], commands: dict[str, str], notes: list[str]
-) -> str:
+def performance_section(results: dict[str, dict], commands: dict[str, str], notes: dict) -> str:
     """Eager against compiled decode steps and bf16 against fp32, from the serving JSON."""
     found = _first(results, "serving")
     if not found:
@@ -689,6 +723,7 @@ def performance_section(
                 compile_rows.append(entry)
     text = provenance(machine_of(data, "serving"), command_of(name, data, "serving", commands))
     text += f" File: `docs/results/{name}`.\n\n"
+    text += "".join(admonition(note) + "\n\n" for note in notes.get(name, []))
     text += table(
         ["workload (requests)", "dtype", "config", "tokens/s", "ITL p50 ms", "TTFT p50 ms"],
         body,
@@ -706,7 +741,7 @@ def performance_section(
 # Writing
 
 
-TARGETS: dict[str, Callable[[dict, dict, list], str]] = {
+TARGETS: dict[str, Callable[[dict, dict, dict], str]] = {
     "README.md": readme_section,
     "docs/benchmarks.md": benchmarks_page,
     "docs/performance.md": performance_section,
@@ -731,10 +766,62 @@ def render(root: Path = ROOT) -> dict[str, str]:
     }
 
 
+def picture_of(json_name: str) -> str:
+    """The plot a benchmark draws beside ``json_name`` (under docs/img/)."""
+    return "demo_kv_memory.png" if json_name == "demo.json" else Path(json_name).stem + ".png"
+
+
+def line_file(line: str) -> str | None:
+    """The result file an INDEX.txt line is about (None: a note about every run)."""
+    match = re.match(r"^note(?:\s+([\w.\-]+?)(?:\.json)?)?\s*:", line)
+    if match:
+        return match.group(1) and match.group(1) + ".json"
+    match = re.match(r"^[\s\-*`]*([\w.\-/]+?)(?:\.json)?`?\s*[:|]", line)
+    return match and Path(match.group(1)).name + ".json"
+
+
+def take(source: Path, root: Path = ROOT) -> list[str]:
+    """Copy the benchmark JSON of ``source`` into docs/results/ and each one's plot into
+    docs/img/ (removing a plot of an earlier run that the new one lacks), and replace what
+    docs/results/INDEX.txt says of those files (commands and notes) by ``source/INDEX.txt``'s
+    lines about them. Returns the names of the JSON files taken."""
+    results, images = root / "docs" / "results", root / "docs" / "img"
+    taken = []
+    for path in sorted(source.glob("*.json")):
+        try:
+            known = kind_of(json.loads(path.read_text())) is not None
+        except ValueError:
+            known = False
+        if not known:
+            print(f"{path}: not the JSON of a known benchmark, left out", file=sys.stderr)
+            continue
+        shutil.copy(path, results / path.name)
+        taken.append(path.name)
+        picture = picture_of(path.name)
+        if (source / picture).exists():
+            shutil.copy(source / picture, images / picture)
+        else:
+            (images / picture).unlink(missing_ok=True)
+    index = results / "INDEX.txt"
+    old = index.read_text().splitlines() if index.exists() else []
+    new = (source / "INDEX.txt").read_text().splitlines() if (source / "INDEX.txt").exists() else []
+    kept = [line for line in old if line_file(line) not in taken]
+    index.write_text("\n".join([*kept, *(line for line in new if line_file(line) in taken)]) + "\n")
+    return taken
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if a section is stale")
+    parser.add_argument(
+        "--take",
+        metavar="DIR",
+        type=Path,
+        help="first copy DIR's benchmark JSON, plots and INDEX.txt lines into docs/",
+    )
     args = parser.parse_args(argv)
+    if args.take:
+        print(f"took {', '.join(take(args.take, ROOT)) or 'nothing'} from {args.take}")
     stale = []
     for path, text in render().items():
         if (ROOT / path).read_text() != text:

@@ -78,7 +78,7 @@ def test_the_command_comes_from_the_index(tmp_path):
         "bench_serving.json": "python benchmarks/bench_serving.py --json "
         "docs/results/bench_serving.json --plot docs/img/bench_serving.png",
     }
-    assert publish.index_notes(tmp_path) == ["quiet machine"]
+    assert publish.index_notes(tmp_path) == {None: ["quiet machine"]}
     server = {"info": {"command": "benchmarks/bench_server.py --rates 1"}, "rows": [{"load": 1}]}
     assert publish.command_of("x.json", server, "server", {}) == (
         "python benchmarks/bench_server.py --rates 1"
@@ -114,4 +114,35 @@ def test_no_results_is_said_not_invented(tmp_path):
 def test_a_json_of_no_known_benchmark_is_named(tmp_path):
     (tmp_path / "odd.json").write_text(json.dumps({"something": 1}))
     results = publish.load_results(tmp_path)
-    assert "`odd.json`" in publish.benchmarks_page(results, {}, [])
+    assert "`odd.json`" in publish.benchmarks_page(results, {}, {})
+
+
+def test_taking_new_results_replaces_their_files_commands_and_notes(copy_of_repo, tmp_path):
+    source = tmp_path / "measured"
+    source.mkdir()
+    memory = json.loads((ROOT / "docs" / "results" / "bench_memory.json").read_text())
+    memory["utilisation"]["paged, block 16"]["waste"] = 0.0123
+    (source / "bench_memory.json").write_text(json.dumps(memory))
+    (source / "bench_memory.png").write_bytes(b"png")
+    (source / "bench_memory.log").write_text("log")
+    (source / "broken.json").write_text("{")
+    (source / "INDEX.txt").write_text(
+        "bench_memory: /work/.venv/bin/python benchmarks/bench_memory.py --json "
+        "/work/results/bench_memory.json --plot /work/results/bench_memory.png (rc=0, 20 s)\n"
+        "bench_decode_cpu: /work/.venv/bin/python benchmarks/bench_decode.py (rc=1, 3 s)\n"
+    )
+    images = copy_of_repo / "docs" / "img"
+    images.mkdir(parents=True, exist_ok=True)
+    assert publish.take(source, copy_of_repo) == ["bench_memory.json"]
+    assert (images / "bench_memory.png").read_bytes() == b"png"
+    results = copy_of_repo / "docs" / "results"
+    commands, notes = publish.index_commands(results), publish.index_notes(results)
+    assert commands["bench_memory.json"] == (
+        "python benchmarks/bench_memory.py --json docs/results/bench_memory.json "
+        "--plot docs/img/bench_memory.png"
+    )
+    assert "bench_memory.json" not in notes  # the earlier run's note went with it
+    assert commands.keys() == publish.index_commands(ROOT / "docs" / "results").keys()
+    readme = publish.render(copy_of_repo)["README.md"]
+    row = next(line for line in readme.splitlines() if line.startswith("| KV memory"))
+    assert "1.2% of KV memory wasted" in row and "\\*" not in row
