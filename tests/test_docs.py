@@ -100,3 +100,15 @@ def test_user_docs_name_no_issue_or_commit(path):
 def test_pip_install_is_from_source():
     for path in PAGES:
         assert "pip install 'paged_attention[" not in path.read_text(), path.name
+
+
+def test_the_family_count_is_that_of_the_models_page():
+    models = (ROOT / "docs" / "models.md").read_text()
+    table = models[models.index("## Tested families") : models.index("## Refused")]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    families = {name for cell in rows for name in re.findall(r"`(\w+)`", cell)}
+    for path in (README, ROOT / "docs" / "index.md", ROOT / "docs" / "integration.md"):
+        counts = re.findall(
+            r"\b(\d+) (?:transformers decoder|decoder-only model) families", path.read_text()
+        )
+        assert counts and all(int(n) == len(families) for n in counts), path.name
