@@ -628,22 +628,21 @@ def headline_rows(
             default=None,
         )
         if best:
-            peer = next(
-                (
-                    r
-                    for r in workloads
-                    if r["config"] == "transformers generate_batch()"
-                    and (r.get("dtype"), r.get("requests"))
-                    == (best.get("dtype"), best.get("requests"))
-                ),
-                None,
-            )
+            same = (best.get("dtype"), best.get("requests"))
+            peers = {
+                r["config"]: r
+                for r in workloads
+                if r["config"].startswith("transformers")
+                and (r.get("dtype"), r.get("requests")) == same
+            }
             result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
-            if peer:
-                result += (
-                    f"; transformers `generate_batch()` {num(peer['tokens_per_s'])} tokens/s, "
-                    f"{num(best['tokens_per_s'] / peer['tokens_per_s'])}x"
-                )
+            for config, label in (
+                ("transformers generate_batch()", "transformers `generate_batch()`"),
+                ("transformers generate()", "a padded `generate()`"),
+            ):
+                if config in peers:
+                    rate = peers[config]["tokens_per_s"]
+                    result += f"; {label} {num(rate)} ({num(best['tokens_per_s'] / rate)}x)"
             add(
                 "serving",
                 name,
@@ -718,7 +717,7 @@ def performance_section(results: dict[str, dict], commands: dict[str, str], note
     for r in rows:
         if r["config"] == "engine compiled" and r.get("first_step_seconds"):
             times = ", ".join(f"{n}: {num(s, 0)} s" for n, s in r["first_step_seconds"].items())
-            entry = [f"{r.get('workload')} ({r.get('requests')})", r.get("dtype", ""), times]
+            entry = [r.get("dtype", ""), times]  # one engine per dtype compiles them all
             if entry not in compile_rows:
                 compile_rows.append(entry)
     text = provenance(machine_of(data, "serving"), command_of(name, data, "serving", commands))
@@ -730,10 +729,11 @@ def performance_section(results: dict[str, dict], commands: dict[str, str], note
         "lllrrr",
     )
     if compile_rows:
-        text += "\n\nFirst step of each padded batch size with `compile=True` (compiling):\n\n"
-        text += table(
-            ["workload (requests)", "dtype", "seconds per padded batch size"], compile_rows
+        text += (
+            "\n\nThe first step of each padded batch size with `compile=True`, compiling it "
+            "(a warm-up before the timed runs):\n\n"
         )
+        text += table(["dtype", "seconds per padded batch size"], compile_rows)
     return text
 
 
