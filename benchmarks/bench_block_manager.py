@@ -18,13 +18,13 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from collections import deque
 
 import torch
+from machine import machine_info
 
 from paged_attention.block_manager import BlockManager
 
@@ -286,13 +286,7 @@ def main() -> None:
             "beam_steps": BEAM_STEPS,
             "repeats": args.repeats,
         },
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0],  # other work on the machine skews timings
-        },
+        "machine": machine_info("cpu"),
         "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

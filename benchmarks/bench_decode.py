@@ -43,12 +43,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import platform
 import time
 from pathlib import Path
 
+import machine
 import torch
+from machine import describe_machine
 
 import paged_attention
 from paged_attention.cache import advise_huge_pages
@@ -358,72 +358,9 @@ def last_level_cache_bytes(device: torch.device) -> int:
     return best or 300 << 20
 
 
-# The instruction-set features the CPU kernels' variants are chosen by (as /proc/cpuinfo names
-# them), recorded so that figures from different CPUs are never read as one.
-CPU_ISA_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl",
-    "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16",
-    "amx_int8", "amx_fp16",
-)  # fmt: skip
-
-
-def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
-    """The CPU's model name, vendor, and which of CPU_ISA_FLAGS it reports (Linux's
-    /proc/cpuinfo; elsewhere the model from ``platform`` and no flags)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path(cpuinfo_path).read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if not key and fields:
-                break  # the first processor's block is enough
-            fields.setdefault(key, value.strip())
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    return dict(
-        cpu_model=fields.get("model name") or platform.processor() or platform.machine(),
-        cpu_vendor=fields.get("vendor_id", ""),
-        cpu_isa_flags=[flag for flag in CPU_ISA_FLAGS if flag in flags],
-    )
-
-
-def kernel_variants() -> dict:
-    """The CPU kernels' variants a call makes now: the vector instruction set and the bf16 product
-    (csrc/cpu/variants.h), and the bf16 products this CPU runs."""
-    ops = torch.ops.paged_attention
-    vector, bf16_matmul = ops._cpu_kernel_variants()
-    return dict(vector=vector, bf16_matmul=bf16_matmul, bf16_matmuls_usable=ops._cpu_bf16_matmuls())
-
-
-def describe_machine(info: dict) -> str:
-    """One line naming the machine a run measured: the CPU's model, features and kernel variants,
-    or the GPU."""
-    if "gpu" in info:
-        return f"GPU: {info['gpu']} ({info['sms']} SMs), torch {info['torch']}"
-    variants = info["kernel_variants"]
-    return (
-        f"CPU: {info['cpu_model']} ({info['cpu_vendor']}), {info['cores']} cores, "
-        f"{info['threads']} threads; features: {' '.join(info['cpu_isa_flags'])}; kernels: "
-        f"{variants['vector']} vectors, bf16 products {variants['bf16_matmul']}"
-    )
-
-
 def machine_info(device: torch.device) -> dict:
-    info = dict(
-        torch=torch.__version__,
-        python=platform.python_version(),
-        threads=torch.get_num_threads(),
-        last_level_cache_bytes=last_level_cache_bytes(device),
-    )
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, sms=props.multi_processor_count)
-    else:
-        info.update(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
-        info.update(cpu_identity())
-        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        info["kernel_variants"] = kernel_variants()
+    info = machine.machine_info(device)
+    info["last_level_cache_bytes"] = last_level_cache_bytes(device)
     return info
 
 

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_decode import build_case, describe_machine, kv_bytes, machine_info, method_ours
+from bench_decode import build_case, kv_bytes, machine_info, method_ours
+from machine import describe_machine
 
 import paged_attention  # noqa: F401  (registers torch.ops.paged_attention)
 

@@ -20,9 +20,9 @@ import argparse
 import json
 import math
 import os
-import platform
 
 import torch
+from machine import machine_info
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from paged_attention.demo import tiny_llama_config
@@ -121,7 +121,7 @@ def main() -> None:
         "block_size": args.block_size,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
-        "machine": platform.machine(),
+        "machine": machine_info("cpu"),
         "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -57,11 +57,11 @@ from bench_decode import (
     Shape,
     allocate,
     build_case,
-    describe_machine,
     gather_kv,
     machine_info,
     synchronize,
 )
+from machine import describe_machine
 
 import paged_attention
 

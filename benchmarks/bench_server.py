@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+from machine import describe_machine, machine_info
 
 PROMPTS = [
     "What is the capital of France?",
@@ -211,8 +211,8 @@ def summarise(results: list[Result], wall: float, peak_blocks: int, rate, concur
 
 def print_table(rows: list[dict], info: dict) -> None:
     print(
-        f"model {info['model']} ({info['kv_blocks_total']} KV blocks), {info['cpu']}, "
-        f"load average before {info['loadavg_before']}"
+        f"model {info['model']} ({info['kv_blocks_total']} KV blocks); "
+        f"{describe_machine(info['machine'])}"
     )
     header = (
         "| load | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | e2e p50 ms "
@@ -266,17 +266,6 @@ def plot(rows: list[dict], path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def server_info(url: str) -> dict:
@@ -342,9 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         info = server_info(url)
         info.update(
-            cpu=cpu_model(),
-            cores=os.cpu_count(),
-            loadavg_before=[round(x, 2) for x in os.getloadavg()],
+            machine=machine_info("cpu"),  # the client's; a launched server runs on it too
             url=url,
             command=" ".join(shlex.quote(a) for a in sys.argv),
             requests_per_run=args.requests,

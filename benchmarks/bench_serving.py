@@ -56,11 +56,11 @@ import gc
 import inspect
 import json
 import os
-import platform
 import resource
 import time
 
 import torch
+from machine import describe_machine, machine_info
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -133,9 +133,6 @@ TOPICS = (
     "DNA",
     "thunderstorms",
 )
-# The ISA extensions the JSON records (from /proc/cpuinfo's flags).
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16")
-ISA_PREFIXES = ("amx",)
 
 
 def build_model(quick: bool) -> torch.nn.Module:
@@ -496,36 +493,6 @@ def decode_step_split(engine, prompt: list[int], new_tokens: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Machine
-
-
-def machine_info(device: str) -> dict:
-    cpu_model, flags = platform.processor(), []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name.strip() == "model name" and value.strip():
-                    cpu_model = value.strip()
-                elif name.strip() == "flags":
-                    flags = value.split()
-                    break
-    except OSError:
-        pass
-    isa = [f for f in flags if f in ISA_FLAGS or f.startswith(ISA_PREFIXES)]
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu_model,
-        "cpu_isa": isa,
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-    }
-
-
-# --------------------------------------------------------------------------------------------
 # Output
 
 
@@ -825,6 +792,9 @@ def main() -> None:
 def report(rows: list[dict], result: dict, args) -> None:
     """The table, the step splits, the greedy checks and the compile times; the JSON (``result``
     with the rows) and the plot."""
+    for machine in [result.get("machine")] + [run["machine"] for run in result.get("runs", [])]:
+        if machine is not None:
+            print(describe_machine(machine))
     print_table(rows)
     print_step_splits(rows)
     for row in rows:

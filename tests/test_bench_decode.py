@@ -120,18 +120,3 @@ def test_shape_flags_are_recorded(tmp_path):
     assert variants["bf16_matmuls_usable"][-1] == "reference"
     assert all(r.get("error") is None for r in report["rows"])
     assert report["rows"][0]["kv_bytes"] == 2 * 2 * 300 * 1 * 96 * 2
-
-
-def test_cpu_identity_reads_the_first_processor(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
-        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n"
-        "flags\t\t: fpu avx2 fma avx512f avx512_bf16 sha_ni\n\n"
-        "processor\t: 1\nmodel name\t: other\nflags\t\t: amx_tile\n"
-    )
-    identity = load_bench_decode().cpu_identity(str(cpuinfo))
-    assert identity == dict(
-        cpu_model="AMD EPYC 9R14",
-        cpu_vendor="AuthenticAMD",
-        cpu_isa_flags=["avx2", "fma", "avx512f", "avx512_bf16"],
-    )

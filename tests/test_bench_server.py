@@ -62,7 +62,7 @@ def test_poisson_and_closed_loop_runs_are_reported(url, tmp_path, capsys):
     saved = json.loads((tmp_path / "b.json").read_text())
     assert saved["rows"] == rows
     assert saved["info"]["model"] == "tiny" and saved["info"]["kv_blocks_total"] == 128
-    assert saved["info"]["cpu"]
+    assert saved["info"]["machine"]["cpu_model"]
     assert (tmp_path / "b.png").read_bytes().startswith(b"\x89PNG")
     table = capsys.readouterr().out
     assert "| load | req/s | out tok/s |" in table and "closed loop x4" in table

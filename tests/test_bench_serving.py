@@ -107,7 +107,7 @@ def test_quick_chat_run_reports_throughput_latency_and_the_step_split(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "One request alone, per decode step (ms):" in result.stdout
     data = json.loads(out.read_text())
-    assert data["machine"]["cpu"] and data["machine"]["threads"] >= 1
+    assert data["machine"]["cpu_model"] and data["machine"]["threads"] >= 1
     by_key = {(r["workload"], r["config"]): r for r in data["rows"]}
     assert set(by_key) == {
         ("chat", "engine"),

@@ -175,6 +175,8 @@ def test_the_step_cache_checks_each_layer_against_the_geometry():
     with pytest.raises(ValueError, match="attends with a sliding window of 12, but its config"):
         runner.run(out, manager)
     model.set_attn_implementation("sdpa")
+
+
 def greedy_generate(model, prompt, max_new_tokens):
     model.set_attn_implementation("sdpa")
     try:
