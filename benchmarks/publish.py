@@ -162,10 +162,12 @@ def machine_of(data: dict, kind: str) -> str:
         return f"{data.get('device', 'cpu')} (the demo does not record the machine's model)"
     if kind == "hf_kv_bytes":
         return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
-    if kind == "server":
+    if kind == "server" and "machine" not in data["info"]:
         info = data["info"]
         return f"{info.get('cpu', '?')}, {info.get('cores', '?')} cores"
-    machine = data.get("machine", {})
+    machine = data.get("machine") or data.get("info", {}).get("machine") or {}
+    if not isinstance(machine, dict):  # an older record: the architecture's name only
+        machine = {"cpu": machine}
     if "gpu" in machine:
         return f"{machine['gpu']} ({machine.get('sms', '?')} SMs), torch {machine.get('torch')}"
     if machine.get("device") not in (None, "cpu"):
@@ -181,6 +183,9 @@ def machine_of(data: dict, kind: str) -> str:
         parts.append(f"{threads} thread{'s' if threads != 1 else ''}")
     if machine.get("torch"):
         parts.append(f"torch {machine['torch']}")
+    load = machine.get("load_average")
+    if load:
+        parts.append(f"load average {load[0]:.1f}")
     return ", ".join(parts)
 
 
