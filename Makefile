@@ -43,8 +43,10 @@ lint: build
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The documentation site: a broken link or a stale API reference fails (about 30 s).
 test: lint
 	$(PY) -m pytest
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 # The tests of the CPU ops against an AddressSanitizer build of the extension, for each of the
 # kernels' instruction-set variants this CPU runs: any read or write outside an allocation fails
@@ -77,14 +79,24 @@ test-asan: build
 			$(abspath $(PY)) -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS) || exit 1; \
 	done
 
+# Each benchmark writes its JSON into docs/results/ (and its plot into docs/img/), and its command
+# into docs/results/INDEX.txt; publish.py then writes the README's headline table,
+# docs/benchmarks.md and docs/performance.md from them (docs/benchmarks.md says more).
+RESULTS := docs/results
+bench_run = $(PY) $(2) --json $(RESULTS)/$(1) && echo '$(1): python $(2) --json $(RESULTS)/$(1)' >> $(RESULTS)/INDEX.txt
 bench: build
-	$(PY) benchmarks/bench_decode.py
-	$(PY) benchmarks/bench_decode_cpu_core.py
-	$(PY) benchmarks/bench_prefill.py
-	$(PY) benchmarks/bench_block_manager.py
-	$(PY) benchmarks/bench_memory.py
-	$(PY) benchmarks/bench_hf_kv_bytes.py
-	$(PY) benchmarks/bench_serving.py
+	rm -f $(RESULTS)/*.json $(RESULTS)/INDEX.txt
+	$(PY) -m paged_attention demo --json --plot docs/img/demo_kv_memory.png > $(RESULTS)/demo.json && \
+		echo 'demo.json: python -m paged_attention demo --json --plot docs/img/demo_kv_memory.png' >> $(RESULTS)/INDEX.txt
+	$(call bench_run,bench_decode_cpu.json,benchmarks/bench_decode.py --plot docs/img/bench_decode_cpu.png)
+	$(call bench_run,bench_decode_cpu_core.json,benchmarks/bench_decode_cpu_core.py)
+	$(call bench_run,bench_prefill_cpu.json,benchmarks/bench_prefill.py --plot docs/img/bench_prefill_cpu.png)
+	$(call bench_run,bench_block_manager.json,benchmarks/bench_block_manager.py)
+	$(call bench_run,bench_memory.json,benchmarks/bench_memory.py --plot docs/img/bench_memory.png)
+	$(call bench_run,bench_hf_kv_bytes.json,benchmarks/bench_hf_kv_bytes.py)
+	$(call bench_run,bench_serving.json,benchmarks/bench_serving.py --plot docs/img/bench_serving.png)
+	$(call bench_run,bench_server.json,benchmarks/bench_server.py --launch "--model smollm2" --plot docs/img/bench_server.png)
+	$(PY) benchmarks/publish.py
 
 # The sdist carries everything a build needs: build a CPU-only wheel from it and import it.
 package-check: build

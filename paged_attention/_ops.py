@@ -179,7 +179,7 @@ def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size:
     """The v1/v2 choice of ``paged_attention``: v2 when the context spans several partitions and
     the batch is too small to keep the machine busy without splitting sequences. On the CPU, v1
     keeps its logits in per-thread buffers, so long contexts need no split (and v1 was the
-    faster kernel at 16k and 32k tokens; README, "Decode attention on the CPU"). On CUDA, always
+    faster kernel at 16k and 32k tokens: docs/cpu_kernels.md). On CUDA, always
     v1: it splits each sequence itself, into as many parts as fill the GPU's waves of CTAs
     (csrc/cuda/attention/plan.h), where v2's partitions are fixed at 512 tokens."""
     if num_partitions(max_seq_len) == 1:

@@ -34,7 +34,7 @@ from paged_attention.supported import check_head_size, is_fp8
 
 
 def debug_checks_enabled() -> bool:
-    """The switch of the ops' content checks on CUDA (README, "Install from source")."""
+    """The switch of the ops' content checks on CUDA (docs/install.md)."""
     return os.environ.get("PAGED_ATTENTION_DEBUG_CHECKS") == "1"
 
 

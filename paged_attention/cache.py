@@ -48,8 +48,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     at least one aligned 2 MiB page).
 
     A decode step reads blocks scattered over the whole cache, each in a different 4 KiB page:
-    with 2 MiB pages fewer of those reads miss the TLB (measured: README, "Decode attention on
-    the CPU", huge pages). Whether the pages are huge is up to the kernel: the advice takes
+    with 2 MiB pages fewer of those reads miss the TLB (measured: docs/cpu_kernels.md,
+    huge pages). Whether the pages are huge is up to the kernel: the advice takes
     effect when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``.
     """
     if not sys.platform.startswith("linux") or tensor.device.type != "cpu":

@@ -665,7 +665,8 @@ def start_process_group(device: str) -> bool:
     if importlib.util.find_spec("accelerate") is None:
         raise UsageError(
             "--tp: transformers loads tensor-parallel models only with accelerate installed: "
-            "pip install 'paged_attention[tp]'"
+            "install paged_attention from source with the tp extra (pip install "
+            "--no-build-isolation '.[tp]' in its checkout)"
         )
     if "WORLD_SIZE" not in os.environ:
         raise UsageError(

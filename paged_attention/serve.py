@@ -6,7 +6,8 @@ Every request shares the engine's steps with the others in flight (continuous ba
 HTTP requests) in a KV cache of ``--num-blocks`` blocks (or ``--kv-memory`` GiB). SIGINT or
 SIGTERM shuts it down gracefully: no new requests, the running ones get ``--shutdown-timeout``
 seconds to finish and are then aborted (their streams end with finish reason ``abort``), and
-the process exits 0. Needs the ``serve`` extra: pip install 'paged_attention[serve]'.
+the process exits 0. Needs the ``serve`` extra (installed from source:
+``pip install --no-build-isolation '.[serve]'``).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise UsageError(
             f"serve needs the 'serve' extra ({error.name} is missing): "
-            "pip install 'paged_attention[serve]'"
+            "install paged_attention from source with the serve extra (pip install "
+            "--no-build-isolation '.[serve]' in its checkout)"
         ) from None
     from paged_attention.models import load_model
 

@@ -40,7 +40,8 @@ try:
     from transformers.cache_utils import Cache
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "paged_attention.integrations needs transformers 5.x: pip install 'paged_attention[hf]'"
+        "paged_attention.integrations needs transformers 5.x: install paged_attention from "
+        "source with the hf extra (pip install --no-build-isolation '.[hf]' in its checkout)"
     ) from error
 
 ATTN_IMPLEMENTATION = "paged_attention"

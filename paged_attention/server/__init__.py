@@ -7,8 +7,8 @@
 * :mod:`~paged_attention.server.metrics` — Prometheus metrics read in the owner thread;
 * :mod:`~paged_attention.server.app` — the Starlette application and its routes.
 
-Needs the ``serve`` extra (``pip install 'paged_attention[serve]'``): Starlette, uvicorn,
-pydantic and prometheus_client.
+Needs the ``serve`` extra, installed from source (``pip install --no-build-isolation
+'.[serve]'``): Starlette, uvicorn, pydantic and prometheus_client.
 """
 
 from paged_attention.server.app import create_app

@@ -1,0 +1,848 @@
+"""Write the published results from the benchmark JSON committed under docs/results/.
+
+Every figure in README.md's headline table, on docs/benchmarks.md and on docs/performance.md is
+written here, between marker comments, from the JSON files the benchmarks wrote; each table
+names the machine the JSON records and the command that produced it: the one the JSON records
+(bench_server.py records it), else the line naming the file in docs/results/INDEX.txt
+(``<file>: <command>``), else the benchmark's script with "(arguments not recorded)".
+INDEX.txt's ``note: ...`` lines are published with the tables.
+
+    python benchmarks/publish.py            # rewrite the marked sections
+    python benchmarks/publish.py --check    # exit 1, naming the file, if a section is stale
+    python benchmarks/publish.py --take DIR # first take DIR's JSON, plots and INDEX.txt lines
+
+``make bench`` runs the benchmarks into docs/results/ and then this script; after copying new
+JSON (and its PNGs into docs/img/) by hand, run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+IMAGES = ROOT / "docs" / "img"
+BEGIN = "<!-- results:begin (written by benchmarks/publish.py from docs/results/; do not edit) -->"
+END = "<!-- results:end -->"
+
+# The instruction-set features worth naming in a machine's one-line description.
+ISA_NAMES = (
+    ("avx512f", "AVX-512"),
+    ("avx512_bf16", "AVX512-BF16"),
+    ("amx_bf16", "AMX"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the results
+
+
+def load_results(directory: Path = RESULTS) -> dict[str, dict]:
+    """Every JSON file of ``directory`` by file name, in name order."""
+    return {path.name: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def kind_of(data: dict) -> str | None:
+    """Which benchmark wrote ``data``, from its shape (file names may vary)."""
+    rows = data.get("rows")
+    first = rows[0] if isinstance(rows, list) and rows else {}
+    if {"kv_budget_blocks", "contiguous_blocks"} <= data.keys():
+        return "demo"
+    if {"memory", "compute", "from_memory"} <= data.keys():
+        return "decode_cpu_core"
+    if {"utilisation", "sharing"} <= data.keys():
+        return "memory"
+    if data.get("benchmark") == "bench_hf_kv_bytes":
+        return "hf_kv_bytes"
+    if "results" in data and "block_manager" in data.get("results", {}):
+        return "block_manager"
+    if "info" in data and "load" in first:
+        return "server"
+    if "config" in first and "tokens_per_s" in first:
+        return "serving"
+    if "query_len" in first and "method" in first:
+        return "prefill"
+    if "method" in first and "context" in first:
+        return "decode"
+    return None
+
+
+SCRIPTS = {
+    "demo": "-m paged_attention demo --json",
+    "decode": "bench_decode.py",
+    "decode_cpu_core": "bench_decode_cpu_core.py",
+    "prefill": "bench_prefill.py",
+    "serving": "bench_serving.py",
+    "server": "bench_server.py",
+    "memory": "bench_memory.py",
+    "hf_kv_bytes": "bench_hf_kv_bytes.py",
+    "block_manager": "bench_block_manager.py",
+}
+
+
+def index_notes(directory: Path = RESULTS) -> dict[str | None, list[str]]:
+    """The notes of ``directory/INDEX.txt``: ``note: TEXT`` about every run (key None) and
+    ``note FILE: TEXT`` about one file's run, what a reader of its figures must know (a smoke
+    run, a busy machine); published with the tables."""
+    notes: dict[str | None, list[str]] = {}
+    path = directory / "INDEX.txt"
+    if not path.exists():
+        return notes
+    for line in path.read_text().splitlines():
+        match = re.match(r"^note(?:\s+([\w.\-]+?)(?:\.json)?)?\s*:\s*(.+)$", line)
+        if match:
+            name = match.group(1) and match.group(1) + ".json"
+            notes.setdefault(name, []).append(match.group(2).strip())
+    return notes
+
+
+def normal_command(command: str) -> str:
+    """``command`` as a reader would type it from the repository's root: backquotes, a trailing
+    ``(rc=..., ...)`` and ``bash -c``/``time`` wrappers dropped, the interpreter's path made
+    ``python``, and a JSON or PNG argument's directory the one it is committed in."""
+    command = command.replace("`", "").strip()
+    command = re.sub(r"\s*\(rc=[^)]*\)\s*$", "", command)
+    command = re.sub(r"^bash -c\s+[\"']?", "", command)
+    command = re.sub(r"^/usr/bin/time( -v)?\s+", "", command)
+    command = re.sub(r"(?:^|(?<=\s))\S*/python3?(?=\s)", "python", command)
+    command = re.sub(r"(?:^|(?<=\s))\S*/([\w.\-]+\.json)\b", r"docs/results/\1", command)
+    command = re.sub(r"(?:^|(?<=\s))\S*/([\w.\-]+\.png)\b", r"docs/img/\1", command)
+    if command.startswith("benchmarks/"):
+        command = "python " + command
+    return command
+
+
+def index_commands(directory: Path = RESULTS) -> dict[str, str]:
+    """File name -> command, from ``directory/INDEX.txt`` (absent: none). A line names a result
+    (``bench_decode_cpu`` or ``bench_decode_cpu.json``), then ``:`` or ``|``, then the command;
+    backquotes, a leading ``-`` and a trailing ``(rc=..., ...)`` are dropped, the interpreter's
+    path becomes ``python``, and a JSON or PNG argument's directory becomes the one it is
+    committed in (docs/results/, docs/img/)."""
+    path = directory / "INDEX.txt"
+    commands: dict[str, str] = {}
+    if not path.exists():
+        return commands
+    for line in path.read_text().splitlines():
+        if re.match(r"^note[\s:]", line) or re.search(r"\(rc=[1-9]", line):
+            continue
+        match = re.match(r"^[\s\-*`]*([\w.\-/]+?)(?:\.json)?`?\s*[:|]\s*(.+)$", line)
+        if not match:
+            continue
+        name = Path(match.group(1)).name + ".json"
+        command = normal_command(match.group(2))
+        if command:
+            commands.setdefault(name, command)
+    return commands
+
+
+def command_of(name: str, data: dict, kind: str, commands: dict[str, str]) -> str:
+    """The command that wrote ``data``: the one it records (bench_server.py's keeps its
+    arguments' quoting), else INDEX.txt's, else the script's name."""
+    recorded = data.get("info", {}).get("command") if kind == "server" else None
+    if recorded:
+        return normal_command(recorded)
+    if name in commands:
+        return commands[name]
+    script = SCRIPTS[kind]
+    where = script if script.startswith("-m") else f"benchmarks/{script}"
+    return f"python {where} (arguments not recorded)"
+
+
+def machine_of(data: dict, kind: str) -> str:
+    """One line naming the machine a JSON file records."""
+    if kind == "memory":
+        return "any (a replay of the block manager; no timing)"
+    if kind == "demo":
+        return f"{data.get('device', 'cpu')} (the demo does not record the machine's model)"
+    if kind == "hf_kv_bytes":
+        return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
+    if kind == "server" and "machine" not in data["info"]:
+        info = data["info"]
+        return f"{info.get('cpu', '?')}, {info.get('cores', '?')} cores"
+    machine = data.get("machine") or data.get("info", {}).get("machine") or {}
+    if not isinstance(machine, dict):  # an older record: the architecture's name only
+        machine = {"cpu": machine}
+    if "gpu" in machine:
+        return f"{machine['gpu']} ({machine.get('sms', '?')} SMs), torch {machine.get('torch')}"
+    if machine.get("device") not in (None, "cpu"):
+        return f"{machine['device']}, torch {machine.get('torch')}"
+    model = machine.get("cpu_model") or machine.get("cpu") or "?"
+    flags = set(machine.get("cpu_isa_flags") or machine.get("cpu_isa") or ())
+    isa = "/".join(label for flag, label in ISA_NAMES if flag in flags)
+    threads = machine.get("threads")
+    parts = [model]
+    if isa:
+        parts.append(isa)
+    if threads:
+        parts.append(f"{threads} thread{'s' if threads != 1 else ''}")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    load = machine.get("load_average")
+    if load:
+        parts.append(f"load average {load[0]:.1f}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+
+
+def ms(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
+
+
+def num(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def pct(fraction: float | None) -> str:
+    return "" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" * len(header)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(machine: str, command: str) -> str:
+    return f"Machine: {machine}. Command: `{command}`."
+
+
+def image(name: str, alt: str) -> str:
+    """A Markdown image of docs/img/``name``, or nothing when the file is absent."""
+    return f"\n\n![{alt}](img/{name})" if (IMAGES / name).exists() else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections of docs/benchmarks.md, one per JSON file
+
+
+def demo_section(data: dict) -> str:
+    peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
+    body = [
+        ["model", f"`{data['model']}`, {data.get('dtype')} on {data.get('device')}"],
+        [
+            "requests",
+            f"{data['requests']} ({data['parallel_sampling_requests']} parallel "
+            f"sampling, {data['beam_search_requests']} beam search, {data['rejected']} rejected)",
+        ],
+        ["generated tokens", f"{data['generated_tokens']} ({num(data['tokens_per_s'])} tokens/s)"],
+        ["KV budget", f"{data['kv_budget_blocks']} blocks of {data['block_size']} tokens"],
+        [
+            "peak KV blocks in use",
+            f"{peak} (contiguous max-length reservation: {contiguous}, "
+            f"{num(contiguous / peak, 1)}x)",
+        ],
+        ["blocks saved by sharing (peak)", str(data["blocks_saved_by_sharing"])],
+        [
+            "prompt tokens computed / from cache",
+            f"{data['prompt_tokens_computed']} / {data['prompt_tokens_cached']} "
+            f"(of {data['prompt_tokens']})",
+        ],
+        ["TTFT p50 / p99", f"{num(data['ttft_p50_ms'])} / {num(data['ttft_p99_ms'])} ms"],
+        ["ITL p50 / p99", f"{num(data['itl_p50_ms'])} / {num(data['itl_p99_ms'])} ms"],
+        ["copy-on-write copies", str(data["cow_copies"])],
+        [
+            "swaps out / in (requests)",
+            f"{data['swaps_out']} / {data['swaps_in']} "
+            f"({data['preemptions_by_recompute']} recomputed)",
+        ],
+        [
+            "greedy outputs == transformers' generate()",
+            f"{'yes' if data['greedy_matches_transformers'] else 'no'} "
+            f"({data['greedy_matching']} of {data['greedy_requests']} identical"
+            + (f", {data['greedy_ties']} parting at a tie" if data.get("greedy_ties") else "")
+            + ")",
+        ],
+    ]
+    text = (
+        "`python -m paged_attention demo` (what `make demo` runs): a seeded workload served with "
+        "continuous batching, swapping and prefix caching in a KV budget smaller than contiguous "
+        "reservation would need.\n\n"
+    )
+    return text + table(["", "demo"], body)
+
+
+def decode_section(data: dict) -> str:
+    rows = data["rows"]
+    shape = data.get("shape", {})
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "limit"))
+    keys = list(dict.fromkeys((r["dtype"], r["batch"], r["context"]) for r in rows))
+    by = {(r["dtype"], r["batch"], r["context"], r["method"]): r for r in rows}
+    body = []
+    for key in keys:
+        limit = by.get((*key, "limit"), {})
+        cells = [key[0], f"{key[1]} x {key[2]}", num(limit.get("kv_bytes", 0) / 2**20, 0)]
+        for method in methods:
+            r = by.get((*key, method))
+            if r is None or r.get("time_s") is None:
+                cells.append("n/a")
+                continue
+            cell = f"{ms(r['time_s'])}, {num(r['bytes_per_s'] / 1e9)} GB/s"
+            if r.get("fraction_of_limit") is not None and method in ("v1", "v2"):
+                cell += f" ({pct(r['fraction_of_limit'])})"
+            cells.append(cell)
+        cells.append(f"{num(limit.get('bytes_per_s', 0) / 1e9)} GB/s" if limit else "")
+        body.append(cells)
+    header = ["dtype", "batch x context", "KV MiB", *methods, "streaming limit"]
+    text = (
+        f"One decode step of {shape.get('num_heads')} query heads over "
+        f"{shape.get('num_kv_heads')} KV heads, head size {shape.get('head_size')}, block size "
+        f"{shape.get('block_size')}, scattered block tables; every method reads the same paged "
+        "cache. GB/s is the bytes of K and V the step must read divided by its time; the limit is "
+        "a streaming `sum()` over a buffer of as many bytes on the same machine, and the "
+        "percentage is of that limit"
+        + (" (caches on 2 MiB huge pages)" if data.get("huge_pages") else "")
+        + ".\n\n"
+    )
+    return text + table(header, body, "llr" + "r" * (len(methods) + 1))
+
+
+def prefill_section(data: dict) -> str:
+    rows = [r for r in data["rows"] if r.get("query_len") is not None]
+    methods = [
+        m for m in dict.fromkeys(r["method"] for r in rows) if "limit" not in m
+    ]  # the limits are summarised in the ours column
+    keys = list(dict.fromkeys((r["row"], r["dtype"]) for r in rows))
+    body = []
+    for row_name, dtype in keys:
+        group = [r for r in rows if r["row"] == row_name and r["dtype"] == dtype]
+        first = group[0]
+        cells = [
+            f"({row_name}) {first['batch']} x {first['context']}, {first['query_len']} new",
+            dtype,
+        ]
+        for method in methods:
+            r = next((g for g in group if g["method"] == method), None)
+            cells.append("n/a" if r is None or r.get("time_s") is None else ms(r["time_s"]))
+        ours = next((g for g in group if g["method"] == "ours" and g.get("time_s")), {})
+        cells.append(num(ours.get("speedup_vs_gather_sdpa"), 2, "x"))
+        cells.append(pct(ours.get("fraction_of_roof")))
+        body.append(cells)
+    header = ["row", "dtype", *methods, "ours vs gather + SDPA", "ours: % of roof"]
+    text = (
+        "Causal attention of new query rows over a paged context (`paged_attention_varlen`), "
+        "beside gathering the blocks and calling SDPA, and SDPA over contiguous K/V. The roof is "
+        "the slower of a streaming read of the step's K and V and a float32 matrix product of as "
+        "many operations, measured in the same run.\n\n"
+    )
+    return text + table(header, body, "ll" + "r" * (len(methods) + 2))
+
+
+def cpu_core_section(data: dict) -> str:
+    body = [["memory: streaming `sum()`", "", num(data["memory"]["bytes_per_s"] / 1e9, 1)]]
+    for r in data["compute"]:
+        body.append(
+            [
+                f"compute: v1 over a cache in L2 ({r['dtype']})",
+                ms(r["time_s"]),
+                num(r["bytes_per_s"] / 1e9, 1),
+            ]
+        )
+    for r in data["from_memory"]:
+        body.append(
+            [
+                f"v1 from memory, {r['batch']} x {r['context']} ({r['dtype']})",
+                ms(r["time_s"]),
+                num(r["bytes_per_s"] / 1e9, 1),
+            ]
+        )
+    text = "One core's compute rate against the rate one core streams from memory.\n\n"
+    return text + table(["measure (one thread)", "time", "GB/s"], body, "lrr")
+
+
+def serving_section(data: dict) -> str:
+    body = []
+    for r in data["rows"]:
+        computed = r.get("prompt_tokens_computed")
+        prompt = r.get("prompt_tokens")
+        body.append(
+            [
+                f"{r.get('workload', '')} ({r.get('requests', '')})",
+                r.get("dtype", ""),
+                r.get("arrivals", ""),
+                r["config"],
+                num(r.get("tokens_per_s"), 1),
+                " / ".join(num(r.get(k), 1) for k in ("ttft_p50_ms", "ttft_p99_ms"))
+                if r.get("ttft_p50_ms") is not None
+                else "",
+                " / ".join(num(r.get(k), 1) for k in ("itl_p50_ms", "itl_p99_ms"))
+                if r.get("itl_p50_ms") is not None
+                else "",
+                f"{computed} of {prompt}" if computed is not None else "",
+                str(r["peak_blocks"]) if r.get("peak_blocks") is not None else "",
+            ]
+        )
+    header = [
+        "workload (requests)",
+        "dtype",
+        "arrivals",
+        "config",
+        "tokens/s",
+        "TTFT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "prompt tokens computed",
+        "peak KV blocks",
+    ]
+    models = ", ".join(
+        f"{label}: `{data[key]}`"
+        for key, label in (("chat_model", "chat model"), ("token_model", "token-id model"))
+        if data.get(key)
+    )
+    text = (
+        f"The engine beside transformers' own batching on the same model and prompts ({models}; "
+        f"block size {data.get('block_size')}). Tokens/s is generated tokens over the wall time "
+        "from the first arrival to the last token.\n\n"
+    )
+    return text + table(header, body, "llllrrrrr")
+
+
+def server_section(data: dict) -> str:
+    info = data["info"]
+    body = [
+        [
+            r["load"],
+            num(r.get("output_tokens_per_s"), 1),
+            " / ".join(num(r.get(k), 1) for k in ("ttft_p50_ms", "ttft_p99_ms")),
+            " / ".join(num(r.get(k), 1) for k in ("itl_p50_ms", "itl_p99_ms")),
+            num(r.get("e2e_p50_ms"), 1),
+            str(r.get("errors", 0)),
+        ]
+        for r in data["rows"]
+    ]
+    header = [
+        "load",
+        "output tokens/s",
+        "TTFT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "end-to-end p50 ms",
+        "errors",
+    ]
+    text = (
+        f"Streaming chat completions over HTTP against `paged-attention serve` (model "
+        f"`{info.get('model')}`, {info.get('requests_per_run')} requests of "
+        f"{info.get('max_tokens')} tokens per load), with Poisson arrivals and closed-loop "
+        "clients.\n\n"
+    )
+    return text + table(header, body, "lrrrrr")
+
+
+def memory_section(data: dict) -> str:
+    trace = data["trace"]
+    util = [
+        [name, pct(v["utilisation"]), pct(v["waste"])] for name, v in data["utilisation"].items()
+    ]
+    sharing = data["sharing"]
+    share = []
+    for key, label in (
+        ("parallel_sampling_saving", "parallel sampling, n ="),
+        ("beam_search_saving", "beam search, width"),
+    ):
+        values = sharing[key]
+        share.append([f"{label} {' / '.join(values)}", " / ".join(pct(v) for v in values.values())])
+    text = (
+        f"A seeded trace of {trace['requests']} chat-shaped requests ({trace['distribution']}), "
+        f"served {trace['concurrency']} at a time by the real `BlockManager`; sharing over "
+        f"{sharing['requests']} requests at block size {sharing['block_size']}.\n\n"
+    )
+    return (
+        text
+        + table(["KV cache scheme", "holds tokens", "wasted"], util, "lrr")
+        + "\n\n"
+        + table(["decoding", "KV memory saved by sharing"], share, "lr")
+    )
+
+
+def hf_kv_bytes_section(data: dict) -> str:
+    body = [
+        [
+            r["run"],
+            str(r.get("prompt_len", r.get("prompt", ""))),
+            f"{r['dynamic_cache_bytes'] / 2**20:.2f} MiB",
+            f"{r['paged_peak_bytes'] / 2**20:.2f} MiB",
+            f"{r['ratio']:.2f}",
+            "yes" if r.get("same_tokens") else "no",
+        ]
+        for r in data["results"]
+    ]
+    text = (
+        f"The same `generate()` with transformers' `DynamicCache` and with `PagedCache` (block "
+        f"size {data.get('block_size')}): bytes of keys and values held.\n\n"
+    )
+    header = ["run", "prompt", "DynamicCache", "PagedCache (peak)", "ratio", "same tokens"]
+    return text + table(header, body, "lrrrrl")
+
+
+def block_manager_section(data: dict) -> str:
+    results = data["results"]
+    kinds = list(results)
+    columns = list(results[kinds[0]])
+    body = [[column, *(num(results[k][column], 1) for k in kinds)] for column in columns]
+    workload = data.get("workload", {})
+    text = (
+        f"Block-manager bookkeeping per step: {workload.get('num_seqs')} sequences of "
+        f"{workload.get('prompt_len')} tokens ({workload.get('shared_prefix')} shared), block "
+        f"size {workload.get('block_size')}, beside a list-based manager.\n\n"
+    )
+    return text + table(["measure", *kinds], body, "l" + "r" * len(kinds))
+
+
+SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
+    "demo": ("Serving demo", demo_section, "demo_kv_memory.png"),
+    "decode": ("Decode attention", decode_section, "bench_decode_{device}.png"),
+    "prefill": ("Prefill / varlen attention", prefill_section, "bench_prefill_{device}.png"),
+    "decode_cpu_core": ("One CPU core: compute and memory", cpu_core_section, None),
+    "serving": ("Serving: the engine and transformers", serving_section, "bench_serving.png"),
+    "server": ("HTTP server under load", server_section, "bench_server.png"),
+    "memory": ("KV memory: paged vs. contiguous, and sharing", memory_section, "bench_memory.png"),
+    "hf_kv_bytes": ("transformers `generate()`: KV bytes held", hf_kv_bytes_section, None),
+    "block_manager": ("Block manager: cost per step", block_manager_section, None),
+}
+
+
+def admonition(text: str) -> str:
+    return f'!!! note "About this run"\n    {text}'
+
+
+def benchmarks_page(results: dict[str, dict], commands: dict[str, str], notes: dict) -> str:
+    parts = [admonition(note) for note in notes.get(None, [])]
+    for kind, (title, render, picture) in SECTIONS.items():
+        for name, data in results.items():
+            if kind_of(data) != kind:
+                continue
+            device = data.get("device", "cpu")
+            heading = f"### {title}" + (f" ({device})" if kind in ("decode", "prefill") else "")
+            picture_name = picture.format(device=device) if picture else None
+            # A picture belongs to the JSON it was drawn from: the default file name only.
+            shown = picture_name and (
+                Path(picture_name).stem == Path(name).stem or (kind, name) == ("demo", "demo.json")
+            )
+            parts.append(
+                f"{heading}\n\n"
+                + provenance(machine_of(data, kind), command_of(name, data, kind, commands))
+                + f" File: `docs/results/{name}`.\n\n"
+                + "".join(admonition(note) + "\n\n" for note in notes.get(name, []))
+                + render(data)
+                + (image(picture_name, title) if shown else "")
+            )
+    unknown = [name for name, data in results.items() if kind_of(data) is None]
+    if unknown:
+        parts.append("Files of no known benchmark: " + ", ".join(f"`{n}`" for n in unknown) + ".")
+    if not results:
+        parts.append("No benchmark results are committed.")
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The README's headline table and the performance page
+
+
+def _first(results: dict[str, dict], kind: str) -> tuple[str, dict] | None:
+    return next(((n, d) for n, d in results.items() if kind_of(d) == kind), None)
+
+
+def _largest(rows: list[dict]) -> tuple:
+    return max((r["kv_bytes"], r["batch"], r["context"]) for r in rows)
+
+
+def headline_rows(
+    results: dict[str, dict], commands: dict[str, str], notes: dict | None = None
+) -> list[list[str]]:
+    """At most six rows: what, result, machine, command. A row whose file has a note is
+    marked with a star."""
+    out = []
+    notes = notes or {}
+
+    def add(kind, name, data, what, result):
+        star = " \\*" if notes.get(name) else ""
+        command = command_of(name, data, kind, commands)
+        out.append([what + star, result, machine_of(data, kind), f"`{command}`"])
+
+    found = _first(results, "demo")
+    if found:
+        name, data = found
+        peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
+        add(
+            "demo",
+            name,
+            data,
+            f"serving demo, `{data['model']}`, {data['requests']} requests",
+            f"peak {peak} KV blocks against {contiguous} for contiguous reservation "
+            f"({num(contiguous / peak)}x); {num(data['tokens_per_s'])} tokens/s; greedy outputs "
+            f"equal `generate()`: {'yes' if data['greedy_matches_transformers'] else 'no'}",
+        )
+    found = _first(results, "decode")
+    if found:
+        name, data = found
+        dtypes = {r["dtype"] for r in data["rows"]}
+        for dtype in [d for d in ("bfloat16", "float32") if d in dtypes][:1]:
+            rows = [r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s")]
+            v1 = [r for r in rows if r["method"] == "v1"]
+            if not v1:
+                continue
+            top = _largest(v1)
+            row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
+            result = (
+                f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
+                f"{pct(row.get('fraction_of_limit'))} of the streaming-read limit"
+            )
+            if row.get("speedup_vs_gather_sdpa"):
+                result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
+            add(
+                "decode",
+                name,
+                data,
+                f"decode attention, {dtype}, {row['batch']} x {row['context']} tokens",
+                result,
+            )
+    found = _first(results, "prefill")
+    if found:
+        name, data = found
+        ours = [r for r in data["rows"] if r["method"] == "ours" and r.get("time_s")]
+        chunk = [r for r in ours if r["row"] == "b" and r["dtype"] == "bfloat16"] or ours[:1]
+        if chunk:
+            r = chunk[0]
+            add(
+                "prefill",
+                name,
+                data,
+                f"varlen attention, {r['dtype']}, {r['batch']} x {r['context']}, "
+                f"{r['query_len']} new tokens each",
+                f"{ms(r['time_s'])}; {num(r.get('speedup_vs_gather_sdpa'), 2)}x gather + SDPA, "
+                f"{pct(r.get('fraction_of_roof'))} of the roof",
+            )
+    found = _first(results, "serving")
+    if found:
+        name, data = found
+        rows = data["rows"]
+        workloads = [r for r in rows if r.get("workload") == "chat"] or rows
+        best = max(
+            (r for r in workloads if r["config"].startswith("engine")),
+            key=lambda r: r["tokens_per_s"],
+            default=None,
+        )
+        if best:
+            same = (best.get("dtype"), best.get("requests"))
+            peers = {
+                r["config"]: r
+                for r in workloads
+                if r["config"].startswith("transformers")
+                and (r.get("dtype"), r.get("requests")) == same
+            }
+            result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
+            for config, label in (
+                ("transformers generate_batch()", "transformers `generate_batch()`"),
+                ("transformers generate()", "a padded `generate()`"),
+            ):
+                if config in peers:
+                    rate = peers[config]["tokens_per_s"]
+                    result += f"; {label} {num(rate)} ({num(best['tokens_per_s'] / rate)}x)"
+            add(
+                "serving",
+                name,
+                data,
+                f"serving, {best.get('workload')} workload, {best.get('requests')} requests",
+                result,
+            )
+    found = _first(results, "memory")
+    if found and len(out) < 6:
+        name, data = found
+        util = data["utilisation"]
+        paged = util.get("paged, block 16")
+        contiguous = util.get("contiguous, max length")
+        if paged and contiguous:
+            beams = data["sharing"]["beam_search_saving"].get("4")
+            result = (
+                f"{pct(paged['waste'])} of KV memory wasted "
+                f"(contiguous max-length reservation: {pct(contiguous['waste'])})"
+            )
+            if beams is not None:
+                result += f"; beam search width 4 shares {pct(beams)}"
+            add("memory", name, data, "KV memory, paged, block 16", result)
+    found = _first(results, "server")
+    if found and len(out) < 6:
+        name, data = found
+        best = max(data["rows"], key=lambda r: r.get("output_tokens_per_s") or 0)
+        add(
+            "server",
+            name,
+            data,
+            f"HTTP server, {best['load']}",
+            f"{num(best['output_tokens_per_s'])} output tokens/s, TTFT p50 "
+            f"{num(best.get('ttft_p50_ms'))} ms",
+        )
+    return out[:6]
+
+
+def readme_section(results: dict[str, dict], commands: dict[str, str], notes: dict) -> str:
+    rows = headline_rows(results, commands, notes)
+    if not rows:
+        return "No benchmark results are committed."
+    text = table(["measured", "result", "machine", "command"], rows)
+    starred = [note for name, file_notes in notes.items() if name for note in file_notes]
+    marks = (
+        ["\\* " + note for note in dict.fromkeys(starred)]
+        if any("\\*" in r[0] for r in rows)
+        else []
+    )
+    return "\n\n".join([text, *notes.get(None, []), *marks])
+
+
+def performance_section(results: dict[str, dict], commands: dict[str, str], notes: dict) -> str:
+    """Eager against compiled decode steps and bf16 against fp32, from the serving JSON."""
+    found = _first(results, "serving")
+    if not found:
+        return "No serving benchmark results are committed."
+    name, data = found
+    rows = [r for r in data["rows"] if r["config"] in ("engine", "engine compiled")]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                f"{r.get('workload')} ({r.get('requests')})",
+                r.get("dtype", ""),
+                r["config"],
+                num(r.get("tokens_per_s"), 1),
+                num(r.get("itl_p50_ms"), 1),
+                num(r.get("ttft_p50_ms"), 1),
+            ]
+        )
+    compile_rows = []
+    for r in rows:
+        if r["config"] == "engine compiled" and r.get("first_step_seconds"):
+            times = ", ".join(f"{n}: {num(s, 0)} s" for n, s in r["first_step_seconds"].items())
+            entry = [r.get("dtype", ""), times]  # one engine per dtype compiles them all
+            if entry not in compile_rows:
+                compile_rows.append(entry)
+    text = provenance(machine_of(data, "serving"), command_of(name, data, "serving", commands))
+    text += f" File: `docs/results/{name}`.\n\n"
+    text += "".join(admonition(note) + "\n\n" for note in notes.get(name, []))
+    text += table(
+        ["workload (requests)", "dtype", "config", "tokens/s", "ITL p50 ms", "TTFT p50 ms"],
+        body,
+        "lllrrr",
+    )
+    if compile_rows:
+        text += (
+            "\n\nThe first step of each padded batch size with `compile=True`, compiling it "
+            "(a warm-up before the timed runs):\n\n"
+        )
+        text += table(["dtype", "seconds per padded batch size"], compile_rows)
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+TARGETS: dict[str, Callable[[dict, dict, dict], str]] = {
+    "README.md": readme_section,
+    "docs/benchmarks.md": benchmarks_page,
+    "docs/performance.md": performance_section,
+}
+
+
+def replace_marked(text: str, body: str, path: str) -> str:
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no '{BEGIN}' ... '{END}' markers")
+    return text[: start + len(BEGIN)] + "\n" + body + "\n" + text[end:]
+
+
+def render(root: Path = ROOT) -> dict[str, str]:
+    """Path -> the file's text with its marked section written from docs/results/."""
+    results = load_results(root / "docs" / "results")
+    commands = index_commands(root / "docs" / "results")
+    notes = index_notes(root / "docs" / "results")
+    return {
+        path: replace_marked((root / path).read_text(), make(results, commands, notes), path)
+        for path, make in TARGETS.items()
+    }
+
+
+def picture_of(json_name: str) -> str:
+    """The plot a benchmark draws beside ``json_name`` (under docs/img/)."""
+    return "demo_kv_memory.png" if json_name == "demo.json" else Path(json_name).stem + ".png"
+
+
+def line_file(line: str) -> str | None:
+    """The result file an INDEX.txt line is about (None: a note about every run)."""
+    match = re.match(r"^note(?:\s+([\w.\-]+?)(?:\.json)?)?\s*:", line)
+    if match:
+        return match.group(1) and match.group(1) + ".json"
+    match = re.match(r"^[\s\-*`]*([\w.\-/]+?)(?:\.json)?`?\s*[:|]", line)
+    return match and Path(match.group(1)).name + ".json"
+
+
+def take(source: Path, root: Path = ROOT) -> list[str]:
+    """Copy the benchmark JSON of ``source`` into docs/results/ and each one's plot into
+    docs/img/ (removing a plot of an earlier run that the new one lacks), and replace what
+    docs/results/INDEX.txt says of those files (commands and notes) by ``source/INDEX.txt``'s
+    lines about them. Returns the names of the JSON files taken."""
+    results, images = root / "docs" / "results", root / "docs" / "img"
+    taken = []
+    for path in sorted(source.glob("*.json")):
+        try:
+            known = kind_of(json.loads(path.read_text())) is not None
+        except ValueError:
+            known = False
+        if not known:
+            print(f"{path}: not the JSON of a known benchmark, left out", file=sys.stderr)
+            continue
+        shutil.copy(path, results / path.name)
+        taken.append(path.name)
+        picture = picture_of(path.name)
+        if (source / picture).exists():
+            shutil.copy(source / picture, images / picture)
+        else:
+            (images / picture).unlink(missing_ok=True)
+    index = results / "INDEX.txt"
+    old = index.read_text().splitlines() if index.exists() else []
+    new = (source / "INDEX.txt").read_text().splitlines() if (source / "INDEX.txt").exists() else []
+    kept = [line for line in old if line_file(line) not in taken]
+    index.write_text("\n".join([*kept, *(line for line in new if line_file(line) in taken)]) + "\n")
+    return taken
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a section is stale")
+    parser.add_argument(
+        "--take",
+        metavar="DIR",
+        type=Path,
+        help="first copy DIR's benchmark JSON, plots and INDEX.txt lines into docs/",
+    )
+    args = parser.parse_args(argv)
+    if args.take:
+        print(f"took {', '.join(take(args.take, ROOT)) or 'nothing'} from {args.take}")
+    stale = []
+    for path, text in render().items():
+        if (ROOT / path).read_text() != text:
+            stale.append(path)
+            if not args.check:
+                (ROOT / path).write_text(text)
+    if args.check and stale:
+        print(
+            f"stale results in {', '.join(stale)}: run python benchmarks/publish.py",
+            file=sys.stderr,
+        )
+        return 1
+    for path in stale:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""benchmarks/publish.py: the published figures are exactly what the committed benchmark JSON
+says, with the machine and the command of each."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import publish  # noqa: E402
+
+
+def test_the_published_pages_are_what_the_committed_json_says():
+    stale = [path for path, text in publish.render().items() if (ROOT / path).read_text() != text]
+    assert not stale, f"stale: {stale}; run python benchmarks/publish.py"
+    assert publish.main(["--check"]) == 0
+
+
+@pytest.fixture
+def copy_of_repo(tmp_path, monkeypatch):
+    for path in publish.TARGETS:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, tmp_path / path)
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "docs" / "results")
+    monkeypatch.setattr(publish, "ROOT", tmp_path)
+    return tmp_path
+
+
+def figures(text: str) -> str:
+    start = text.index(publish.BEGIN)
+    return text[start : text.index(publish.END, start)]
+
+
+@pytest.mark.parametrize("path", list(publish.TARGETS))
+def test_a_hand_edited_figure_fails_the_check(copy_of_repo, path, capsys):
+    target = copy_of_repo / path
+    text = target.read_text()
+    section = figures(text)
+    digit = next(i for i, c in enumerate(section) if c.isdigit() and section[i - 1] in " (|")
+    edited = section[:digit] + str((int(section[digit]) + 1) % 10) + section[digit + 1 :]
+    target.write_text(text.replace(section, edited))
+    assert publish.main(["--check"]) == 1
+    assert path in capsys.readouterr().err
+    assert publish.main([]) == 0  # rewriting restores the figure
+    assert target.read_text() == text
+
+
+def test_every_committed_json_is_published_with_its_machine_and_command():
+    results = publish.load_results()
+    assert results, "docs/results/ holds the benchmarks' JSON"
+    page = figures((ROOT / "docs" / "benchmarks.md").read_text())
+    for name, data in results.items():
+        assert publish.kind_of(data) is not None, f"{name}: no known benchmark wrote it"
+        assert f"File: `docs/results/{name}`" in page
+    assert page.count("Machine: ") == len(results)
+    assert page.count("Command: `python ") == len(results)
+    readme = figures((ROOT / "README.md").read_text())
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and "---" not in line]
+    assert 1 <= len(rows) - 1 <= 6  # a header, then at most six rows
+    assert all(row.count("`python ") == 1 for row in rows[1:])
+
+
+def test_the_command_comes_from_the_index(tmp_path):
+    (tmp_path / "INDEX.txt").write_text(
+        "note: quiet machine\n"
+        "bench_decode_cpu.json: python benchmarks/bench_decode.py --reps 5\n"
+        "- `bench_memory.json` | `python benchmarks/bench_memory.py`\n"
+        "bench_serving: /opt/venv/bin/python benchmarks/bench_serving.py --json "
+        "/tmp/out/bench_serving.json --plot /tmp/out/bench_serving.png (rc=0, 300 s)\n"
+    )
+    assert publish.index_commands(tmp_path) == {
+        "bench_decode_cpu.json": "python benchmarks/bench_decode.py --reps 5",
+        "bench_memory.json": "python benchmarks/bench_memory.py",
+        "bench_serving.json": "python benchmarks/bench_serving.py --json "
+        "docs/results/bench_serving.json --plot docs/img/bench_serving.png",
+    }
+    assert publish.index_notes(tmp_path) == {None: ["quiet machine"]}
+    server = {"info": {"command": "benchmarks/bench_server.py --rates 1"}, "rows": [{"load": 1}]}
+    assert publish.command_of("x.json", server, "server", {}) == (
+        "python benchmarks/bench_server.py --rates 1"
+    )
+    assert publish.command_of("y.json", {}, "memory", {}) == (
+        "python benchmarks/bench_memory.py (arguments not recorded)"
+    )
+
+
+def test_the_machine_is_named_from_the_json():
+    machine = {
+        "cpu_model": "Intel(R) Xeon(R) Platinum 8480+",
+        "cpu_isa_flags": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"],
+        "threads": 2,
+        "torch": "2.14.1",
+    }
+    assert publish.machine_of({"machine": machine}, "decode") == (
+        "Intel(R) Xeon(R) Platinum 8480+, AVX-512/AVX512-BF16/AMX, 2 threads, torch 2.14.1"
+    )
+    gpu = {"machine": {"gpu": "NVIDIA H200", "sms": 132, "torch": "2.14.1"}}
+    assert publish.machine_of(gpu, "decode") == "NVIDIA H200 (132 SMs), torch 2.14.1"
+
+
+def test_no_results_is_said_not_invented(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    for path in publish.TARGETS:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(f"x\n{publish.BEGIN}\nold 1.0\n{publish.END}\n")
+    for text in publish.render(tmp_path).values():
+        assert "results are committed." in text and "old 1.0" not in text
+
+
+def test_a_json_of_no_known_benchmark_is_named(tmp_path):
+    (tmp_path / "odd.json").write_text(json.dumps({"something": 1}))
+    results = publish.load_results(tmp_path)
+    assert "`odd.json`" in publish.benchmarks_page(results, {}, {})
+
+
+def test_taking_new_results_replaces_their_files_commands_and_notes(copy_of_repo, tmp_path):
+    source = tmp_path / "measured"
+    source.mkdir()
+    memory = json.loads((ROOT / "docs" / "results" / "bench_memory.json").read_text())
+    memory["utilisation"]["paged, block 16"]["waste"] = 0.0123
+    (source / "bench_memory.json").write_text(json.dumps(memory))
+    (source / "bench_memory.png").write_bytes(b"png")
+    (source / "bench_memory.log").write_text("log")
+    (source / "broken.json").write_text("{")
+    (source / "INDEX.txt").write_text(
+        "bench_memory: /work/.venv/bin/python benchmarks/bench_memory.py --json "
+        "/work/results/bench_memory.json --plot /work/results/bench_memory.png (rc=0, 20 s)\n"
+        "bench_decode_cpu: /work/.venv/bin/python benchmarks/bench_decode.py (rc=1, 3 s)\n"
+    )
+    images = copy_of_repo / "docs" / "img"
+    images.mkdir(parents=True, exist_ok=True)
+    assert publish.take(source, copy_of_repo) == ["bench_memory.json"]
+    assert (images / "bench_memory.png").read_bytes() == b"png"
+    results = copy_of_repo / "docs" / "results"
+    commands, notes = publish.index_commands(results), publish.index_notes(results)
+    assert commands["bench_memory.json"] == (
+        "python benchmarks/bench_memory.py --json docs/results/bench_memory.json "
+        "--plot docs/img/bench_memory.png"
+    )
+    assert "bench_memory.json" not in notes  # the earlier run's note went with it
+    assert commands.keys() == publish.index_commands(ROOT / "docs" / "results").keys()
+    readme = publish.render(copy_of_repo)["README.md"]
+    row = next(line for line in readme.splitlines() if line.startswith("| KV memory"))
+    assert "1.2% of KV memory wasted" in row and "\\*" not in row
