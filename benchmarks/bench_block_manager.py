@@ -24,9 +24,9 @@ import time
 from collections import deque
 
 import torch
-from machine import machine_info
 
 from paged_attention.block_manager import BlockManager
+from paged_attention.machine import machine_info
 
 BLOCK_SIZE = 16
 NUM_SEQS = 256

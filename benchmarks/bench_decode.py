@@ -46,12 +46,12 @@ import math
 import time
 from pathlib import Path
 
-import machine
 import torch
-from machine import describe_machine
 
 import paged_attention
+from paged_attention import machine
 from paged_attention.cache import advise_huge_pages
+from paged_attention.machine import describe_machine
 from paged_attention.testing import make_paged_kv
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 from bench_decode import build_case, kv_bytes, machine_info, method_ours
-from machine import describe_machine
 
 import paged_attention  # noqa: F401  (registers torch.ops.paged_attention)
+from paged_attention.machine import describe_machine
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16

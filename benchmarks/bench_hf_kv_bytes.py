@@ -22,7 +22,6 @@ import math
 import os
 
 import torch
-from machine import machine_info
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from paged_attention.demo import tiny_llama_config
@@ -31,6 +30,7 @@ from paged_attention.integrations.transformers import (
     PagedCache,
     cache_argument_name,
 )
+from paged_attention.machine import machine_info
 
 CONFIG = tiny_llama_config(
     vocab_size=512,

@@ -61,9 +61,9 @@ from bench_decode import (
     machine_info,
     synchronize,
 )
-from machine import describe_machine
 
 import paged_attention
+from paged_attention.machine import describe_machine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
-from machine import describe_machine, machine_info
+
+from paged_attention.machine import describe_machine, machine_info
 
 PROMPTS = [
     "What is the capital of France?",

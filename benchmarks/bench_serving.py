@@ -60,12 +60,12 @@ import resource
 import time
 
 import torch
-from machine import describe_machine, machine_info
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from paged_attention.demo import default_workload, tiny_llama_config
 from paged_attention.engine import Engine, SamplingParams
+from paged_attention.machine import describe_machine, machine_info
 from paged_attention.models import DTYPES, MODEL_HELP, load_model
 
 MODEL = tiny_llama_config(

@@ -158,22 +158,13 @@ def machine_of(data: dict, kind: str) -> str:
     """One line naming the machine a JSON file records."""
     if kind == "memory":
         return "any (a replay of the block manager; no timing)"
-    if kind == "demo":
-        return f"{data.get('device', 'cpu')} (the demo does not record the machine's model)"
     if kind == "hf_kv_bytes":
         return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
-    if kind == "server" and "machine" not in data["info"]:
-        info = data["info"]
-        return f"{info.get('cpu', '?')}, {info.get('cores', '?')} cores"
-    machine = data.get("machine") or data.get("info", {}).get("machine") or {}
-    if not isinstance(machine, dict):  # an older record: the architecture's name only
-        machine = {"cpu": machine}
+    machine = data["info"]["machine"] if kind == "server" else data["machine"]
     if "gpu" in machine:
-        return f"{machine['gpu']} ({machine.get('sms', '?')} SMs), torch {machine.get('torch')}"
-    if machine.get("device") not in (None, "cpu"):
-        return f"{machine['device']}, torch {machine.get('torch')}"
-    model = machine.get("cpu_model") or machine.get("cpu") or "?"
-    flags = set(machine.get("cpu_isa_flags") or machine.get("cpu_isa") or ())
+        return f"{machine['gpu']} ({machine['sms']} SMs), torch {machine['torch']}"
+    model = machine["cpu_model"]
+    flags = set(machine["cpu_isa_flags"])
     isa = "/".join(label for flag, label in ISA_NAMES if flag in flags)
     threads = machine.get("threads")
     parts = [model]

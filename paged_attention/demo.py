@@ -26,6 +26,7 @@ import time
 import torch
 
 from paged_attention.engine import Engine, RequestOutput, SamplingParams
+from paged_attention.machine import machine_info
 from paged_attention.models import (
     TINY_MODEL,
     ModelLoadError,
@@ -646,6 +647,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         report = run(args, reporting)
+        report["machine"] = machine_info(args.device)  # with the demo's threads
     finally:
         torch.set_num_threads(previous_threads)
         if started_group:

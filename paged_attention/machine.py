@@ -1,5 +1,5 @@
-"""What a benchmark ran on: every benchmark records this in its JSON (under ``machine``) and
-prints it, so that figures from different machines are never read as one."""
+"""What a measurement ran on: the benchmarks and the demo record this in their JSON (under
+``machine``) and print it, so that figures from different machines are never read as one."""
 
 from __future__ import annotations
 
@@ -42,8 +42,6 @@ def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
 def kernel_variants() -> dict:
     """The CPU kernels' variants a call makes now: the vector instruction set and the bf16 product
     (csrc/cpu/variants.h), and the bf16 products this CPU runs."""
-    import paged_attention  # noqa: F401  (registers the ops)
-
     ops = torch.ops.paged_attention
     vector, bf16_matmul = ops._cpu_kernel_variants()
     return dict(vector=vector, bf16_matmul=bf16_matmul, bf16_matmuls_usable=ops._cpu_bf16_matmuls())

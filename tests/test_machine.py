@@ -1,13 +1,8 @@
-"""benchmarks/machine.py: what every benchmark records about the machine it ran on."""
-
-import sys
-from pathlib import Path
+"""paged_attention/machine.py: what the benchmarks and the demo record about the machine."""
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import machine  # noqa: E402
+from paged_attention import machine
 
 
 def test_cpu_identity_reads_the_first_processor(tmp_path):
