@@ -152,6 +152,7 @@ def test_kv_heads_that_do_not_split_get_a_clear_error(ranks):
 TIMING = {"tokens_per_s", "seconds", "wall_seconds", "ttft_p50_ms", "ttft_p99_ms"}
 TIMING |= {"itl_p50_ms", "itl_p99_ms"}
 PER_RANK = {"tensor_parallel_ranks", "kv_bytes_per_block", "kv_bytes_per_rank"}
+PER_PROCESS = {"plot", "machine"}  # the machine record holds the process's threads and load
 
 
 def test_demo_on_two_ranks_reports_what_one_process_does(tmp_path, capsys):
@@ -164,9 +165,10 @@ def test_demo_on_two_ranks_reports_what_one_process_does(tmp_path, capsys):
     done = torchrun(["-m", "paged_attention", *args, "--tp", "--plot", str(tmp_path / "tp.png")])
     split = json.loads(done.stdout)  # rank 0 alone prints
     assert single["swaps_out"] > 0 and single["greedy_matches_transformers"] is True
-    assert {k: v for k, v in split.items() if k not in TIMING | PER_RANK | {"plot"}} == {
-        k: v for k, v in single.items() if k not in TIMING | PER_RANK | {"plot"}
+    assert {k: v for k, v in split.items() if k not in TIMING | PER_RANK | PER_PROCESS} == {
+        k: v for k, v in single.items() if k not in TIMING | PER_RANK | PER_PROCESS
     }
+    assert split["machine"]["cpu_model"] == single["machine"]["cpu_model"]
     assert split["tensor_parallel_ranks"] == RANKS and single["tensor_parallel_ranks"] == 1
     assert split["kv_bytes_per_rank"] * RANKS == single["kv_bytes_per_rank"]
     assert (tmp_path / "tp.png").read_bytes().startswith(b"\x89PNG")
