@@ -16,7 +16,13 @@ import sys
 
 import torch
 
-from paged_attention.demo import UsageError, positive_int, seed_int
+from paged_attention.demo import (
+    UsageError,
+    non_negative_float,
+    positive_int,
+    seed_int,
+    unit_interval,
+)
 from paged_attention.models import add_model_arguments
 
 HELP = "chat with a model (SmolLM2-135M-Instruct by default), interactively or one-shot"
@@ -281,27 +287,3 @@ def _with_seed(params, seed: int):
     from dataclasses import replace
 
     return replace(params, seed=seed)
-
-
-def non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def unit_interval(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value

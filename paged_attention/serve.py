@@ -17,7 +17,13 @@ import logging
 
 import torch
 
-from paged_attention.demo import UsageError, positive_int
+from paged_attention.demo import (
+    UsageError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 HELP = "an OpenAI-compatible HTTP server over the engine"
 DEFAULT_KV_MEMORY_GIB = 1.0
@@ -43,13 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--num-blocks", type=positive_int, help="device KV-cache blocks")
     size.add_argument(
         "--kv-memory",
-        type=_positive_float,
+        type=positive_float,
         help=f"device KV-cache memory in GiB (default {DEFAULT_KV_MEMORY_GIB:g})",
     )
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument(
         "--num-host-blocks",
-        type=_non_negative_int,
+        type=non_negative_int,
         help="host swap-space blocks for preempted requests (default: four times the device's; "
         "0: preemption recomputes)",
     )
@@ -76,11 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU: run decode steps through torch.compile, one graph per padded batch size "
         "(1, 8, 32 and --max-num-seqs), all compiled before the server accepts requests (one to "
-        "two minutes each for SmolLM2 on two cores); about 1.5-2x the tokens/s afterwards",
+        "two minutes each for SmolLM2 on two cores); 1.2-2x the eager tokens/s afterwards in "
+        "benchmarks/bench_serving.py",
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are "
         "aborted (default 30)",
@@ -202,38 +209,4 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value

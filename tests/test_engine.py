@@ -43,7 +43,7 @@ def full_logits(model, tokens):
         model.set_attn_implementation("paged_attention")
 
 
-def hf_greedy(model, prompt, max_new_tokens):
+def hf_greedy(model, prompt, max_new_tokens, eos_token_id=2):
     """transformers' own greedy generate() with its default cache and attention."""
     model.set_attn_implementation("sdpa")
     try:
@@ -52,7 +52,7 @@ def hf_greedy(model, prompt, max_new_tokens):
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=2,
+            eos_token_id=eos_token_id,
             pad_token_id=0,
         )
     finally:

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_engine import hf_greedy  # noqa: E402
 from test_transformers import BLOCK, build  # noqa: E402
 
 from paged_attention.engine.model_runner import ModelRunner  # noqa: E402
@@ -177,22 +178,6 @@ def test_the_step_cache_checks_each_layer_against_the_geometry():
     model.set_attn_implementation("sdpa")
 
 
-def greedy_generate(model, prompt, max_new_tokens):
-    model.set_attn_implementation("sdpa")
-    try:
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return out[0, len(prompt) :].tolist()
-
-
 def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
     # Compiling costs seconds even for this 2-layer model, so one test covers the compiled path:
     # a mixed-window model (qwen2), three sequences padded to the size-8 graph, then two (a
@@ -214,7 +199,7 @@ def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
     outputs = engine.generate(prompts, [SamplingParams(n) for n in lengths])
     assert list(compiled.compile_seconds) == [8]
     for prompt, n, out in zip(prompts, lengths, outputs):
-        assert out.outputs == [greedy_generate(model, prompt, n)]
+        assert out.outputs == [hf_greedy(model, prompt, n, eos_token_id=None)]
 
     caches = [t.clone() for t in engine.kv_cache.key_caches + engine.kv_cache.value_caches]
     seconds = engine.compile_decode_steps()
@@ -223,7 +208,7 @@ def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
     assert all(torch.equal(a, b) for a, b in zip(caches, after))
     assert engine.compile_decode_steps() == seconds  # nothing left to compile
     alone = engine.generate([prompts[1][:7]], SamplingParams(9))[0]
-    assert alone.outputs == [greedy_generate(model, prompts[1][:7], 9)]
+    assert alone.outputs == [hf_greedy(model, prompts[1][:7], 9, eos_token_id=None)]
     assert compiled.compile_seconds == seconds
 
 
