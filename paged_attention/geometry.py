@@ -37,6 +37,10 @@ _CUDA_DEFAULT_FRACTION = 0.9
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 _ATTENTION_LAYER_TYPES = (FULL, SLIDING, CHUNKED)
+# Layers with neither attention nor state (Nemotron-H's MLP and MoE layers): nothing to cache.
+_NO_CACHE_LAYER_TYPES = {"mlp", "moe"}
+# DeepSeek-V3.2's layers: latent attention over the tokens a lightning indexer selects.
+_SPARSE_INDEXED = "indexed_attention"
 
 
 class UnsupportedModelError(ValueError):
@@ -330,10 +334,17 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             f"{name} is an encoder-decoder model; paged attention serves decoder-only models "
             "(the cross-attention's keys and values are not a growing sequence)"
         )
-    kinds = getattr(config, "layer_types", None) or []
-    other = sorted({str(kind) for kind in kinds} - set(_ATTENTION_LAYER_TYPES))
-    if other or getattr(model, "_is_stateful", False):
-        what = ", ".join(repr(kind) for kind in other) or "recurrent"
+    kinds = {str(kind) for kind in getattr(config, "layer_types", None) or []}
+    if _SPARSE_INDEXED in kinds:
+        raise UnsupportedModelError(
+            f"{name} uses DeepSeek sparse attention: a lightning indexer keeps a key cache of its "
+            "own and chooses the cached tokens each query reads, while paged attention reads "
+            "every cached token of the sequence (and its latent attention has key and value "
+            "heads of different sizes)"
+        )
+    stateful = sorted(kinds - set(_ATTENTION_LAYER_TYPES) - _NO_CACHE_LAYER_TYPES)
+    if stateful or getattr(model, "_is_stateful", False):
+        what = ", ".join(repr(kind) for kind in stateful) or "recurrent"
         raise UnsupportedModelError(
             f"{name} is a hybrid model: its {what} layers keep a recurrent, convolution or "
             "linear-attention state instead of keys and values (as Qwen3-Next, "
@@ -366,6 +377,12 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             "attention interface (its attention implementation cannot be switched, so "
             'set_attn_implementation("paged_attention") would leave it unchanged): its keys and '
             "values never reach a paged cache"
+        )
+    if getattr(config, "alibi", False) is True:
+        raise UnsupportedModelError(
+            f"{name} with ALiBi (config.alibi=True) adds its position bias to a 4D attention "
+            "mask, while paged attention takes a 2D padding mask and builds the causal mask from "
+            "the block tables; the rotary variants of the family are served"
         )
 
 

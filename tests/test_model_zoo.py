@@ -85,6 +85,7 @@ ZOO = {
     "opt": dict(ffn_dim=128, word_embed_proj_dim=128, init_std=0.1),
     "starcoder2": dict(sliding_window=WINDOW),
     "gpt_bigcode": {},  # multi-query: one KV head
+    "falcon": {},  # multi-query, fused q/k/v
     "stablelm": {},
     "persimmon": {},
     "cohere": {},
@@ -108,6 +109,16 @@ ZOO = {
     "arcee": {},
     "seed_oss": {},
     "hunyuan_v1_dense": {},
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
+    "dots1": dict(
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,  # a dense layer, then an MoE one
+    ),
     # a chunked layer (with rotary embeddings) and a full one (without: NoPE)
     "llama4_text": dict(
         MOE,
@@ -120,10 +131,11 @@ ZOO = {
 # Per refused family: its tiny config and the reason the refusal must name.
 REFUSED = {
     "bloom": ({}, "computes attention in its own code"),
-    "falcon": ({}, "computes attention in its own code"),
     "mpt": ({}, "computes attention in its own code"),
     "deepseek_v2": ({}, "multi-head latent attention"),
     "deepseek_v3": ({}, "multi-head latent attention"),
+    "longcat_flash": ({}, "multi-head latent attention"),
+    "deepseek_v32": ({}, "sparse attention: a lightning indexer"),
     "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2), "hybrid model"),
     "granitemoehybrid": ({}, "hybrid model"),
     "jamba": ({}, "hybrid model"),
@@ -131,6 +143,14 @@ REFUSED = {
     "falcon_h1": ({}, "hybrid model"),
     "bamba": ({}, "hybrid model"),
     "zamba": (dict(num_hidden_layers=3), "hybrid model"),
+    "zamba2": (dict(layers_block_type=["mamba", "hybrid"]), "hybrid model"),
+    "qwen3_5_text": ({}, "hybrid model"),
+    "kimi_linear": ({}, "hybrid model"),
+    "minimax": ({}, "hybrid model"),
+    "olmo_hybrid": ({}, "hybrid model"),
+    "lfm2_moe": (dict(layer_types=["conv", "full_attention"]), "its 'conv' layers keep"),
+    # its MLP and MoE layers hold nothing; only the Mamba ('linear_attention') ones keep state
+    "nemotron_h": ({}, "its 'linear_attention' layers keep"),
     "gemma3n_text": (dict(num_kv_shared_layers=1), "shares keys and values between layers"),
 }
 
@@ -284,6 +304,14 @@ def test_unsupported_families_are_refused_with_the_reason(model_type):
     with pytest.raises(UnsupportedModelError, match=message):
         PagedCache(model, block_size=BLOCK, num_blocks=8)
     with pytest.raises(UnsupportedModelError, match=message):
+        Engine(model, num_blocks=8, block_size=BLOCK)
+
+
+def test_falcon_with_alibi_is_refused_with_the_reason():
+    model = build("falcon", device="meta", alibi=True)
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        PagedCache(model, block_size=BLOCK, num_blocks=8)
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
         Engine(model, num_blocks=8, block_size=BLOCK)
 
 
