@@ -199,3 +199,28 @@ def test_token_logprobs_against_a_loop():
         for place, alternative in enumerate(row.argsort(descending=True)[:count].tolist()):
             expected.setdefault(alternative, Logprob(row[alternative].item(), place + 1))
         assert entry == expected and list(entry) == list(expected)
+
+
+def test_smollm2_logprobs_equal_transformers_in_float32():
+    # The real model, with its tokenizer and prompts chunked over several steps.
+    from paged_attention.models import load_model
+
+    model, tokenizer = load_model("smollm2", dtype=torch.float32)
+    engine = Engine(
+        model,
+        num_blocks=128,
+        block_size=16,
+        tokenizer=tokenizer,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
+    params = SamplingParams(10, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    text = "The capital of France is Paris. The capital of Germany is"
+    (out,) = engine.generate([text], params)
+    assert out.text.startswith(" Berlin")
+    tokens = out.prompt + out.outputs[0]
+    reference = reference_logprobs(model, tokens)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert_entry_matches(entry, out.prompt[i], reference[i - 1], 5)
+    for j, (token, entry) in enumerate(zip(out.outputs[0], out.logprobs[0])):
+        assert_entry_matches(entry, token, reference[len(out.prompt) - 1 + j], 5)
