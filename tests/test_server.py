@@ -247,6 +247,93 @@ def test_models_and_health(served):
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
 
 
+def test_unknown_fields_are_ignored_with_one_warning_per_name(served, caplog):
+    client = served.client()
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    unknown = {"best_of_vendor": 2, "chat_template_kwargs_x": {"a": 1}}
+    with caplog.at_level("WARNING", logger="paged_attention.server"):
+        for _ in range(3):
+            answer = client.chat.completions.create(**request, extra_body=unknown)
+            assert answer.usage.completion_tokens >= 1
+        # unknown fields of a message are ignored the same way
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi", "weight": 1}], max_tokens=2
+        )
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    for name in [*unknown, "weight"]:
+        assert sum(f"'{name}'" in w for w in warnings) == 1, warnings
+
+
+def test_messages_of_tool_calling_clients_are_accepted(served):
+    """``name``, an assistant message with ``content: null`` and ``tool_calls``, a ``tool``
+    message and content parts reach the chat template as the template's messages."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 2}'},
+    }
+    messages = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}],
+        },
+        {"role": "user", "content": "add 2 and 2", "name": "alice"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+    ]
+    answer = served.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0
+    )
+    rendered = [
+        {"role": "system", "content": "be\nbrief"},
+        {"role": "user", "content": "add 2 and 2", "name": "alice"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": {"a": 2}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+    ]
+    text = served.tokenizer.apply_chat_template(
+        rendered, tokenize=False, add_generation_prompt=True
+    )
+    prompt = served.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert served.recorded.of(prompt), "the server rendered other messages"
+
+
+def test_the_default_max_tokens_fits_any_n(tiny):
+    """Defect 2: left out, ``max_tokens`` is the longest the KV pool holds for ``n`` samples
+    (here 4 x 1000 tokens of context would not fit the 1024-token pool)."""
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer, num_blocks=64)
+    recorded = Recorder(engine)
+    live = LiveServer(create_app(engine, tokenizer, MODEL, max_n=4))
+    try:
+        client = live.client()
+        for n in (1, 2, 4):
+            answer = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "many"}], n=n, temperature=1
+            )
+            assert len(answer.choices) == n
+            prompt_len = answer.usage.prompt_tokens
+            # the pool's 64 blocks of 16: the prompt's full blocks shared, the rest split n ways
+            own = (64 - prompt_len // 16) // n
+            room = 16 * (prompt_len // 16 + own) - prompt_len + 1
+            output = recorded.of(chat_prompt(tokenizer, "many"))[-1]
+            assert max(len(tokens) for tokens in output.outputs) <= room
+        completion = client.completions.create(model=MODEL, prompt="x", n=4)
+        assert all(c.finish_reason in ("stop", "length") for c in completion.choices)
+    finally:
+        live.stop()
+
+
 # --------------------------------------------------------------------- load and faults
 
 
@@ -360,7 +447,17 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(presence_penalty=0.5), "presence_penalty"),
     (CHAT, chat(logprobs=True), "logprobs"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
-    (CHAT, chat(beam_width=2), "beam_width"),
+    (CHAT, chat(reasoning_effort="low"), "reasoning_effort"),
+    (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        "messages[0].tool_calls",
+    ),
+    (CHAT, chat(stop=["s"] * 65), "stop"),
     (COMPLETIONS, {"prompt": "x" * 5000}, "prompt"),
     (COMPLETIONS, {"prompt": [10**7]}, "prompt"),
     (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),

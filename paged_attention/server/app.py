@@ -65,7 +65,13 @@ def create_app(
                 f"got {max_model_len}"
             )
         context = max_model_len
-    server = _Server(engine, tokenizer, model_name, max_n, context)
+    limits = protocol.Limits(
+        max_model_len=context,
+        max_n=max_n,
+        kv_blocks=engine.block_manager.num_device_blocks,
+        block_size=engine.block_size,
+    )
+    server = _Server(engine, tokenizer, model_name, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -113,11 +119,11 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
 
 
 class _Server:
-    def __init__(self, engine, tokenizer, model_name: str, max_n: int, max_model_len: int):
+    def __init__(self, engine, tokenizer, model_name: str, limits: protocol.Limits):
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_n = max_n
-        self.max_model_len = max_model_len
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.owner = EngineOwner(engine, on_step=self.metrics.on_step)
@@ -128,7 +134,7 @@ class _Server:
         body = protocol.parse(ChatCompletionRequest, await request.body())
         self._check_model(body.model)
         prompt = self._encode_chat(body)
-        params = protocol.sampling_params(body, len(prompt), self.max_model_len, self.max_n, None)
+        params = protocol.sampling_params(body, len(prompt), self.limits, None)
         return await self._generate(request, body, True, prompt, params)
 
     async def completions(self, request: Request) -> Response:
@@ -138,7 +144,7 @@ class _Server:
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt)["input_ids"]
         params = protocol.sampling_params(
-            body, len(prompt), self.max_model_len, self.max_n, COMPLETIONS_DEFAULT_MAX_TOKENS
+            body, len(prompt), self.limits, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
         return await self._generate(request, body, False, prompt, params)
 

@@ -3,18 +3,22 @@
 Requests are validated strictly (a string where a number belongs is refused, not converted) and
 every field OpenAI defines that this server does not carry out is refused with a 400 naming it,
 unless it holds the value that asks for nothing (``frequency_penalty: 0``, ``logprobs: false``,
-``tools: []``...). Fields OpenAI does not define are refused as unrecognized, as OpenAI does.
+``tools: []``...). Fields OpenAI does not define are ignored, with one logged warning per field
+name (vLLM's rule: client libraries add fields of their own).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from paged_attention.engine import RequestError, RequestOutput, SamplingParams
 
@@ -77,30 +81,137 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 }
 
 
+# Fields OpenAI defines that ask for work this server does not do, whatever their value: refused
+# unless null.
+UNSUPPORTED = ("reasoning_effort", "prediction", "audio", "web_search_options", "verbosity")
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownFields:
+    """The names of the fields OpenAI does not define that requests held, each warned about
+    once (a client sending its own field with every request logs it once, not every time)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()  # requests are parsed in worker threads
+
+    def warn(self, where: str, names) -> None:
+        for name in names:
+            key = f"{where}.{name}"
+            with self._lock:
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+            logger.warning(
+                "ignoring the field %r of a %s: this server does not know it (warned once)",
+                name,
+                where,
+            )
+
+
+unknown_fields = UnknownFields()
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # strict: "8" is no number; extra fields are kept aside, warned about, and not used
+    model_config = ConfigDict(strict=True, extra="allow")
+    _where: ClassVar[str] = "request"
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self):
+        if self.model_extra:
+            unknown_fields.warn(self._where, list(self.model_extra))
+        return self
 
 
 class StreamOptions(_Strict):
+    _where: ClassVar[str] = "stream_options"
     include_usage: bool = False
     include_obfuscation: Literal[False] = False
 
 
 class TextPart(_Strict):
+    _where: ClassVar[str] = "content part"
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
-    # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class FunctionCall(_Strict):
+    _where: ClassVar[str] = "tool call's function"
+    name: str
+    arguments: str  # JSON, as the model wrote it
 
-    def template_message(self) -> dict[str, str]:
+
+class ToolCall(_Strict):
+    _where: ClassVar[str] = "tool call"
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def template_call(self) -> dict:
+        """The call as chat templates read it: ``arguments`` as an object where it is JSON
+        of one (templates iterate over it), else the text as sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation: an earlier tool call of the assistant (``tool_calls``,
+    with ``content`` null) and a tool's answer (role ``tool``) are rendered by the template."""
+
+    _where: ClassVar[str] = "message"
+    # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(default=None)
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _MessageError(
+                "content", "content is required, unless an assistant message has tool_calls"
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _MessageError("tool_calls", "only assistant messages may have tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise _MessageError("tool_call_id", "a tool message needs the tool_call_id it answers")
+        return self
+
+    def template_message(self) -> dict:
         content = self.content
-        if not isinstance(content, str):
+        if content is None:
+            content = ""  # templates concatenate it
+        elif not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class _MessageError(ValueError):
+    """A message's fields that do not go together; pydantic reports it at the message, and
+    :func:`validation_error` names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class _Generation(_Strict):
@@ -115,7 +226,10 @@ class _Generation(_Strict):
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # the caller's end-user id, for its own records
+    # the caller's ids for its own records (they change nothing here)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # refused unless neutral (NEUTRAL_VALUES)
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -134,6 +248,13 @@ class _Generation(_Strict):
                 shown = " or ".join(json.dumps(v) for v in neutral)
                 raise APIError(
                     f"{name} is not supported by this server (accepted only as {shown})",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        for name in UNSUPPORTED:
+            if getattr(self, name, None) is not None:
+                raise APIError(
+                    f"{name} is not supported by this server",
                     param=name,
                     code="unsupported_parameter",
                 )
@@ -158,6 +279,12 @@ class ChatCompletionRequest(_Generation):
     metadata: Any = None
     modalities: Any = None
     service_tier: Any = None
+    # refused unless null (UNSUPPORTED)
+    reasoning_effort: Any = None
+    prediction: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     @model_validator(mode="after")
     def _check_messages(self):
@@ -233,6 +360,10 @@ def validation_error(error: ValidationError) -> APIError:
     if first["type"] == "missing":
         return APIError(f"{location} is required", param=location or None)
     message = first["msg"]
+    cause = first.get("ctx", {}).get("error")
+    if first["type"] == "value_error" and isinstance(cause, _MessageError):
+        location = f"{location}.{cause.field}"
+        return APIError(f"{location}: {cause}", param=location)
     if first["type"] == "model_type" and not first["loc"]:
         message = "the request body must be a JSON object"
     shown = f"{location}: " if location else ""
@@ -254,40 +385,44 @@ def _location(loc: tuple) -> str:
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024
+"""The most stop strings one request may give, and the most characters of one: every step
+searches each new text for each of them (OpenAI itself takes 4)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of this server: the context it may fill, the samples, and the
+    KV pool (``kv_blocks`` of ``block_size`` tokens) its sequences must fit in together."""
+
+    max_model_len: int
+    max_n: int
+    kv_blocks: int
+    block_size: int
+
+    def kv_room(self, prompt_len: int, n: int) -> int:
+        """The most tokens each of ``n`` samples of a ``prompt_len``-token prompt may generate
+        with the whole pool: the prompt's full blocks are shared, every sample holds its own
+        blocks up to ``prompt + max_tokens - 1`` tokens (the engine's count)."""
+        size = self.block_size
+        shared = prompt_len // size
+        own_blocks = (self.kv_blocks - shared) // n
+        return size * (shared + own_blocks) - prompt_len + 1
+
+
 def sampling_params(
     request: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
-    max_model_len: int,
-    max_n: int,
+    limits: Limits,
     default_max_tokens: int | None,
 ) -> SamplingParams:
     """The engine's parameters for ``request`` with a prompt of ``prompt_len`` tokens, or the
     APIError naming the parameter that cannot be served."""
-    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-    if prompt_len >= max_model_len:
-        raise APIError(
-            f"the prompt is {prompt_len} tokens long; this model's context is {max_model_len} "
-            "tokens, and the completion needs at least one of them",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    room = max_model_len - prompt_len
-    max_tokens = request.max_new_tokens
-    name = request.max_tokens_param
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif max_tokens < 1:
-        raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
-    elif max_tokens > room:
-        raise APIError(
-            f"{name} is {max_tokens}, but the prompt takes {prompt_len} of this model's "
-            f"{max_model_len} context tokens: at most {room} remain",
-            param=name,
-            code="context_length_exceeded",
-        )
     n = 1 if request.n is None else request.n
-    if not 1 <= n <= max_n:
-        raise APIError(f"n must be between 1 and {max_n}, got {n}", param="n")
+    if not 1 <= n <= limits.max_n:
+        raise APIError(f"n must be between 1 and {limits.max_n}, got {n}", param="n")
+    max_tokens = _max_tokens(request, prompt_len, n, limits, default_max_tokens)
     temperature = 1.0 if request.temperature is None else request.temperature
     if not 0 <= temperature <= 2:
         raise APIError(
@@ -296,9 +431,6 @@ def sampling_params(
     top_p = 1.0 if request.top_p is None else request.top_p
     if not 0 < top_p <= 1:
         raise APIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if any(not s for s in stop):
-        raise APIError("stop strings must not be empty", param="stop")
     # Without a seed every request draws its own random numbers (the engine's default seed
     # would give every request the same samples).
     seed = secrets.randbits(63) if request.seed is None else request.seed
@@ -309,10 +441,63 @@ def sampling_params(
             top_p=top_p,
             n=n,
             seed=seed,
-            stop=tuple(stop),
+            stop=_stop_strings(request.stop),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
         raise APIError(str(error), param=error.argument) from None
+
+
+def _max_tokens(request, prompt_len: int, n: int, limits: Limits, default: int | None) -> int:
+    """The request's completion length, checked against the context; left out, the longest
+    that the context and the KV pool allow for its ``n`` samples (at most ``default``)."""
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    context = limits.max_model_len
+    if prompt_len >= context:
+        raise APIError(
+            f"the prompt is {prompt_len} tokens long; this model's context is {context} "
+            "tokens, and the completion needs at least one of them",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = context - prompt_len
+    max_tokens = request.max_new_tokens
+    name = request.max_tokens_param
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
+        if max_tokens > room:
+            raise APIError(
+                f"{name} is {max_tokens}, but the prompt takes {prompt_len} of this model's "
+                f"{context} context tokens: at most {room} remain",
+                param=name,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+    kv_room = limits.kv_room(prompt_len, n)
+    if kv_room < 1:
+        alone = limits.kv_room(prompt_len, 1) >= 1
+        raise APIError(
+            f"the KV cache cannot hold {n} samples of this {prompt_len}-token prompt"
+            if alone
+            else f"the KV cache cannot hold this {prompt_len}-token prompt",
+            param="n" if alone else prompt_param,
+            code="kv_cache_exceeded",
+        )
+    return min(room, kv_room, default or room)
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(
+            f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
+            param="stop",
+        )
+    if any(not s for s in stops):
+        raise APIError("stop strings must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise APIError(f"a stop string may hold at most {MAX_STOP_LENGTH} characters", param="stop")
+    return tuple(stops)
 
 
 # --------------------------------------------------------------------- responses
