@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import torch
 
@@ -26,6 +27,10 @@ from paged_attention.demo import (
 )
 
 HELP = "an OpenAI-compatible HTTP server over the engine"
+API_KEY_VARIABLE = "PAGED_ATTENTION_API_KEY"
+# the server's defaults, here too so that --help needs no server dependency
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_KV_MEMORY_GIB = 1.0
 EXIT_STATUS = """exit status: 0 after a graceful shutdown (SIGINT, SIGTERM); 1 when the
 address cannot be bound; 2 for bad arguments (including a --model that cannot be loaded)."""
@@ -92,6 +97,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are "
         "aborted (default 30)",
     )
+    security = parser.add_argument_group("security and load")
+    security.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE) or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+        f"environment variable {API_KEY_VARIABLE}; unset: no key)",
+    )
+    security.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        help="comma-separated web origins whose pages may call the server (CORS), or '*' "
+        "(default: none)",
+    )
+    security.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"the largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    security.add_argument(
+        "--max-waiting-requests",
+        type=positive_int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests that may wait to start (to their first token) before the next ones get "
+        f"429 with Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})",
+    )
     parser.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info"
     )
@@ -133,7 +164,15 @@ def main(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     try:
         app = create_app(
-            engine, tokenizer, name, max_n=args.max_n, max_model_len=args.max_model_len
+            engine,
+            tokenizer,
+            name,
+            max_n=args.max_n,
+            max_model_len=args.max_model_len,
+            api_key=args.api_key,
+            allowed_origins=args.allowed_origins,
+            max_request_bytes=args.max_request_bytes,
+            max_waiting_requests=args.max_waiting_requests,
         )
     except ValueError as error:  # beyond the engine's context
         raise UsageError(f"--max-model-len: {error}") from None
@@ -210,3 +249,15 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
     return value
+
+
+def _origins(text: str) -> list[str]:
+    origins = [origin.strip() for origin in text.split(",") if origin.strip()]
+    if not origins:
+        raise argparse.ArgumentTypeError("expected one or more origins (https://host:port) or '*'")
+    for origin in origins:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(
+                f"an origin is a scheme and a host (https://example.com), got {origin!r}"
+            )
+    return origins

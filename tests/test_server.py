@@ -25,6 +25,7 @@ from paged_attention.__main__ import main as cli_main  # noqa: E402
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
 from paged_attention.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
+from paged_attention.server.app import ENGINE_FAILURE  # noqa: E402
 
 MODEL = "tiny"
 NUM_BLOCKS = 256
@@ -36,7 +37,8 @@ MAX_N = 4
 class LiveServer:
     """uvicorn serving ``app`` on 127.0.0.1, a free port, in a thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, api_key: str = "unused") -> None:
+        self.api_key = api_key
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         sock = config.bind_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -55,17 +57,18 @@ class LiveServer:
 
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **options
+            base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60, **options
         )
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60
+            base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60
         )
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, and the finished-requests counter by reason."""
-        text = httpx.get(f"{self.url}/metrics").text
+        auth = {"authorization": f"Bearer {self.api_key}"}
+        text = httpx.get(f"{self.url}/metrics", headers=auth).text
         samples = {}
         for name, labels, value in re.findall(r"^(\w+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
             samples[name + labels] = float(value)
@@ -555,8 +558,11 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny):
     live = LiveServer(create_app(engine, tokenizer, MODEL))
     try:
         client = live.client()
-        with pytest.raises(openai.InternalServerError, match="injected"):
+        with pytest.raises(openai.InternalServerError) as raised:
             client.completions.create(model=MODEL, prompt="fail", max_tokens=4)
+        # the client is told what happened, not the engine's internals
+        assert raised.value.body["message"] == ENGINE_FAILURE
+        assert raised.value.body["code"] == "engine_error"
         answer = client.completions.create(model=MODEL, prompt="fine", max_tokens=4)
         assert answer.usage.completion_tokens >= 1
         assert wait_idle(live)["paged_attention_kv_blocks_used"] == 0

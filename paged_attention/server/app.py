@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,9 +32,15 @@ from paged_attention.server.engine_owner import (
     RequestStream,
 )
 from paged_attention.server.metrics import ServerMetrics
+from paged_attention.server.prompts import PromptBuilder
 from paged_attention.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from paged_attention.server.security import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_WAITING_REQUESTS = 256
+ENGINE_FAILURE = "the engine failed while serving this request (it was aborted; the server goes on)"
+
+logger = logging.getLogger("paged_attention.server")
 
 
 class ClientDisconnected(Exception):
@@ -45,17 +54,27 @@ def create_app(
     *,
     max_n: int = 8,
     max_model_len: int | None = None,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
 ) -> Starlette:
     """The server's application over ``engine`` (built with ``tokenizer``), serving it as
     ``model_name``. ``max_n``: the most samples one request may ask for (at most the engine's
     ``max_num_seqs``); ``max_model_len``: the context a request may fill (default and upper
-    bound: the engine's). Starting the application (its lifespan) starts the engine's owner
-    thread; stopping it aborts what is left and stops the thread."""
+    bound: the engine's). ``api_key``: the Bearer key every route but ``/health`` requires
+    (None: open); ``allowed_origins``: the web origins whose pages may call it (CORS; None:
+    none); ``max_request_bytes``: the largest request body; ``max_waiting_requests``: how many
+    requests may wait to start before the next ones get 429. Starting the application (its
+    lifespan) starts the engine's owner thread; stopping it aborts what is left and stops the
+    thread."""
     if not 1 <= max_n <= engine.max_num_seqs:
         raise ValueError(
             f"max_n must be between 1 and the engine's max_num_seqs ({engine.max_num_seqs}), "
             f"got {max_n}"
         )
+    if max_waiting_requests < 1:
+        raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
     # a model that sets no context is bounded by the KV pool
     context = engine.max_model_len or engine.block_manager.num_device_blocks * engine.block_size
     if max_model_len is not None:
@@ -71,7 +90,7 @@ def create_app(
         kv_blocks=engine.block_manager.num_device_blocks,
         block_size=engine.block_size,
     )
-    server = _Server(engine, tokenizer, model_name, limits)
+    server = _Server(engine, tokenizer, model_name, limits, WaitingRoom(max_waiting_requests))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -79,20 +98,37 @@ def create_app(
         try:
             yield
         finally:
+            server.prompts.close()
             await asyncio.to_thread(server.owner.stop)
 
-    routes = [
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics_route, methods=["GET"]),
-    ]
+    middleware = []
+    if allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    routes = server.routes()
+    middleware.append(
+        Middleware(
+            RequestGuard,
+            api_key=api_key,
+            max_request_bytes=max_request_bytes,
+            json_paths=frozenset(r.path for r in routes if "POST" in r.methods),
+        )
+    )
     app = Starlette(
         routes=routes,
+        middleware=middleware,
         lifespan=lifespan,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error},
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
     )
     app.state.server = server
     app.state.owner = server.owner
@@ -100,7 +136,16 @@ def create_app(
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug: logged with its traceback, answered without it."""
+    logger.error("an unexpected error answering %s", request.url.path, exc_info=error)
+    failure = APIError(
+        "the server failed to answer this request", status=500, code="internal_error"
+    )
+    return JSONResponse(failure.body(), status_code=500)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -118,35 +163,77 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     )
 
 
+class WaitingRoom:
+    """Counts the requests that wait to start (read, tokenized, queued in the engine, until
+    their first token); beyond ``limit`` of them a request is refused with 429 and
+    ``Retry-After``. Used on the event loop only."""
+
+    RETRY_AFTER_SECONDS = 1
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting = 0
+
+    def enter(self) -> _Seat:
+        if self.waiting >= self.limit:
+            raise APIError(
+                f"the server is overloaded: {self.waiting} requests wait to start; retry later",
+                status=429,
+                code="rate_limit_exceeded",
+                type="requests",
+                headers={"retry-after": str(self.RETRY_AFTER_SECONDS)},
+            )
+        self.waiting += 1
+        return _Seat(self)
+
+
+class _Seat:
+    """A request's place in the waiting room, left once (when it starts or ends)."""
+
+    def __init__(self, room: WaitingRoom) -> None:
+        self._room: WaitingRoom | None = room
+
+    def leave(self) -> None:
+        if self._room is not None:
+            self._room.waiting -= 1
+            self._room = None
+
+
 class _Server:
-    def __init__(self, engine, tokenizer, model_name: str, limits: protocol.Limits):
-        self.tokenizer = tokenizer
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        model_name: str,
+        limits: protocol.Limits,
+        waiting: WaitingRoom,
+    ) -> None:
         self.model_name = model_name
         self.limits = limits
         self.max_model_len = limits.max_model_len
+        self.waiting = waiting
         self.created = int(time.time())
         self.metrics = ServerMetrics()
+        self.prompts = PromptBuilder(tokenizer, model_name)
         self.owner = EngineOwner(engine, on_step=self.metrics.on_step)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+        ]
 
     # ------------------------------------------------------------------ routes
 
     async def chat_completions(self, request: Request) -> Response:
-        body = protocol.parse(ChatCompletionRequest, await request.body())
-        self._check_model(body.model)
-        prompt = self._encode_chat(body)
-        params = protocol.sampling_params(body, len(prompt), self.limits, None)
-        return await self._generate(request, body, True, prompt, params)
+        return await self._serve(request, self._prepare_chat, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        body = protocol.parse(CompletionRequest, await request.body())
-        self._check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = self.tokenizer(prompt)["input_ids"]
-        params = protocol.sampling_params(
-            body, len(prompt), self.limits, COMPLETIONS_DEFAULT_MAX_TOKENS
-        )
-        return await self._generate(request, body, False, prompt, params)
+        return await self._serve(request, self._prepare_completion, chat=False)
 
     async def models(self, request: Request) -> Response:
         card = protocol.model_card(self.model_name, self.created, self.max_model_len)
@@ -175,6 +262,32 @@ class _Server:
 
     # ------------------------------------------------------------------ generation
 
+    async def _serve(self, request: Request, prepare, chat: bool) -> Response:
+        """A generation request: a seat in the waiting room first (or 429), then its body
+        parsed and tokenized by ``prepare`` in the tokenizer's thread, then the engine."""
+        seat = self.waiting.enter()
+        try:
+            body, prompt, params = await self.prompts.run(prepare, await request.body())
+            return await self._generate(request, body, chat, prompt, params, seat)
+        finally:
+            seat.leave()
+
+    def _prepare_chat(self, raw: bytes):
+        """Tokenizer thread: the request, its prompt's ids and the engine's parameters."""
+        body = protocol.parse(ChatCompletionRequest, raw)
+        self._check_model(body.model)
+        prompt = self.prompts.request_chat_ids(body)
+        return body, prompt, protocol.sampling_params(body, len(prompt), self.limits, None)
+
+    def _prepare_completion(self, raw: bytes):
+        body = protocol.parse(CompletionRequest, raw)
+        self._check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompt = self.prompts.text_ids(prompt)
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS
+        return body, prompt, protocol.sampling_params(body, len(prompt), self.limits, default)
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(
@@ -183,24 +296,9 @@ class _Server:
                 code="model_not_found",
             )
 
-    def _encode_chat(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [m.template_message() for m in body.messages]
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError(
-                f"the model {self.model_name!r} has no chat template; use /v1/completions",
-                param="messages",
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as error:  # the template's own checks (jinja raise_exception)
-            raise APIError(
-                f"the chat template refused the messages: {error}", param="messages"
-            ) from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    async def _generate(self, request: Request, body, chat: bool, prompt, params) -> Response:
+    async def _generate(
+        self, request: Request, body, chat: bool, prompt, params, seat: _Seat
+    ) -> Response:
         try:
             stream = self.owner.submit(prompt, params)
         except EngineClosedError as error:
@@ -209,6 +307,7 @@ class _Server:
         handed_off = False  # to the event stream, which then ends the request itself
         try:
             output = await self._first_output(client, stream, body)
+            seat.leave()  # it started
             request_id = protocol.completion_id(chat)
             if body.stream:
                 options = body.stream_options
@@ -221,8 +320,8 @@ class _Server:
             return JSONResponse(protocol.response(chat, request_id, self.model_name, output))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it
-        except EngineStepError as error:
-            raise APIError(str(error), status=500, code="engine_error") from None
+        except EngineStepError:
+            raise APIError(ENGINE_FAILURE, status=500, code="engine_error") from None
         finally:
             if not handed_off:
                 self.owner.abort(stream)  # a no-op when the request already ended
@@ -287,9 +386,9 @@ class _Server:
                     break
                 try:
                     output = await client.next(stream)
-                except EngineStepError as error:
+                except EngineStepError:
                     finished = True
-                    failure = APIError(str(error), status=500, code="engine_error")
+                    failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
                     yield f"data: {json.dumps(failure.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return

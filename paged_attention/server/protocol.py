@@ -38,6 +38,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -45,6 +46,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}  # of the response (Retry-After, WWW-Authenticate)
 
     def body(self) -> dict:
         return {
