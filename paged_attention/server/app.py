@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paged_attention.engine import RequestOutput
-from paged_attention.server import protocol
+from paged_attention.server import protocol, tokenization
 from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
@@ -223,6 +223,8 @@ class _Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
         ]
@@ -234,6 +236,21 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, self._prepare_completion, chat=False)
+
+    async def tokenize(self, request: Request) -> Response:
+        raw = await request.body()
+        limit = self.max_model_len
+        answer = await self.prompts.run(
+            tokenization.tokenize, self.prompts, raw, self._check_model, limit
+        )
+        return JSONResponse(answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        raw = await request.body()
+        answer = await self.prompts.run(
+            tokenization.detokenize, self.prompts, raw, self._check_model
+        )
+        return JSONResponse(answer)
 
     async def models(self, request: Request) -> Response:
         card = protocol.model_card(self.model_name, self.created, self.max_model_len)

@@ -31,8 +31,15 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------ in the worker
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of ``messages`` (template messages) rendered by the chat template."""
+    def chat_ids(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The token ids of ``messages`` (template messages) rendered by the chat template
+        (``continue_final_message``: the last message left open, for the model to go on)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(
                 f"the model {self.model_name!r} has no chat template; use /v1/completions",
@@ -40,11 +47,14 @@ class PromptBuilder:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
         except Exception as error:  # the template's own checks (jinja raise_exception)
             raise APIError(_template_refusal(error), param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def request_chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         return self.chat_ids([m.template_message() for m in body.messages])

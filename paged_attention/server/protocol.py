@@ -115,7 +115,7 @@ class UnknownFields:
 unknown_fields = UnknownFields()
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # strict: "8" is no number; extra fields are kept aside, warned about, and not used
     model_config = ConfigDict(strict=True, extra="allow")
     _where: ClassVar[str] = "request"
@@ -127,25 +127,25 @@ class _Strict(BaseModel):
         return self
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     _where: ClassVar[str] = "stream_options"
     include_usage: bool = False
     include_obfuscation: Literal[False] = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     _where: ClassVar[str] = "content part"
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     _where: ClassVar[str] = "tool call's function"
     name: str
     arguments: str  # JSON, as the model wrote it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     _where: ClassVar[str] = "tool call"
     id: str
     type: Literal["function"]
@@ -164,7 +164,7 @@ class ToolCall(_Strict):
         return {"id": self.id, "type": "function", "function": function}
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One message of a conversation: an earlier tool call of the assistant (``tool_calls``,
     with ``content`` null) and a tool's answer (role ``tool``) are rendered by the template."""
 
@@ -216,7 +216,7 @@ class _MessageError(ValueError):
         self.field = field
 
 
-class _Generation(_Strict):
+class _Generation(StrictModel):
     """The fields both routes share."""
 
     model: str | None = None
