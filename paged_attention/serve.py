@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
+import sys
 
 import torch
 
@@ -142,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
             "install paged_attention from source with the serve extra (pip install "
             "--no-build-isolation '.[serve]' in its checkout)"
         ) from None
-    from paged_attention.models import load_model
+    del uvicorn, create_app, GracefulServer  # imported to tell a missing extra at once
 
     if args.max_n > args.max_num_seqs:
         raise UsageError(
@@ -151,6 +153,25 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    # The address first: a port in use is told at once, not after the model has loaded.
+    try:
+        sock = listening_socket(args.host, args.port)
+    except BindError as error:
+        print(f"paged-attention serve: error: {error}", file=sys.stderr)
+        return 1
+    with sock:
+        serve(args, sock)
+    return 0
+
+
+def serve(args: argparse.Namespace, sock: socket.socket) -> None:
+    """Load the model and serve on ``sock`` until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from paged_attention.models import load_model
+    from paged_attention.server import create_app
+    from paged_attention.server.graceful import GracefulServer
+
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -178,18 +199,47 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-model-len: {error}") from None
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_level=args.log_level,
         # uvicorn's own wait for open responses outlasts the engine's: the engine aborts the
         # requests at --shutdown-timeout, so their streams end properly before uvicorn gives up
         timeout_graceful_shutdown=args.shutdown_timeout + 5,
     )
-    socket = config.bind_socket()  # exits 1 with uvicorn's message when the port is taken
-    host, port = socket.getsockname()[:2]
-    print(f"serving {name!r} on http://{_url_host(host)}:{port}", flush=True)
-    GracefulServer(config, app.state.owner, args.shutdown_timeout).run(sockets=[socket])
-    return 0
+    host, port = sock.getsockname()[:2]
+    url = f"http://{_url_host(host)}:{port}"
+
+    def listening() -> None:
+        print(f"serving {name!r} on {url}", flush=True)
+
+    server = GracefulServer(config, app.state.owner, args.shutdown_timeout, on_started=listening)
+    server.run(sockets=[sock])
+
+
+class BindError(OSError):
+    """The address to listen on cannot be had (a port in use, an unknown host)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (port 0: a free one) and listening; BindError
+    with a one-line reason otherwise."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise BindError(f"--host {host}: not an address of this machine ({reason})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise BindError(
+            f"cannot listen on {_url_host(host)}:{port}: {error.strerror or error}"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def build_engine(model, tokenizer, args: argparse.Namespace):

@@ -453,6 +453,7 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(reasoning_effort="low"), "reasoning_effort"),
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}, 5]}, "messages[1]"),
     (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     (CHAT, {"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
     (
@@ -677,6 +678,59 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
     assert seen["reasons"][-1] == "abort"  # ended by the shutdown, not by its 900 tokens
 
 
+def test_serve_says_it_serves_only_once_it_listens(monkeypatch, capsys):
+    """Defect 8: a client that connects when the "serving ... on URL" line appears is served."""
+    port = free_port()
+    seen = {}
+
+    class Watch:
+        """stdout that, at the serving line, connects to the URL it names."""
+
+        def write(self, text: str) -> int:
+            match = re.search(r"serving 'tiny' on http://127\.0\.0\.1:(\d+)", text)
+            if match:
+                seen["url port"] = int(match.group(1))
+                with socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=5):
+                    seen["connected"] = True
+                os.kill(os.getpid(), signal.SIGINT)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setattr("sys.stdout", Watch())
+    status = cli_main(
+        ["serve", "--model", MODEL, "--port", str(port), "--num-blocks", "16"]
+        + ["--log-level", "warning"]
+    )
+    assert status == 0
+    assert seen == {"url port": port, "connected": True}
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+def test_an_address_that_cannot_be_had_exits_1_before_the_model_loads(host, monkeypatch, capsys):
+    """Defect 10: a port in use or an unknown --host: one line, exit status 1, and the model
+    never loads."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was bound")
+
+    monkeypatch.setattr("paged_attention.models.load_model", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status = cli_main(["serve", "--model", MODEL, "--host", host, "--port", str(port)])
+    assert status == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("paged-attention serve: error: ")
+    assert ("--host" in err) if host != "127.0.0.1" else (f"127.0.0.1:{port}" in err)
+
+
 @pytest.mark.parametrize(
     "arguments, option",
     [
@@ -684,6 +738,9 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--kv-memory", "0.000001"], "--kv-memory"),
         (["--port", "70000"], "--port"),
+        (["--allowed-origins", "evil.example"], "--allowed-origins"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+        (["--max-request-bytes", "-1"], "--max-request-bytes"),
     ],
 )
 def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
