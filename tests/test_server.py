@@ -11,8 +11,10 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -767,6 +769,55 @@ def test_serve_compile_compiles_every_batch_size_before_serving(tiny):
     params = SamplingParams(max_new_tokens=6)
     (compiled,), (expected,) = engine.generate([prompt], params), eager.generate([prompt], params)
     assert compiled.outputs == expected.outputs
+
+
+# --------------------------------------------------------------------- the docs
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
+
+
+def docs_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", DOCS.read_text(), re.S | re.M)
+
+
+def docs_curl_commands() -> list[str]:
+    commands = []
+    for block in docs_blocks("bash"):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.startswith("curl "):
+                commands.append(command)
+    return commands
+
+
+def test_the_docs_examples_run_against_a_server(served, tiny, capsys, monkeypatch):
+    """docs/server.md's client examples and curl commands, against live servers (one with a
+    key): its URL and model name replaced by theirs."""
+    model, tokenizer = tiny
+    keyed = LiveServer(
+        create_app(make_engine(model, tokenizer, num_blocks=16), tokenizer, MODEL, api_key="k-123"),
+        api_key="k-123",
+    )
+    monkeypatch.setenv("PAGED_ATTENTION_API_KEY", "k-123")
+    try:
+        python = docs_blocks("python")
+        assert len(python) == 2
+        for code in python:
+            live = keyed if "PAGED_ATTENTION_API_KEY" in code else served
+            code = code.replace("http://127.0.0.1:8000", live.url).replace(
+                '"smollm2"', f'"{MODEL}"'
+            )
+            exec(compile(code, str(DOCS), "exec"), {"__name__": "docs_example"})
+        curls = docs_curl_commands()
+        assert len(curls) == 5
+        for command in curls:
+            live = keyed if "PAGED_ATTENTION_API_KEY" in command else served
+            command = command.replace("http://127.0.0.1:8000", live.url)
+            command = command.replace("curl ", "curl --fail-with-body -sS ", 1)
+            result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, (command, result.stdout, result.stderr)
+            assert result.stdout.strip()
+    finally:
+        keyed.stop()
 
 
 # --------------------------------------------------------------------- the real model
