@@ -13,6 +13,7 @@ Three parts, each readable on its own (the split of nano-vllm and vLLM v1):
 
 from paged_attention.engine.engine import Engine, EngineStats, RequestStream
 from paged_attention.engine.request import (
+    Logprob,
     RequestError,
     RequestMetrics,
     RequestOutput,
@@ -22,6 +23,7 @@ from paged_attention.engine.request import (
 __all__ = [
     "Engine",
     "EngineStats",
+    "Logprob",
     "RequestError",
     "RequestMetrics",
     "RequestOutput",

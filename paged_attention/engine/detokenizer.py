@@ -24,11 +24,13 @@ def backend_of(tokenizer):
 
 class IncrementalDetokenizer:
     """One sequence's text. ``append(token)`` adds a token and says whether one of ``stop``
-    completed (the text then ends just before it); ``take_new(final)`` returns the text not
-    handed out yet, holding back the last characters that could still be the start of a stop
-    string unless ``final``. A final call also hands out what the streaming decoder still holds
-    (bytes of an unfinished character, which a whole decode renders as U+FFFD), so that a
-    finished sequence's text is the decoding of its ids."""
+    completed (the text then ends just before it); ``append(token, match_stop=False)`` (a token
+    before a request's ``min_tokens`` are generated) adds its text without looking for stop
+    strings, so a later match can begin in that text but not end in it. ``take_new(final)``
+    returns the text not handed out yet, holding back the last characters that could still be
+    the start of a stop string unless ``final``. A final call also hands out what the streaming
+    decoder still holds (bytes of an unfinished character, which a whole decode renders as
+    U+FFFD), so that a finished sequence's text is the decoding of its ids."""
 
     def __init__(self, backend, stop: tuple[str, ...] = ()) -> None:
         self._backend = backend
@@ -41,7 +43,7 @@ class IncrementalDetokenizer:
         self._handed_out = 0
         self.stopped = False
 
-    def append(self, token: int) -> bool:
+    def append(self, token: int, match_stop: bool = True) -> bool:
         if self.stopped:
             raise ValueError("the sequence already ended at a stop string")
         self._ids.append(token)
@@ -50,6 +52,8 @@ class IncrementalDetokenizer:
             return False
         search_from = max(0, len(self.text) - self._hold)
         self.text += piece
+        if not match_stop:
+            return False
         found = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
         if found:
             self.text = self.text[: min(found)]

@@ -20,6 +20,7 @@ from typing import Union
 import torch
 
 from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_of
+from paged_attention.engine.logprobs import output_logprobs, record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
 from paged_attention.engine.request import (
     Request,
@@ -29,7 +30,7 @@ from paged_attention.engine.request import (
     SamplingParams,
 )
 from paged_attention.engine.request import Sequence as EngineSequence
-from paged_attention.engine.sampler import beam_candidates, draw
+from paged_attention.engine.sampler import Drawn, beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
 from paged_attention.geometry import ModelGeometry
 
@@ -306,6 +307,7 @@ class Engine:
             raise
         self.scheduler.commit(out)
         if choices is not None:
+            record_prompt_logprobs(out.chunks, logits)
             for output in self._apply_tokens(out, choices):
                 self._deliver(output)
         self._record(out, started)
@@ -323,7 +325,9 @@ class Engine:
         sampled = [(r, rows) for r, rows in rows.values() if not r.params.is_beam_search]
         states = [(r.generator, r.generator.get_state()) for r, _ in sampled]
         try:
-            choices = dict(zip((id(r) for r, _ in sampled), draw(logits, sampled)))
+            choices = dict(
+                zip((id(r) for r, _ in sampled), draw(logits, sampled, self.eos_token_ids))
+            )
             for request, request_rows in rows.values():
                 if request.params.is_beam_search:
                     end_tokens = self.eos_token_ids | set(request.params.stop_token_ids)
@@ -397,15 +401,17 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample_step(self, request: Request, tokens: list[int]) -> None:
-        params = request.params
+    def _sample_step(self, request: Request, drawn: Drawn) -> None:
+        params, tokens = request.params, drawn.tokens
         first = len(request.seqs) == 1 and not request.seqs[0].tokens
         if first and params.n > 1:  # the samples fork from the prompt
             parent = request.seqs[0]
             children = [self.scheduler.new_sequence(parent) for _ in range(params.n - 1)]
             self.scheduler.fork(request, [parent] * len(children), children)
             request.seqs += children
-        for seq, token in zip(request.seqs, tokens):
+        for i, (seq, token) in enumerate(zip(request.seqs, tokens)):
+            if drawn.logprobs is not None:
+                request.logprobs.setdefault(seq.seq_id, []).append(drawn.logprobs[i])
             seq.tokens.append(token)
             request.new_tokens[seq.seq_id] = [token]
             seq.finish_reason = self._finish_reason(request, seq)
@@ -455,8 +461,8 @@ class Engine:
             if text is None:
                 text = IncrementalDetokenizer(self._tokenizer_backend, params.stop)
                 request.detokenizers[seq.seq_id] = text
-            stopped_by_string = text.append(token)
-        if token in self.eos_token_ids:
+            stopped_by_string = text.append(token, len(seq.tokens) >= params.min_tokens)
+        if token in self.eos_token_ids and not params.ignore_eos:
             return "eos"
         if token in params.stop_token_ids or stopped_by_string:
             return "stop"
@@ -487,6 +493,7 @@ class Engine:
             raise RequestError(
                 "stop strings need an engine with a tokenizer (Engine(tokenizer=...))", "stop"
             )
+        params.check_vocabulary(self.vocab_size)
         tokens = self._prompt_ids(prompt)
         if not tokens:
             raise RequestError("prompt must hold at least one token", "prompt")
@@ -598,6 +605,7 @@ class Engine:
             metrics=request.metrics,
             texts=texts,
             new_texts=new_texts,
+            **output_logprobs(request, entries, new_tokens),
         )
 
     def _rejection(self, request: Request, reason: str) -> RequestOutput:
@@ -656,6 +664,8 @@ def _merge(earlier: RequestOutput, later: RequestOutput, beams: bool) -> Request
     later.new_tokens = [a + b for a, b in zip(earlier.new_tokens, later.new_tokens)]
     if earlier.new_texts is not None and later.new_texts is not None:
         later.new_texts = [a + b for a, b in zip(earlier.new_texts, later.new_texts)]
+    if earlier.new_logprobs is not None and later.new_logprobs is not None:
+        later.new_logprobs = [a + b for a, b in zip(earlier.new_logprobs, later.new_logprobs)]
     return later
 
 

@@ -23,6 +23,7 @@ import torch._inductor.config
 from paged_attention.attention import AttentionMetadata
 from paged_attention.block_manager import BlockManager
 from paged_attention.cache import PagedKVCache
+from paged_attention.engine.logprobs import prompt_positions
 from paged_attention.engine.scheduler import SchedulerOutput
 from paged_attention.geometry import ModelGeometry
 from paged_attention.integrations.transformers_backend import (
@@ -195,7 +196,11 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []  # kept after the sampling rows (engine/logprobs.py)
         for chunk in out.chunks:
+            first_row = len(tokens) - chunk.start  # the packed row of the chunk's position 0
+            positions_scored = prompt_positions(chunk.request, chunk.start, chunk.end)
+            prompt_rows += [first_row + p for p in positions_scored]
             tokens += chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
             positions += range(chunk.start, chunk.end)
             if chunk.samples:
@@ -204,7 +209,7 @@ class ModelRunner:
             torch.tensor([tokens], device=self.device),
             torch.tensor([positions], device=self.device),
             self.metadata(out, manager),
-            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device),
         )
         return logits.float()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +34,9 @@ def _check_int(name: str, value, minimum: int | None = None, argument: str | Non
         raise RequestError(f"{name} must be >= {minimum}, got {value}", argument)
 
 
-def _check_real(name: str, value) -> None:
+def _check_real(name: str, value, argument: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, got {value!r}", name)
+        raise RequestError(f"{name} must be a finite number, got {value!r}", argument or name)
 
 
 # A temperature below this samples as greedy decoding: dividing float32 logits by it would
@@ -43,6 +44,43 @@ def _check_real(name: str, value) -> None:
 GREEDY_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes a seed that fits in 64 bits, signed or unsigned.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+# The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's default cap).
+MAX_LOGPROBS = 20
+# The values at which each sampling control is off (the controls beam search refuses).
+_CONTROLS_OFF = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "ignore_eos": False,
+    "min_tokens": 0,
+    "logprobs": None,
+}
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """``bias`` checked and copied: a mapping of token ids to biases in [-100, 100], or None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise RequestError(
+            f"logit_bias must be a dict of token ids to biases, got {type(bias).__name__}",
+            "logit_bias",
+        )
+    checked = {}
+    for token, value in bias.items():
+        _check_int("logit_bias token ids", token, 0, "logit_bias")
+        _check_real("logit_bias values", value, "logit_bias")
+        if not -100 <= value <= 100:
+            raise RequestError(
+                f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
+            )
+        checked[int(token)] = float(value)
+    return checked or None
 
 
 @dataclass(frozen=True)
@@ -58,6 +96,24 @@ class SamplingParams:
     is), at one of the ``stop`` strings (``"stop"``; needs an engine with a tokenizer; the text
     ends before the string, the token ids keep the token that completed it), or after
     ``max_new_tokens`` (``"length"``).
+
+    Sampling controls (vLLM's names and meaning; docs/engine.md, "Sampling controls"): ``top_k``
+    keeps the ``k`` most likely tokens (0 or -1: all); ``min_p`` drops tokens less likely than
+    ``min_p`` times the most likely one; ``presence_penalty`` and ``frequency_penalty`` (each in
+    [-2, 2]) subtract from the logit of every token generated so far, once and per occurrence;
+    ``repetition_penalty`` (> 0, 1 is off) divides the positive logits, and multiplies the
+    negative ones, of every token of the prompt and the output; ``logit_bias`` adds ``{token id:
+    bias in [-100, 100]}`` to the logits (ids checked against the vocabulary when the request is
+    added); ``ignore_eos`` keeps generating past the engine's end-of-sequence tokens;
+    ``min_tokens`` (at most ``max_new_tokens``) masks those tokens and ``stop_token_ids``, and
+    ignores ``stop`` strings, until that many tokens are generated. Penalties, bias and
+    ``min_tokens`` apply to greedy requests too; none of the controls applies to beam search.
+
+    ``logprobs`` (``None`` or 0 to 20): each generated token's log-probability and rank, plus the
+    ``logprobs`` most likely alternatives; ``prompt_logprobs`` (``None`` or 0 to 20): the same for
+    every prompt token after the first (such a request computes its whole prompt: the prefix
+    cache is not read for it). Both come from the model's float32 log-softmax, before any control
+    or temperature (vLLM's ``raw_logprobs``). ``logprobs`` is refused with beam search.
     """
 
     max_new_tokens: int = 16
@@ -68,6 +124,16 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -103,6 +169,80 @@ class SamplingParams:
                 "stop strings are not supported with beam search (beam_width > 1)", "stop"
             )
         object.__setattr__(self, "stop", strings)
+        self._check_controls()
+        self._check_logprobs()
+
+    def _check_controls(self) -> None:
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise RequestError(
+                f"top_k must be -1, 0 (off) or at least 1, got {self.top_k}", "top_k"
+            )
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check_real(name, getattr(self, name))
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if self.repetition_penalty <= 0:
+            raise RequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(
+                f"ignore_eos must be True or False, got {self.ignore_eos!r}", "ignore_eos"
+            )
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_new_tokens:
+            raise RequestError(
+                f"min_tokens ({self.min_tokens}) must be at most max_new_tokens "
+                f"({self.max_new_tokens})",
+                "min_tokens",
+            )
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.beam_width > 1:
+            used = [name for name, off in _CONTROLS_OFF.items() if getattr(self, name) != off]
+            if used:
+                raise RequestError(
+                    f"{used[0]} is not supported with beam search (beam_width > 1)", used[0]
+                )
+
+    def _check_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0)
+                if value > MAX_LOGPROBS:
+                    raise RequestError(
+                        f"{name} must be None or at most {MAX_LOGPROBS}, got {value}", name
+                    )
+                object.__setattr__(self, name, int(value))
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raises RequestError if a ``logit_bias`` token id is outside ``[0, vocab_size)``."""
+        outside = [t for t in self.logit_bias or () if t >= vocab_size]
+        if outside:
+            raise RequestError(
+                f"logit_bias token {outside[0]} is outside the model's vocabulary [0, "
+                f"{vocab_size})",
+                "logit_bias",
+            )
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the request may skip prompt tokens the prefix cache holds (not with
+        ``prompt_logprobs``, which needs the logits of every prompt position)."""
+        return self.prompt_logprobs is None
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -144,6 +284,21 @@ class RequestMetrics:
         return [b - a for a, b in zip(times, times[1:])]
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model (float32 log-softmax of its raw logits) and
+    its rank among the vocabulary (1: the most likely; tokens as likely as it count ahead of
+    it, as in vLLM)."""
+
+    logprob: float
+    rank: int
+
+
+TokenLogprobs = dict[int, Logprob]
+"""The log-probabilities at one position: the chosen (or prompt) token first, then the
+requested most likely alternatives, by token id."""
+
+
 @dataclass
 class RequestOutput:
     """A request's state after a step (``Engine.step``/``stream``) or at its end (``generate``).
@@ -158,6 +313,13 @@ class RequestOutput:
     ``new_texts`` what this output adds to it (the pieces of a stream add up to the final text);
     while a stop string could still be forming, its first characters are held back. ``text``
     is the first entry's text.
+
+    With ``SamplingParams.logprobs``: ``logprobs`` holds, per entry of ``outputs``, one
+    :data:`TokenLogprobs` per token, and ``new_logprobs`` those of ``new_tokens`` (each token's
+    log-probabilities are in exactly one output's ``new_logprobs`` of a stream). With
+    ``SamplingParams.prompt_logprobs``: ``prompt_logprobs`` holds one per prompt token, ``None``
+    for the first (it is complete from the first output that has tokens). Otherwise these are
+    ``None``.
     """
 
     request_id: int
@@ -170,6 +332,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     texts: list[str] | None = None
     new_texts: list[str] | None = None
+    logprobs: list[list[TokenLogprobs]] | None = None
+    new_logprobs: list[list[TokenLogprobs]] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str | None:
@@ -208,6 +373,10 @@ class Request:
     new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> this step's
     # seq_id -> the sample's text (with a tokenizer; beams decode their tokens whole instead)
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    # With SamplingParams.logprobs: seq_id -> one entry per generated token.
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: the entries recorded so far (None for the first token).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
 
     def num_tokens(self, seq: Sequence) -> int:
         """Prompt and generated tokens of ``seq``."""

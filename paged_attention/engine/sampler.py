@@ -1,53 +1,81 @@
-"""Turning a request's logits into tokens: sampling (greedy, temperature, top-p) and the beam
-search rule. Pure functions of float32 logits (on the model's device) and the request's own
-generator, so a request's tokens depend only on its own logits and seed, never on the batch
-around it."""
+"""Turning a step's logits into tokens: sampling (greedy, temperature, top-k/top-p/min-p, the
+penalties and biases of :mod:`~paged_attention.engine.logits_processors`) and the beam search
+rule. Pure functions of float32 logits (on the model's device) and each request's own
+generator: every control is row by row, so a request's tokens depend only on its own logits,
+tokens and seed, never on the batch around it."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
-from paged_attention.engine.request import Request, SamplingParams
+from paged_attention.engine.logits_processors import RowState, StepControls, sampling_probabilities
+from paged_attention.engine.logprobs import token_logprobs
+from paged_attention.engine.request import Request, TokenLogprobs
 
 
-def draw(logits: torch.Tensor, groups: list[tuple[Request, list[int]]]) -> list[list[int]]:
+@dataclass
+class Drawn:
+    """A request's tokens of one step, one per live sequence (per sample at its first step),
+    and with ``SamplingParams.logprobs`` one entry of log-probabilities per token."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+def draw(
+    logits: torch.Tensor,
+    groups: list[tuple[Request, list[int]]],
+    end_tokens: Collection[int] = frozenset(),
+) -> list[Drawn]:
     """The next token of every live sequence of each ``(request, its rows of logits)`` (no beam
     search): a request's first step has one prompt row, from which its ``n`` samples all draw.
-    Greedy rows of every request are decided by one ``argmax``; sampled ones per request, with
-    its own generator. Only token ids leave the device."""
-    expanded = []
-    for request, rows in groups:
-        n = request.params.n
+    The controls apply to all rows at once; greedy rows are decided by one ``argmax``, sampled
+    ones per request with its own generator. ``end_tokens``: the engine's end-of-sequence ids
+    (``min_tokens`` masks them). Only token ids (and requested logprobs) leave the device."""
+    rows: list[int] = []
+    states: list[RowState] = []
+    spans: list[range] = []  # each group's rows of ``rows``
+    for request, request_rows in groups:
         first = len(request.seqs) == 1 and not request.seqs[0].tokens
-        expanded.append(rows * n if first and n > 1 else rows)
-    greedy = [i for i, (request, _) in enumerate(groups) if request.params.is_greedy]
-    tokens: list[list[int] | None] = [None] * len(groups)
+        seqs = request.seqs
+        if first and request.params.n > 1:
+            request_rows, seqs = request_rows * request.params.n, seqs * request.params.n
+        spans.append(range(len(rows), len(rows) + len(request_rows)))
+        rows += request_rows
+        states += [RowState(request.params, request.prompt, seq.tokens) for seq in seqs]
+    selected = logits[rows]  # a copy: the controls change it in place
+    want_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    raw = selected[want_logprobs].log_softmax(-1) if want_logprobs else None
+    StepControls(states, end_tokens, logits.shape[-1], logits.device).apply(selected)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
     if greedy:
-        flat = logits[[row for i in greedy for row in expanded[i]]].argmax(-1).tolist()
-        for i in greedy:
-            tokens[i], flat = flat[: len(expanded[i])], flat[len(expanded[i]) :]
-    for i, (request, _) in enumerate(groups):
-        if tokens[i] is None:
-            tokens[i] = sample(logits[expanded[i]], request.params, request.generator)
-    return tokens
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:
-    """One token per row of ``logits``."""
-    if params.is_greedy:
-        return logits.argmax(-1).tolist()
-    probs = (logits / params.temperature).softmax(-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p, and always the most likely token
-        # (a top_p that rounds to 0 in float32 would otherwise mask every token).
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        outside[..., 0] = False
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        tokens[greedy] = selected[greedy].argmax(-1)
+    sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
+    if sampled:
+        probs = sampling_probabilities(selected[sampled], [states[i].params for i in sampled])
+        place = {row: i for i, row in enumerate(sampled)}
+        for (request, _), span in zip(groups, spans):
+            if not request.params.is_greedy:
+                mine = [place[row] for row in span]
+                drawn = torch.multinomial(probs[mine], 1, generator=request.generator)
+                tokens[list(span)] = drawn[:, 0]
+    entries = None
+    if raw is not None:
+        counts = [states[i].params.logprobs for i in want_logprobs]
+        listed = token_logprobs(raw, tokens[want_logprobs], counts)
+        entries = dict(zip(want_logprobs, listed))
+    chosen = tokens.tolist()
+    return [
+        Drawn(
+            [chosen[i] for i in span],
+            None if request.params.logprobs is None else [entries[i] for i in span],
+        )
+        for (request, _), span in zip(groups, spans)
+    ]
 
 
 def beam_candidates(

@@ -401,7 +401,9 @@ class Scheduler:
                     if leader.num_computed < prompt:
                         break  # the first sequence has not computed the prompt yet
                     start = prompt
-                elif allocate and manager.enable_prefix_caching:
+                elif (
+                    allocate and manager.enable_prefix_caching and request.params.reads_prefix_cache
+                ):
                     start = manager.cached_prefix_length(request.token_slice(seq, 0, target))
                 if target > start and budget <= 0:
                     break  # out of budget
