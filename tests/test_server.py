@@ -339,6 +339,98 @@ def test_the_default_max_tokens_fits_any_n(tiny):
         live.stop()
 
 
+# --------------------------------------------------------------------- sampling controls
+
+SAMPLED = dict(temperature=1.0, seed=11, max_tokens=12)
+
+
+def served_tokens(live: LiveServer, prompt: list[int], **fields) -> list[list[int]]:
+    """The tokens behind a completion of ``prompt`` (ids) with ``fields``, through the
+    official client: OpenAI's fields as arguments, vLLM's in ``extra_body``."""
+    openai_fields = {"presence_penalty", "frequency_penalty", "logit_bias", "temperature", "seed"}
+    openai_fields |= {"max_tokens", "n", "top_p", "stop"}
+    extra = {k: v for k, v in fields.items() if k not in openai_fields}
+    given = {k: v for k, v in fields.items() if k in openai_fields}
+    live.client().completions.create(model=MODEL, prompt=prompt, extra_body=extra, **given)
+    return live.recorded.of(prompt)[-1].outputs
+
+
+# The tiny random model samples from a near-uniform distribution, which a penalty hardly
+# moves, and greedily it loops on a token, which a penalty breaks: penalties are checked
+# greedily, the filters by sampling.
+@pytest.mark.parametrize(
+    "fields, temperature",
+    [
+        ({"top_k": 3}, 1.0),
+        ({"min_p": 0.9}, 1.0),
+        ({"logit_bias": {"7": 5.0, "9": -100}}, 1.0),
+        ({"presence_penalty": 2.0}, 0.0),
+        ({"frequency_penalty": 1.5}, 0.0),
+        ({"frequency_penalty": -2.0}, 1.0),
+        ({"repetition_penalty": 2.0}, 0.0),
+        ({"top_k": 5, "min_p": 0.05, "presence_penalty": 0.5}, 1.0),
+    ],
+)
+def test_sampling_controls_are_the_engines(served, tiny, fields, temperature):
+    """Each request field becomes the engine's SamplingParams field of the same name: the
+    served tokens are those of the engine without a server, and differ from those without
+    the field."""
+    prompt = [7, 7, 7, 7, 9, 9]
+    sampling = dict(temperature=temperature, seed=11, ignore_eos=True)
+    tokens = served_tokens(served, prompt, **fields, **sampling, max_tokens=24)
+    params = dict(fields)
+    if "logit_bias" in params:
+        params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
+    (expected,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=24, **sampling, **params))
+    assert tokens == expected.outputs
+    (plain,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=24, **sampling))
+    assert tokens != plain.outputs
+
+
+def test_top_k_1_is_greedy_and_logit_bias_forces_a_token(served):
+    prompt = [5, 6, 7, 8, 9]
+    greedy = served_tokens(served, prompt, temperature=0, max_tokens=10, ignore_eos=True)
+    assert (
+        served_tokens(served, prompt, top_k=1, **{**SAMPLED, "max_tokens": 10}, ignore_eos=True)
+        == greedy
+    )
+    forced = served_tokens(served, prompt, logit_bias={"33": 100}, **SAMPLED, ignore_eos=True)
+    assert forced == [[33] * 12]
+
+
+def test_stop_token_ids_ignore_eos_and_min_tokens(served):
+    prompt = [11, 12, 13]
+    (greedy,) = served_tokens(served, prompt, temperature=0, max_tokens=16, ignore_eos=True)
+    assert len(greedy) == 16  # ignore_eos: the whole length, whatever the model says
+    stop_at = greedy[5]
+    first = greedy.index(stop_at)
+    (stopped,) = served_tokens(
+        served, prompt, temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_at]
+    )
+    assert stopped == greedy[: first + 1]  # the stop token is kept, as vLLM does
+    (late,) = served_tokens(
+        served,
+        prompt,
+        temperature=0,
+        max_tokens=16,
+        stop_token_ids=[stop_at],
+        min_tokens=first + 2,
+        ignore_eos=True,
+    )
+    assert len(late) >= first + 2 and stop_at not in late[: first + 2]
+    answer = served.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=9,
+        n=2,
+        extra_body={"min_tokens": 9, "top_k": 50},
+        seed=1,
+    )
+    assert answer.usage.completion_tokens == 18 and all(
+        c.finish_reason == "length" for c in answer.choices
+    )
+
+
 # --------------------------------------------------------------------- load and faults
 
 
@@ -449,7 +541,18 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(top_p=0), "top_p"),
     (CHAT, chat(stop=[""]), "stop"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
-    (CHAT, chat(presence_penalty=0.5), "presence_penalty"),
+    (CHAT, chat(presence_penalty=2.5), "presence_penalty"),
+    (CHAT, chat(frequency_penalty="1"), "frequency_penalty"),
+    (CHAT, chat(top_k=-2), "top_k"),
+    (CHAT, chat(min_p=1.5), "min_p"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat(logit_bias={"abc": 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias"),
+    (CHAT, chat(logit_bias={str(10**7): 1}), "logit_bias"),
+    (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
+    (CHAT, chat(ignore_eos=1), "ignore_eos"),
+    (CHAT, chat(max_tokens=4, min_tokens=5), "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     (CHAT, chat(logprobs=True), "logprobs"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
     (CHAT, chat(reasoning_effort="low"), "reasoning_effort"),
@@ -492,7 +595,7 @@ def test_errors_through_the_client_and_unknown_routes(served):
     client = served.client()
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], frequency_penalty=1.0
+            model=MODEL, messages=[{"role": "user", "content": "x"}], frequency_penalty=5.0
         )
     assert raised.value.body["param"] == "frequency_penalty"
     # neutral values of what is not carried out are accepted
@@ -802,7 +905,7 @@ def test_the_docs_examples_run_against_a_server(served, tiny, capsys, monkeypatc
         python = docs_blocks("python")
         assert len(python) == 2
         for code in python:
-            live = keyed if "PAGED_ATTENTION_API_KEY" in code else served
+            live = served
             code = code.replace("http://127.0.0.1:8000", live.url).replace(
                 '"smollm2"', f'"{MODEL}"'
             )

@@ -62,11 +62,8 @@ class APIError(Exception):
 # Fields OpenAI defines that the server does not carry out, with the values that ask for
 # nothing: those are accepted (a client library may send them), any other is refused.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
     "logprobs": (False, 0),
     "top_logprobs": (0,),
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -232,10 +229,17 @@ class _Generation(StrictModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # sampling controls: OpenAI's, then vLLM's (sent by the openai client in extra_body)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
     # refused unless neutral (NEUTRAL_VALUES)
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
     logprobs: Any = None
 
     @model_validator(mode="after")
@@ -444,6 +448,7 @@ def sampling_params(
             n=n,
             seed=seed,
             stop=_stop_strings(request.stop),
+            **_sampling_controls(request),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
         raise APIError(str(error), param=error.argument) from None
@@ -486,6 +491,41 @@ def _max_tokens(request, prompt_len: int, n: int, limits: Limits, default: int |
             code="kv_cache_exceeded",
         )
     return min(room, kv_room, default or room)
+
+
+SAMPLING_CONTROLS = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+)
+"""Request fields that are the engine's SamplingParams of the same name (vLLM's names and
+meaning), besides ``logit_bias`` whose keys are converted. Left out (null), the engine's
+default applies."""
+
+
+def _sampling_controls(request) -> dict[str, Any]:
+    """The request's sampling controls as SamplingParams arguments; the engine checks their
+    values (its RequestError names the field)."""
+    controls = {name: getattr(request, name) for name in SAMPLING_CONTROLS}
+    controls = {name: value for name, value in controls.items() if value is not None}
+    if request.logit_bias:
+        bias = {}
+        for token, value in request.logit_bias.items():
+            if not token.isascii() or not token.isdigit():
+                raise APIError(
+                    f'logit_bias keys must be token ids ("123"), got {token!r}',
+                    param="logit_bias",
+                )
+            bias[int(token)] = value
+        controls["logit_bias"] = bias
+    if "stop_token_ids" in controls:
+        controls["stop_token_ids"] = tuple(controls["stop_token_ids"])
+    return controls
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
