@@ -99,7 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are "
         "aborted (default 30)",
     )
-    security = parser.add_argument_group("security and load")
+    _add_security_arguments(parser.add_argument_group("security and load"))
+    parser.add_argument(
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info"
+    )
+
+
+def _add_security_arguments(security) -> None:
     security.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE) or None,
@@ -124,9 +130,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_WAITING_REQUESTS,
         help="requests that may wait to start (to their first token) before the next ones get "
         f"429 with Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})",
-    )
-    parser.add_argument(
-        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info"
     )
 
 

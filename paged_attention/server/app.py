@@ -68,28 +68,9 @@ def create_app(
     requests may wait to start before the next ones get 429. Starting the application (its
     lifespan) starts the engine's owner thread; stopping it aborts what is left and stops the
     thread."""
-    if not 1 <= max_n <= engine.max_num_seqs:
-        raise ValueError(
-            f"max_n must be between 1 and the engine's max_num_seqs ({engine.max_num_seqs}), "
-            f"got {max_n}"
-        )
     if max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
-    # a model that sets no context is bounded by the KV pool
-    context = engine.max_model_len or engine.block_manager.num_device_blocks * engine.block_size
-    if max_model_len is not None:
-        if not 2 <= max_model_len <= context:
-            raise ValueError(
-                f"max_model_len must be between 2 and the engine's max_model_len ({context}), "
-                f"got {max_model_len}"
-            )
-        context = max_model_len
-    limits = protocol.Limits(
-        max_model_len=context,
-        max_n=max_n,
-        kv_blocks=engine.block_manager.num_device_blocks,
-        block_size=engine.block_size,
-    )
+    limits = _limits(engine, max_n, max_model_len)
     server = _Server(engine, tokenizer, model_name, limits, WaitingRoom(max_waiting_requests))
 
     @contextlib.asynccontextmanager
@@ -101,28 +82,11 @@ def create_app(
             server.prompts.close()
             await asyncio.to_thread(server.owner.stop)
 
-    middleware = []
-    if allowed_origins:
-        middleware.append(
-            Middleware(
-                CORSMiddleware,
-                allow_origins=list(allowed_origins),
-                allow_methods=["GET", "POST"],
-                allow_headers=["authorization", "content-type"],
-            )
-        )
     routes = server.routes()
-    middleware.append(
-        Middleware(
-            RequestGuard,
-            api_key=api_key,
-            max_request_bytes=max_request_bytes,
-            json_paths=frozenset(r.path for r in routes if "POST" in r.methods),
-        )
-    )
+    json_paths = frozenset(r.path for r in routes if "POST" in r.methods)
     app = Starlette(
         routes=routes,
-        middleware=middleware,
+        middleware=_middleware(api_key, allowed_origins, max_request_bytes, json_paths),
         lifespan=lifespan,
         exception_handlers={
             APIError: _api_error,
@@ -133,6 +97,48 @@ def create_app(
     app.state.server = server
     app.state.owner = server.owner
     return app
+
+
+def _limits(engine, max_n: int, max_model_len: int | None) -> protocol.Limits:
+    """What one request may ask of ``engine``, checked."""
+    if not 1 <= max_n <= engine.max_num_seqs:
+        raise ValueError(
+            f"max_n must be between 1 and the engine's max_num_seqs ({engine.max_num_seqs}), "
+            f"got {max_n}"
+        )
+    # a model that sets no context is bounded by the KV pool
+    context = engine.max_model_len or engine.block_manager.num_device_blocks * engine.block_size
+    if max_model_len is not None:
+        if not 2 <= max_model_len <= context:
+            raise ValueError(
+                f"max_model_len must be between 2 and the engine's max_model_len ({context}), "
+                f"got {max_model_len}"
+            )
+        context = max_model_len
+    return protocol.Limits(
+        max_model_len=context,
+        max_n=max_n,
+        kv_blocks=engine.block_manager.num_device_blocks,
+        block_size=engine.block_size,
+    )
+
+
+def _middleware(api_key, allowed_origins, max_request_bytes: int, json_paths) -> list[Middleware]:
+    """CORS outside (a browser's preflight is answered before any key is asked for), then the
+    request guard."""
+    middleware = []
+    if allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    guard = dict(api_key=api_key, max_request_bytes=max_request_bytes, json_paths=json_paths)
+    middleware.append(Middleware(RequestGuard, **guard))
+    return middleware
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
