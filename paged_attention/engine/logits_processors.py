@@ -167,6 +167,11 @@ class StepControls:
             per_row("repetition_penalty"),
         )
 
+    @property
+    def active(self) -> bool:
+        """Whether any row uses a control that changes its logits before the choice."""
+        return any(c is not None for c in (self.min_tokens, self.logit_bias, self.penalties))
+
     def apply(self, logits: torch.Tensor) -> None:
         """The controls that apply to every row, greedy or sampled, in place: ``min_tokens``,
         ``logit_bias``, then the penalties."""

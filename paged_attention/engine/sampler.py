@@ -46,17 +46,21 @@ def draw(
         spans.append(range(len(rows), len(rows) + len(request_rows)))
         rows += request_rows
         states += [RowState(request.params, request.prompt, seq.tokens) for seq in seqs]
-    selected = logits[rows]  # a copy: the controls change it in place
+    controls = StepControls(states, end_tokens, logits.shape[-1], logits.device)
+    # A copy where the controls change the logits in place (or rows repeat or reorder).
+    whole = not controls.active and rows == list(range(len(logits)))
+    selected = logits if whole else logits[rows]
     want_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    raw = selected[want_logprobs].log_softmax(-1) if want_logprobs else None
-    StepControls(states, end_tokens, logits.shape[-1], logits.device).apply(selected)
+    raw = _rows(selected, want_logprobs).log_softmax(-1) if want_logprobs else None
+    controls.apply(selected)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
     if greedy:
-        tokens[greedy] = selected[greedy].argmax(-1)
+        tokens[greedy] = _rows(selected, greedy).argmax(-1)
     sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
     if sampled:
-        probs = sampling_probabilities(selected[sampled], [states[i].params for i in sampled])
+        sampled_params = [states[i].params for i in sampled]
+        probs = sampling_probabilities(_rows(selected, sampled), sampled_params)
         place = {row: i for i, row in enumerate(sampled)}
         for (request, _), span in zip(groups, spans):
             if not request.params.is_greedy:
@@ -76,6 +80,11 @@ def draw(
         )
         for (request, _), span in zip(groups, spans)
     ]
+
+
+def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``tensor[rows]``, without a copy when ``rows`` are all its rows in order."""
+    return tensor if rows == list(range(len(tensor))) else tensor[rows]
 
 
 def beam_candidates(
