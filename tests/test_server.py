@@ -559,6 +559,11 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}, 5]}, "messages[1]"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content[0].type",
+    ),
     (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     (CHAT, {"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
     (

@@ -132,8 +132,19 @@ class StreamOptions(StrictModel):
 
 class TextPart(StrictModel):
     _where: ClassVar[str] = "content part"
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise FieldError(
+                "type",
+                f"content parts of type {self.type!r} are not supported: this model reads text",
+            )
+        if self.text is None:
+            raise FieldError("text", "a text content part needs its text")
+        return self
 
 
 class FunctionCall(StrictModel):
@@ -168,7 +179,8 @@ class ChatMessage(StrictModel):
     _where: ClassVar[str] = "message"
     # "developer" is OpenAI's newer name for "system"; chat templates know "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(default=None)
+    # the list first: a list's errors name its part, not the string it is not
+    content: list[TextPart] | str | None = Field(default=None)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -176,13 +188,13 @@ class ChatMessage(StrictModel):
     @model_validator(mode="after")
     def _check_role_fields(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise _MessageError(
+            raise FieldError(
                 "content", "content is required, unless an assistant message has tool_calls"
             )
         if self.tool_calls is not None and self.role != "assistant":
-            raise _MessageError("tool_calls", "only assistant messages may have tool_calls")
+            raise FieldError("tool_calls", "only assistant messages may have tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
-            raise _MessageError("tool_call_id", "a tool message needs the tool_call_id it answers")
+            raise FieldError("tool_call_id", "a tool message needs the tool_call_id it answers")
         return self
 
     def template_message(self) -> dict:
@@ -204,8 +216,8 @@ class ChatMessage(StrictModel):
         return message
 
 
-class _MessageError(ValueError):
-    """A message's fields that do not go together; pydantic reports it at the message, and
+class FieldError(ValueError):
+    """A field refused by its object's validator; pydantic reports it at the object, and
     :func:`validation_error` names the field."""
 
     def __init__(self, field: str, message: str) -> None:
@@ -367,7 +379,7 @@ def validation_error(error: ValidationError) -> APIError:
         return APIError(f"{location} is required", param=location or None)
     message = first["msg"]
     cause = first.get("ctx", {}).get("error")
-    if first["type"] == "value_error" and isinstance(cause, _MessageError):
+    if first["type"] == "value_error" and isinstance(cause, FieldError):
         location = f"{location}.{cause.field}"
         return APIError(f"{location}: {cause}", param=location)
     if first["type"] == "model_type" and not first["loc"]:
