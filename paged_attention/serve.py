@@ -108,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_security_arguments(security) -> None:
     security.add_argument(
         "--api-key",
+        type=_api_key,
         default=os.environ.get(API_KEY_VARIABLE) or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
         f"environment variable {API_KEY_VARIABLE}; unset: no key)",
@@ -302,6 +303,12 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
     return value
+
+
+def _api_key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an API key must not be empty")
+    return text
 
 
 def _origins(text: str) -> list[str]:

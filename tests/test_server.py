@@ -851,6 +851,7 @@ def test_an_address_that_cannot_be_had_exits_1_before_the_model_loads(host, monk
         (["--allowed-origins", "evil.example"], "--allowed-origins"),
         (["--max-waiting-requests", "0"], "--max-waiting-requests"),
         (["--max-request-bytes", "-1"], "--max-request-bytes"),
+        (["--api-key", " "], "--api-key"),
     ],
 )
 def test_serve_command_refuses_bad_arguments(arguments, option, capsys):

@@ -269,5 +269,32 @@ def test_bad_limits_are_refused(tiny):
     engine = make_engine(model, tokenizer, num_blocks=16)
     with pytest.raises(ValueError, match="max_waiting_requests"):
         create_app(engine, tokenizer, MODEL, max_waiting_requests=0)
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        create_app(engine, tokenizer, MODEL, max_request_bytes=0)
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(engine, tokenizer, MODEL, api_key="")
     with pytest.raises(ValueError, match="api_key"):
         security.RequestGuard(None, api_key="", max_request_bytes=10, json_paths=frozenset())
+
+
+def test_the_key_comes_from_the_environment_unless_given(monkeypatch):
+    import argparse
+
+    def parsed(*argv):
+        parser = argparse.ArgumentParser()
+        serve.add_arguments(parser)
+        return parser.parse_args(list(argv))
+
+    monkeypatch.delenv(serve.API_KEY_VARIABLE, raising=False)
+    assert parsed().api_key is None
+    monkeypatch.setenv(serve.API_KEY_VARIABLE, "from-env")
+    assert parsed().api_key == "from-env"
+    assert parsed("--api-key", "given").api_key == "given"
+    monkeypatch.setenv(serve.API_KEY_VARIABLE, "")  # set but empty: no key
+    assert parsed().api_key is None
+    assert parsed(
+        "--allowed-origins", "http://a.example, https://b.example:8443"
+    ).allowed_origins == [
+        "http://a.example",
+        "https://b.example:8443",
+    ]

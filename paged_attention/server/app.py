@@ -70,6 +70,10 @@ def create_app(
     thread."""
     if max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (None: no key)")
     limits = _limits(engine, max_n, max_model_len)
     server = _Server(engine, tokenizer, model_name, limits, WaitingRoom(max_waiting_requests))
 
