@@ -248,19 +248,25 @@ class _Server:
         return await self._serve(request, self._prepare_completion, chat=False)
 
     async def tokenize(self, request: Request) -> Response:
-        raw = await request.body()
         limit = self.max_model_len
-        answer = await self.prompts.run(
-            tokenization.tokenize, self.prompts, raw, self._check_model, limit
+        return await self._tokenizer_work(
+            request, tokenization.tokenize, self.prompts, self._check_model, limit
         )
-        return JSONResponse(answer)
 
     async def detokenize(self, request: Request) -> Response:
-        raw = await request.body()
-        answer = await self.prompts.run(
-            tokenization.detokenize, self.prompts, raw, self._check_model
+        return await self._tokenizer_work(
+            request, tokenization.detokenize, self.prompts, self._check_model
         )
-        return JSONResponse(answer)
+
+    async def _tokenizer_work(self, request: Request, function, prompts, *args) -> Response:
+        """``function(prompts, body, *args)`` in the tokenizer's thread, answered as JSON; it
+        waits in the waiting room like a generation (the thread is shared)."""
+        seat = self.waiting.enter()
+        try:
+            raw = await request.body()
+            return JSONResponse(await self.prompts.run(function, prompts, raw, *args))
+        finally:
+            seat.leave()
 
     async def models(self, request: Request) -> Response:
         card = protocol.model_card(self.model_name, self.created, self.max_model_len)
