@@ -553,7 +553,6 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(ignore_eos=1), "ignore_eos"),
     (CHAT, chat(max_tokens=4, min_tokens=5), "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    (CHAT, chat(logprobs=True), "logprobs"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
     (CHAT, chat(reasoning_effort="low"), "reasoning_effort"),
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
@@ -574,9 +573,7 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(stop=["s"] * 65), "stop"),
     (COMPLETIONS, {"prompt": "x" * 5000}, "prompt"),
     (COMPLETIONS, {"prompt": [10**7]}, "prompt"),
-    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
     (COMPLETIONS, {"prompt": ""}, "prompt"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "x", "seed": 2**70}, "seed"),
 ]
 

@@ -25,12 +25,14 @@ from starlette.routing import Route
 
 from paged_attention.engine import RequestOutput
 from paged_attention.server import protocol, tokenization
+from paged_attention.server.answers import Answer, PromptJob
 from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
     EngineStepError,
     RequestStream,
 )
+from paged_attention.server.logprobs import TokenPieces
 from paged_attention.server.metrics import ServerMetrics
 from paged_attention.server.prompts import PromptBuilder
 from paged_attention.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -225,6 +227,7 @@ class _Server:
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.prompts = PromptBuilder(tokenizer, model_name)
+        self.pieces = TokenPieces(tokenizer)
         self.owner = EngineOwner(engine, on_step=self.metrics.on_step)
 
     def routes(self) -> list[Route]:
@@ -300,26 +303,36 @@ class _Server:
         parsed and tokenized by ``prepare`` in the tokenizer's thread, then the engine."""
         seat = self.waiting.enter()
         try:
-            body, prompt, params = await self.prompts.run(prepare, await request.body())
-            return await self._generate(request, body, chat, prompt, params, seat)
+            body, jobs = await self.prompts.run(prepare, await request.body())
+            answer = Answer(body, self.pieces, jobs)
+            return await self._generate(request, body, answer, seat)
         finally:
             seat.leave()
 
     def _prepare_chat(self, raw: bytes):
-        """Tokenizer thread: the request, its prompt's ids and the engine's parameters."""
+        """Tokenizer thread: the request and its prompt (ids, text, the engine's parameters)."""
         body = protocol.parse(ChatCompletionRequest, raw)
         self._check_model(body.model)
-        prompt = self.prompts.request_chat_ids(body)
-        return body, prompt, protocol.sampling_params(body, len(prompt), self.limits, None)
+        ids = self.prompts.request_chat_ids(body)
+        params = protocol.sampling_params(body, len(ids), self.limits, None)
+        return body, [PromptJob(ids, "", params)]
 
     def _prepare_completion(self, raw: bytes):
+        """Tokenizer thread: the request and its prompts (a text's ids; token ids' text, which
+        ``echo`` shows)."""
         body = protocol.parse(CompletionRequest, raw)
         self._check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = self.prompts.text_ids(prompt)
-        default = COMPLETIONS_DEFAULT_MAX_TOKENS
-        return body, prompt, protocol.sampling_params(body, len(prompt), self.limits, default)
+        jobs = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                ids, text = self.prompts.text_ids(prompt), prompt
+            else:
+                ids = prompt
+                text = self.prompts.text(ids, param="prompt") if body.echo else ""
+            default = COMPLETIONS_DEFAULT_MAX_TOKENS
+            params = protocol.sampling_params(body, len(ids), self.limits, default)
+            jobs.append(PromptJob(ids, text, params))
+        return body, jobs
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -329,35 +342,43 @@ class _Server:
                 code="model_not_found",
             )
 
-    async def _generate(
-        self, request: Request, body, chat: bool, prompt, params, seat: _Seat
-    ) -> Response:
+    async def _generate(self, request: Request, body, answer: Answer, seat: _Seat) -> Response:
+        """The engine's answer to ``answer``'s prompts (submitted together), whole or streamed;
+        every one of them is aborted when the client leaves or one of them is refused."""
+        streams = []
         try:
-            stream = self.owner.submit(prompt, params)
+            for job in answer.prompts:
+                streams.append(self.owner.submit(job.ids, job.params))
         except EngineClosedError as error:
+            for stream in streams:
+                self.owner.abort(stream)
             raise APIError(str(error), status=503, code="shutting_down") from None
         client = _ClientWatch(request)
-        handed_off = False  # to the event stream, which then ends the request itself
+        handed_off = False  # to the event stream, which then ends the requests itself
         try:
-            output = await self._first_output(client, stream, body)
+            firsts = [await self._first_output(client, stream, body) for stream in streams]
             seat.leave()  # it started
-            request_id = protocol.completion_id(chat)
+            request_id = protocol.completion_id(answer.chat)
             if body.stream:
                 options = body.stream_options
                 include_usage = options is not None and options.include_usage
-                events = self._events(client, stream, output, chat, request_id, include_usage)
+                events = self._events(client, streams, firsts, answer, request_id, include_usage)
                 handed_off = True
                 return StreamingResponse(events, media_type="text/event-stream")
-            while not output.finished:
-                output = await client.next(stream)
-            return JSONResponse(protocol.response(chat, request_id, self.model_name, output))
+            finals = []
+            for stream, output in zip(streams, firsts):
+                while not output.finished:
+                    output = await client.next(stream)
+                finals.append(output)
+            return JSONResponse(answer.response(request_id, self.model_name, finals))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it
         except EngineStepError:
             raise APIError(ENGINE_FAILURE, status=500, code="engine_error") from None
         finally:
             if not handed_off:
-                self.owner.abort(stream)  # a no-op when the request already ended
+                for stream in streams:
+                    self.owner.abort(stream)  # a no-op when the request already ended
                 client.close()
 
     async def _first_output(
@@ -383,17 +404,18 @@ class _Server:
     async def _events(
         self,
         client: _ClientWatch,
-        stream: RequestStream,
-        output: RequestOutput,
-        chat: bool,
+        streams: list[RequestStream],
+        firsts: list[RequestOutput],
+        answer: Answer,
         request_id: str,
         include_usage: bool,
     ):
-        """The server-sent events of a streamed answer, from its first output on. A client
-        that goes away (the response is cancelled, or the watch sees it leave) aborts the
-        request."""
+        """The server-sent events of a streamed answer, from its prompts' first outputs on
+        (the prompts run together; their chunks are sent one prompt after the other). A
+        client that goes away (the response is cancelled, or the watch sees it leave) aborts
+        the requests."""
         created = int(time.time())
-        n = stream.params.n
+        chat = answer.chat
         extra = {"usage": None} if include_usage else {}
 
         def event(choices: list[dict], **fields) -> str:
@@ -401,39 +423,36 @@ class _Server:
             return f"data: {json.dumps({**data, **extra, **fields})}\n\n"
 
         finished = False
-        reported = [False] * n
+        finals = []
         try:
             if chat:
-                for index in range(n):
+                for index in range(answer.n):
                     yield event([protocol.chunk_choice(True, index, None, None)])
-            while True:
-                for index in range(n):
-                    delta = output.new_texts[index] if index < len(output.new_texts) else ""
-                    reason = None
-                    if index < len(output.finish_reasons) and not reported[index]:
-                        reason = output.finish_reasons[index]
-                    if delta or reason is not None:
-                        reported[index] = reason is not None
-                        yield event([protocol.chunk_choice(chat, index, delta, reason)])
-                if output.finished:
-                    break
-                try:
-                    output = await client.next(stream)
-                except EngineStepError:
-                    finished = True
-                    failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
-                    yield f"data: {json.dumps(failure.body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
+            for p, (stream, output) in enumerate(zip(streams, firsts)):
+                while True:
+                    for choice in answer.deltas(p, output):
+                        yield event([choice])
+                    if output.finished:
+                        break
+                    try:
+                        output = await client.next(stream)
+                    except EngineStepError:
+                        finished = True
+                        failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
+                        yield f"data: {json.dumps(failure.body())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                finals.append(output)
             finished = True
             if include_usage:
-                yield event([], usage=protocol.usage(output))
+                yield event([], usage=answer.usage(finals))
             yield "data: [DONE]\n\n"
         except ClientDisconnected:
             return
         finally:
             if not finished:
-                self.owner.abort(stream)
+                for stream in streams:
+                    self.owner.abort(stream)
             client.close()
 
 

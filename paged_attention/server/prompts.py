@@ -62,14 +62,15 @@ class PromptBuilder:
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def text(self, ids: list[int]) -> str:
-        """``ids`` as text; an id outside the vocabulary is refused naming it."""
+    def text(self, ids: list[int], param: str = "tokens") -> str:
+        """``ids`` as text; an id outside the vocabulary is refused naming ``param``."""
         vocabulary = len(self.tokenizer)
         outside = [t for t in ids if not 0 <= t < vocabulary]
         if outside:
             raise APIError(
-                f"token {outside[0]} is outside the model's vocabulary [0, {vocabulary})",
-                param="tokens",
+                f"{param} holds the token {outside[0]}, outside the model's vocabulary "
+                f"[0, {vocabulary})",
+                param=param,
             )
         return self.tokenizer.decode(ids)
 

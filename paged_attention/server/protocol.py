@@ -2,9 +2,9 @@
 
 Requests are validated strictly (a string where a number belongs is refused, not converted) and
 every field OpenAI defines that this server does not carry out is refused with a 400 naming it,
-unless it holds the value that asks for nothing (``frequency_penalty: 0``, ``logprobs: false``,
-``tools: []``...). Fields OpenAI does not define are ignored, with one logged warning per field
-name (vLLM's rule: client libraries add fields of their own).
+unless it holds the value that asks for nothing (``tools: []``, ``best_of: 1``...). Fields
+OpenAI does not define are ignored, with one logged warning per field name (vLLM's rule:
+client libraries add fields of their own).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import logging
 import secrets
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -21,6 +20,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from paged_attention.engine import RequestError, RequestOutput, SamplingParams
+from paged_attention.engine.request import MAX_LOGPROBS
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 """The engine's finish reasons as OpenAI names them (``abort``: the server ended the request,
@@ -62,8 +62,6 @@ class APIError(Exception):
 # Fields OpenAI defines that the server does not carry out, with the values that ask for
 # nothing: those are accepted (a client library may send them), any other is refused.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -74,7 +72,6 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "metadata": ({},),
     "modalities": (["text"],),
     "service_tier": ("auto", "default"),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -251,8 +248,6 @@ class _Generation(StrictModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
-    # refused unless neutral (NEUTRAL_VALUES)
-    logprobs: Any = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
@@ -286,7 +281,8 @@ class _Generation(StrictModel):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -314,7 +310,18 @@ class ChatCompletionRequest(_Generation):
                 "give max_completion_tokens or max_tokens, not both with different values",
                 param="max_completion_tokens",
             )
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            _check_logprob_count("top_logprobs", self.top_logprobs)
         return self
+
+    @property
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """The engine's ``logprobs`` and ``prompt_logprobs`` for this request."""
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    prompt_only: ClassVar[bool] = False
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -326,33 +333,73 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    # One prompt: a string, or token ids; a list holding one of them is accepted too.
+    """A completion of one prompt or of a batch: ``prompt`` is a string, token ids, or a list
+    of either (one choice per prompt and sample, index ``prompt_index * n + sample``)."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Any = None
+    logprobs: int | None = None
+    echo: bool | None = None
     suffix: Any = None
     best_of: Any = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    f"prompt holds {len(prompt)} prompts; this server takes one prompt per "
-                    "request (send one request per prompt: they are batched together)",
-                    param="prompt",
-                    code="unsupported_parameter",
-                )
-            self.prompt = prompt[0]
-        if len(self.prompt) == 0:
+    def _check_prompts(self):
+        prompts = self.prompts
+        if not prompts:
             raise APIError("prompt must not be empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(
+                f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed in one "
+                "request",
+                param="prompt",
+            )
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+                raise APIError(f"{where} must not be empty", param="prompt")
+        if self.logprobs is not None:
+            _check_logprob_count("logprobs", self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                "max_tokens must be at least 1 (0 only with echo: true, which returns the "
+                "prompt alone)",
+                param="max_tokens",
+            )
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) alone. The engine
+        generates one token, which the answer leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """The engine's ``logprobs`` and ``prompt_logprobs`` for this request."""
+        prompt_logprobs = self.logprobs if self.echo else None
+        return (None if self.prompt_only else self.logprobs), prompt_logprobs
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
     max_tokens_param: ClassVar[str] = "max_tokens"
+
+
+MAX_PROMPTS = 64
+"""The most prompts one completion request may hold (they are served together)."""
+
+
+def _check_logprob_count(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", param=name)
 
 
 def parse(model: type[_Generation], body: bytes) -> _Generation:
@@ -460,6 +507,8 @@ def sampling_params(
             n=n,
             seed=seed,
             stop=_stop_strings(request.stop),
+            logprobs=request.logprob_counts[0],
+            prompt_logprobs=request.logprob_counts[1],
             **_sampling_controls(request),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
@@ -481,6 +530,8 @@ def _max_tokens(request, prompt_len: int, n: int, limits: Limits, default: int |
     room = context - prompt_len
     max_tokens = request.max_new_tokens
     name = request.max_tokens_param
+    if request.prompt_only:
+        return 1  # the engine generates at least one token; the answer leaves it out
     if max_tokens is not None:
         if max_tokens < 1:
             raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
@@ -561,9 +612,13 @@ def completion_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
-    completion = sum(len(tokens) for tokens in output.outputs)
-    prompt = len(output.prompt)
+def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict[str, int]:
+    """The tokens of a request's prompts and completions (``prompt_only``: the one token
+    the engine generated for each is not part of the answer)."""
+    prompt = sum(len(output.prompt) for output in outputs)
+    completion = 0
+    if not prompt_only:
+        completion = sum(len(tokens) for output in outputs for tokens in output.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -573,28 +628,6 @@ def usage(output: RequestOutput) -> dict[str, int]:
 
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else FINISH_REASONS[reason]
-
-
-def response(chat: bool, id: str, model: str, output: RequestOutput) -> dict:
-    """The whole answer to a non-streaming request, from its final output."""
-    choices = []
-    for index, (text, reason) in enumerate(zip(output.texts, output.finish_reasons)):
-        choice: dict[str, Any] = {"index": index}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["finish_reason"] = finish_reason(reason)
-        choice["logprobs"] = None
-        choices.append(choice)
-    return {
-        "id": id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(output),
-    }
 
 
 def chunk(chat: bool, id: str, created: int, model: str, choices: list[dict]) -> dict:
@@ -607,9 +640,11 @@ def chunk(chat: bool, id: str, created: int, model: str, choices: list[dict]) ->
     }
 
 
-def chunk_choice(chat: bool, index: int, text: str | None, reason: str | None) -> dict:
+def chunk_choice(
+    chat: bool, index: int, text: str | None, reason: str | None, logprobs: dict | None = None
+) -> dict:
     """One choice of a streamed chunk: ``text`` is the delta (``None``: the opening chunk of a
-    chat choice, which carries the role)."""
+    chat choice, which carries the role), ``logprobs`` those of its tokens."""
     choice: dict[str, Any] = {"index": index}
     if chat:
         opening = text is None
@@ -617,7 +652,7 @@ def chunk_choice(chat: bool, index: int, text: str | None, reason: str | None) -
     else:
         choice["text"] = text or ""
     choice["finish_reason"] = finish_reason(reason)
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     return choice
 
 
