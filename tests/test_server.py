@@ -906,7 +906,7 @@ def test_the_docs_examples_run_against_a_server(served, tiny, capsys, monkeypatc
     monkeypatch.setenv("PAGED_ATTENTION_API_KEY", "k-123")
     try:
         python = docs_blocks("python")
-        assert len(python) == 2
+        assert len(python) == 3
         for code in python:
             live = served
             code = code.replace("http://127.0.0.1:8000", live.url).replace(
