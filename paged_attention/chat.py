@@ -37,7 +37,10 @@ served (too long for the model's context or the KV budget); 2 for bad arguments 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.add_argument(
-        "prompt", nargs="?", help="a question to answer and exit (default: interactive chat)"
+        "prompt",
+        nargs="?",
+        type=utf8_text,
+        help="a question to answer and exit (default: interactive chat)",
     )
     parser.add_argument(
         "--file",
@@ -45,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(-: standard input)",
     )
     add_model_arguments(parser)
-    parser.add_argument("--system", help="a system prompt before every conversation")
+    parser.add_argument(
+        "--system", type=utf8_text, help="a system prompt before every conversation"
+    )
     parser.add_argument(
         "--temperature",
         type=non_negative_float,
@@ -65,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stop",
+        type=stop_text,
         action="append",
         default=[],
         metavar="TEXT",
@@ -82,6 +88,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one-shot: one JSON object per prompt (prompt, text, finish_reason, token counts)",
     )
+
+
+def utf8_text(text: str) -> str:
+    """An argument as text; bytes that are not UTF-8 (which Python keeps as lone surrogates)
+    are refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("it is not valid UTF-8 text") from None
+    return text
+
+
+def stop_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return utf8_text(text)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -109,15 +131,24 @@ def main(args: argparse.Namespace) -> int:
 
 
 def read_prompts(path: str) -> list[str]:
+    """The prompts of ``path`` (-: standard input), one per line: lines end at a line feed
+    (or CR LF) only, so a form feed or U+2028 inside a line stays in its prompt; a UTF-8
+    byte-order mark is not part of the first prompt."""
     try:
         if path == "-":
-            text = sys.stdin.read()
+            stdin = sys.stdin
+            # a text stream without bytes beneath (a test's StringIO) is encoded: its lone
+            # surrogates, bytes that were not UTF-8, fail there
+            data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
         else:
-            with open(path, encoding="utf-8") as file:
-                text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
+            with open(path, "rb") as file:
+                data = file.read()
+        text = data.decode("utf-8-sig")
+    except UnicodeError:
+        raise UsageError(f"--file {path}: it is not valid UTF-8 text") from None
+    except OSError as error:
         raise UsageError(f"--file {path}: {error}") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    prompts = [line.strip() for line in text.split("\n") if line.strip()]
     if not prompts:
         raise UsageError(f"--file {path}: no prompt in it (one per line)")
     return prompts
@@ -250,9 +281,12 @@ def interactive(engine, args: argparse.Namespace, lines, out) -> int:
             out.flush()
         try:
             line = lines.readline()
+            line.encode("utf-8")  # lone surrogates: bytes that were not UTF-8
         except KeyboardInterrupt:
             out.write("\n")
             return 0
+        except UnicodeError:
+            raise UsageError("standard input: a line is not valid UTF-8 text") from None
         if not line:
             return 0
         line = line.strip()

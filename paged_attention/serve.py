@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
+import sys
 
 import torch
 
@@ -26,6 +29,10 @@ from paged_attention.demo import (
 )
 
 HELP = "an OpenAI-compatible HTTP server over the engine"
+API_KEY_VARIABLE = "PAGED_ATTENTION_API_KEY"
+# the server's defaults, here too so that --help needs no server dependency
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_KV_MEMORY_GIB = 1.0
 EXIT_STATUS = """exit status: 0 after a graceful shutdown (SIGINT, SIGTERM); 1 when the
 address cannot be bound; 2 for bad arguments (including a --model that cannot be loaded)."""
@@ -92,8 +99,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are "
         "aborted (default 30)",
     )
+    _add_security_arguments(parser.add_argument_group("security and load"))
     parser.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info"
+    )
+
+
+def _add_security_arguments(security) -> None:
+    security.add_argument(
+        "--api-key",
+        type=_api_key,
+        default=os.environ.get(API_KEY_VARIABLE) or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+        f"environment variable {API_KEY_VARIABLE}; unset: no key)",
+    )
+    security.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        help="comma-separated web origins whose pages may call the server (CORS), or '*' "
+        "(default: none)",
+    )
+    security.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"the largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    security.add_argument(
+        "--max-waiting-requests",
+        type=positive_int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests that may wait to start (to their first token) before the next ones get "
+        f"429 with Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})",
     )
 
 
@@ -111,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
             "install paged_attention from source with the serve extra (pip install "
             "--no-build-isolation '.[serve]' in its checkout)"
         ) from None
-    from paged_attention.models import load_model
+    del uvicorn, create_app, GracefulServer  # imported to tell a missing extra at once
 
     if args.max_n > args.max_num_seqs:
         raise UsageError(
@@ -120,6 +157,25 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    # The address first: a port in use is told at once, not after the model has loaded.
+    try:
+        sock = listening_socket(args.host, args.port)
+    except BindError as error:
+        print(f"paged-attention serve: error: {error}", file=sys.stderr)
+        return 1
+    with sock:
+        serve(args, sock)
+    return 0
+
+
+def serve(args: argparse.Namespace, sock: socket.socket) -> None:
+    """Load the model and serve on ``sock`` until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from paged_attention.models import load_model
+    from paged_attention.server import create_app
+    from paged_attention.server.graceful import GracefulServer
+
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -133,24 +189,61 @@ def main(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     try:
         app = create_app(
-            engine, tokenizer, name, max_n=args.max_n, max_model_len=args.max_model_len
+            engine,
+            tokenizer,
+            name,
+            max_n=args.max_n,
+            max_model_len=args.max_model_len,
+            api_key=args.api_key,
+            allowed_origins=args.allowed_origins,
+            max_request_bytes=args.max_request_bytes,
+            max_waiting_requests=args.max_waiting_requests,
         )
     except ValueError as error:  # beyond the engine's context
         raise UsageError(f"--max-model-len: {error}") from None
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_level=args.log_level,
         # uvicorn's own wait for open responses outlasts the engine's: the engine aborts the
         # requests at --shutdown-timeout, so their streams end properly before uvicorn gives up
         timeout_graceful_shutdown=args.shutdown_timeout + 5,
     )
-    socket = config.bind_socket()  # exits 1 with uvicorn's message when the port is taken
-    host, port = socket.getsockname()[:2]
-    print(f"serving {name!r} on http://{_url_host(host)}:{port}", flush=True)
-    GracefulServer(config, app.state.owner, args.shutdown_timeout).run(sockets=[socket])
-    return 0
+    host, port = sock.getsockname()[:2]
+    url = f"http://{_url_host(host)}:{port}"
+
+    def listening() -> None:
+        print(f"serving {name!r} on {url}", flush=True)
+
+    server = GracefulServer(config, app.state.owner, args.shutdown_timeout, on_started=listening)
+    server.run(sockets=[sock])
+
+
+class BindError(OSError):
+    """The address to listen on cannot be had (a port in use, an unknown host)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (port 0: a free one) and listening; BindError
+    with a one-line reason otherwise."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise BindError(f"--host {host}: not an address of this machine ({reason})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise BindError(
+            f"cannot listen on {_url_host(host)}:{port}: {error.strerror or error}"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def build_engine(model, tokenizer, args: argparse.Namespace):
@@ -210,3 +303,21 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
     return value
+
+
+def _api_key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an API key must not be empty")
+    return text
+
+
+def _origins(text: str) -> list[str]:
+    origins = [origin.strip() for origin in text.split(",") if origin.strip()]
+    if not origins:
+        raise argparse.ArgumentTypeError("expected one or more origins (https://host:port) or '*'")
+    for origin in origins:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(
+                f"an origin is a scheme and a host (https://example.com), got {origin!r}"
+            )
+    return origins

@@ -174,3 +174,38 @@ def test_smollm2_answers_the_france_question(smollm2, capsys, monkeypatch):
     finally:
         smollm2[0].set_attn_implementation("sdpa")
     assert code == 0 and "Paris" in capsys.readouterr().out
+
+
+def test_prompt_files_split_at_line_feeds_only_and_drop_the_bom(tmp_path, monkeypatch):
+    """Defects 3 and 4: a form feed, U+2028 or U+0085 inside a line stays in its prompt, and a
+    UTF-8 byte-order mark is not part of the first prompt (from a file and from stdin)."""
+    from paged_attention.chat import read_prompts
+
+    text = "\ufefffirst\x0cstill first\u2028and\x85more\r\nsecond\n\n"
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(text.encode("utf-8"))
+    expected = ["first\x0cstill first\u2028and\x85more", "second"]
+    assert read_prompts(str(path)) == expected
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode("utf-8"))))
+    assert read_prompts("-") == expected
+
+
+def test_non_utf8_input_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """Defect 6: bytes that are not UTF-8 (lone surrogates in a str) in the prompt argument,
+    --system, --stop, a --file, --file - and the interactive input: one line, exit 2."""
+    bad = "caf\udce9"
+    assert "not valid UTF-8" in usage_error(capsys, bad)
+    assert "not valid UTF-8" in usage_error(capsys, "--system", bad, "hi")
+    assert "not valid UTF-8" in usage_error(capsys, "--stop", bad, "hi")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café\n".encode("latin-1"))
+    assert "not valid UTF-8" in usage_error(capsys, "--file", str(latin1))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café\n".encode("latin-1"))))
+    assert "not valid UTF-8" in usage_error(capsys, "--file", "-")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(bad + "\n"))
+    assert "not valid UTF-8" in usage_error(capsys, *TINY, "--max-tokens", "2")
+
+
+def test_an_empty_stop_string_is_a_usage_error(capsys):
+    """Defect 7: not a traceback."""
+    assert "--stop" in usage_error(capsys, "--stop", "", "hi")

@@ -11,8 +11,10 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,7 @@ from paged_attention.__main__ import main as cli_main  # noqa: E402
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
 from paged_attention.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
+from paged_attention.server.app import ENGINE_FAILURE  # noqa: E402
 
 MODEL = "tiny"
 NUM_BLOCKS = 256
@@ -36,7 +39,8 @@ MAX_N = 4
 class LiveServer:
     """uvicorn serving ``app`` on 127.0.0.1, a free port, in a thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, api_key: str = "unused") -> None:
+        self.api_key = api_key
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         sock = config.bind_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -55,17 +59,18 @@ class LiveServer:
 
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **options
+            base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60, **options
         )
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60
+            base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60
         )
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, and the finished-requests counter by reason."""
-        text = httpx.get(f"{self.url}/metrics").text
+        auth = {"authorization": f"Bearer {self.api_key}"}
+        text = httpx.get(f"{self.url}/metrics", headers=auth).text
         samples = {}
         for name, labels, value in re.findall(r"^(\w+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
             samples[name + labels] = float(value)
@@ -247,6 +252,185 @@ def test_models_and_health(served):
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
 
 
+def test_unknown_fields_are_ignored_with_one_warning_per_name(served, caplog):
+    client = served.client()
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    unknown = {"best_of_vendor": 2, "chat_template_kwargs_x": {"a": 1}}
+    with caplog.at_level("WARNING", logger="paged_attention.server"):
+        for _ in range(3):
+            answer = client.chat.completions.create(**request, extra_body=unknown)
+            assert answer.usage.completion_tokens >= 1
+        # unknown fields of a message are ignored the same way
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi", "weight": 1}], max_tokens=2
+        )
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    for name in [*unknown, "weight"]:
+        assert sum(f"'{name}'" in w for w in warnings) == 1, warnings
+
+
+def test_messages_of_tool_calling_clients_are_accepted(served):
+    """``name``, an assistant message with ``content: null`` and ``tool_calls``, a ``tool``
+    message and content parts reach the chat template as the template's messages."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 2}'},
+    }
+    messages = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}],
+        },
+        {"role": "user", "content": "add 2 and 2", "name": "alice"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+    ]
+    answer = served.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0
+    )
+    rendered = [
+        {"role": "system", "content": "be\nbrief"},
+        {"role": "user", "content": "add 2 and 2", "name": "alice"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": {"a": 2}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+    ]
+    text = served.tokenizer.apply_chat_template(
+        rendered, tokenize=False, add_generation_prompt=True
+    )
+    prompt = served.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert served.recorded.of(prompt), "the server rendered other messages"
+
+
+def test_the_default_max_tokens_fits_any_n(tiny):
+    """Defect 2: left out, ``max_tokens`` is the longest the KV pool holds for ``n`` samples
+    (here 4 x 1000 tokens of context would not fit the 1024-token pool)."""
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer, num_blocks=64)
+    recorded = Recorder(engine)
+    live = LiveServer(create_app(engine, tokenizer, MODEL, max_n=4))
+    try:
+        client = live.client()
+        for n in (1, 2, 4):
+            answer = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "many"}], n=n, temperature=1
+            )
+            assert len(answer.choices) == n
+            prompt_len = answer.usage.prompt_tokens
+            # the pool's 64 blocks of 16: the prompt's full blocks shared, the rest split n ways
+            own = (64 - prompt_len // 16) // n
+            room = 16 * (prompt_len // 16 + own) - prompt_len + 1
+            output = recorded.of(chat_prompt(tokenizer, "many"))[-1]
+            assert max(len(tokens) for tokens in output.outputs) <= room
+        completion = client.completions.create(model=MODEL, prompt="x", n=4)
+        assert all(c.finish_reason in ("stop", "length") for c in completion.choices)
+    finally:
+        live.stop()
+
+
+# --------------------------------------------------------------------- sampling controls
+
+SAMPLED = dict(temperature=1.0, seed=11, max_tokens=12)
+
+
+def served_tokens(live: LiveServer, prompt: list[int], **fields) -> list[list[int]]:
+    """The tokens behind a completion of ``prompt`` (ids) with ``fields``, through the
+    official client: OpenAI's fields as arguments, vLLM's in ``extra_body``."""
+    openai_fields = {"presence_penalty", "frequency_penalty", "logit_bias", "temperature", "seed"}
+    openai_fields |= {"max_tokens", "n", "top_p", "stop"}
+    extra = {k: v for k, v in fields.items() if k not in openai_fields}
+    given = {k: v for k, v in fields.items() if k in openai_fields}
+    live.client().completions.create(model=MODEL, prompt=prompt, extra_body=extra, **given)
+    return live.recorded.of(prompt)[-1].outputs
+
+
+# The tiny random model samples from a near-uniform distribution, which a penalty hardly
+# moves, and greedily it loops on a token, which a penalty breaks: penalties are checked
+# greedily, the filters by sampling.
+@pytest.mark.parametrize(
+    "fields, temperature",
+    [
+        ({"top_k": 3}, 1.0),
+        ({"min_p": 0.9}, 1.0),
+        ({"logit_bias": {"7": 5.0, "9": -100}}, 1.0),
+        ({"presence_penalty": 2.0}, 0.0),
+        ({"frequency_penalty": 1.5}, 0.0),
+        ({"frequency_penalty": -2.0}, 1.0),
+        ({"repetition_penalty": 2.0}, 0.0),
+        ({"top_k": 5, "min_p": 0.05, "presence_penalty": 0.5}, 1.0),
+    ],
+)
+def test_sampling_controls_are_the_engines(served, tiny, fields, temperature):
+    """Each request field becomes the engine's SamplingParams field of the same name: the
+    served tokens are those of the engine without a server, and differ from those without
+    the field."""
+    prompt = [7, 7, 7, 7, 9, 9]
+    sampling = dict(temperature=temperature, seed=11, ignore_eos=True)
+    tokens = served_tokens(served, prompt, **fields, **sampling, max_tokens=24)
+    params = dict(fields)
+    if "logit_bias" in params:
+        params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
+    (expected,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=24, **sampling, **params))
+    assert tokens == expected.outputs
+    (plain,) = offline(tiny, [prompt], SamplingParams(max_new_tokens=24, **sampling))
+    assert tokens != plain.outputs
+
+
+def test_top_k_1_is_greedy_and_logit_bias_forces_a_token(served):
+    prompt = [5, 6, 7, 8, 9]
+    greedy = served_tokens(served, prompt, temperature=0, max_tokens=10, ignore_eos=True)
+    assert (
+        served_tokens(served, prompt, top_k=1, **{**SAMPLED, "max_tokens": 10}, ignore_eos=True)
+        == greedy
+    )
+    forced = served_tokens(served, prompt, logit_bias={"33": 100}, **SAMPLED, ignore_eos=True)
+    assert forced == [[33] * 12]
+
+
+def test_stop_token_ids_ignore_eos_and_min_tokens(served):
+    prompt = [11, 12, 13]
+    (greedy,) = served_tokens(served, prompt, temperature=0, max_tokens=16, ignore_eos=True)
+    assert len(greedy) == 16  # ignore_eos: the whole length, whatever the model says
+    stop_at = greedy[5]
+    first = greedy.index(stop_at)
+    (stopped,) = served_tokens(
+        served, prompt, temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_at]
+    )
+    assert stopped == greedy[: first + 1]  # the stop token is kept, as vLLM does
+    (late,) = served_tokens(
+        served,
+        prompt,
+        temperature=0,
+        max_tokens=16,
+        stop_token_ids=[stop_at],
+        min_tokens=first + 2,
+        ignore_eos=True,
+    )
+    assert len(late) >= first + 2 and stop_at not in late[: first + 2]
+    answer = served.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=9,
+        n=2,
+        extra_body={"min_tokens": 9, "top_k": 50},
+        seed=1,
+    )
+    assert answer.usage.completion_tokens == 18 and all(
+        c.finish_reason == "length" for c in answer.choices
+    )
+
+
 # --------------------------------------------------------------------- load and faults
 
 
@@ -357,15 +541,39 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(top_p=0), "top_p"),
     (CHAT, chat(stop=[""]), "stop"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
-    (CHAT, chat(presence_penalty=0.5), "presence_penalty"),
-    (CHAT, chat(logprobs=True), "logprobs"),
+    (CHAT, chat(presence_penalty=2.5), "presence_penalty"),
+    (CHAT, chat(frequency_penalty="1"), "frequency_penalty"),
+    (CHAT, chat(top_k=-2), "top_k"),
+    (CHAT, chat(min_p=1.5), "min_p"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat(logit_bias={"abc": 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias"),
+    (CHAT, chat(logit_bias={str(10**7): 1}), "logit_bias"),
+    (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
+    (CHAT, chat(ignore_eos=1), "ignore_eos"),
+    (CHAT, chat(max_tokens=4, min_tokens=5), "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
-    (CHAT, chat(beam_width=2), "beam_width"),
+    (CHAT, chat(reasoning_effort="low"), "reasoning_effort"),
+    (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}, 5]}, "messages[1]"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content[0].type",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        "messages[0].tool_calls",
+    ),
+    (CHAT, chat(stop=["s"] * 65), "stop"),
     (COMPLETIONS, {"prompt": "x" * 5000}, "prompt"),
     (COMPLETIONS, {"prompt": [10**7]}, "prompt"),
-    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
     (COMPLETIONS, {"prompt": ""}, "prompt"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "x", "seed": 2**70}, "seed"),
 ]
 
@@ -389,7 +597,7 @@ def test_errors_through_the_client_and_unknown_routes(served):
     client = served.client()
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], frequency_penalty=1.0
+            model=MODEL, messages=[{"role": "user", "content": "x"}], frequency_penalty=5.0
         )
     assert raised.value.body["param"] == "frequency_penalty"
     # neutral values of what is not carried out are accepted
@@ -458,8 +666,11 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny):
     live = LiveServer(create_app(engine, tokenizer, MODEL))
     try:
         client = live.client()
-        with pytest.raises(openai.InternalServerError, match="injected"):
+        with pytest.raises(openai.InternalServerError) as raised:
             client.completions.create(model=MODEL, prompt="fail", max_tokens=4)
+        # the client is told what happened, not the engine's internals
+        assert raised.value.body["message"] == ENGINE_FAILURE
+        assert raised.value.body["code"] == "engine_error"
         answer = client.completions.create(model=MODEL, prompt="fine", max_tokens=4)
         assert answer.usage.completion_tokens >= 1
         assert wait_idle(live)["paged_attention_kv_blocks_used"] == 0
@@ -574,6 +785,59 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
     assert seen["reasons"][-1] == "abort"  # ended by the shutdown, not by its 900 tokens
 
 
+def test_serve_says_it_serves_only_once_it_listens(monkeypatch, capsys):
+    """Defect 8: a client that connects when the "serving ... on URL" line appears is served."""
+    port = free_port()
+    seen = {}
+
+    class Watch:
+        """stdout that, at the serving line, connects to the URL it names."""
+
+        def write(self, text: str) -> int:
+            match = re.search(r"serving 'tiny' on http://127\.0\.0\.1:(\d+)", text)
+            if match:
+                seen["url port"] = int(match.group(1))
+                with socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=5):
+                    seen["connected"] = True
+                os.kill(os.getpid(), signal.SIGINT)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setattr("sys.stdout", Watch())
+    status = cli_main(
+        ["serve", "--model", MODEL, "--port", str(port), "--num-blocks", "16"]
+        + ["--log-level", "warning"]
+    )
+    assert status == 0
+    assert seen == {"url port": port, "connected": True}
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+def test_an_address_that_cannot_be_had_exits_1_before_the_model_loads(host, monkeypatch, capsys):
+    """Defect 10: a port in use or an unknown --host: one line, exit status 1, and the model
+    never loads."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was bound")
+
+    monkeypatch.setattr("paged_attention.models.load_model", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status = cli_main(["serve", "--model", MODEL, "--host", host, "--port", str(port)])
+    assert status == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("paged-attention serve: error: ")
+    assert ("--host" in err) if host != "127.0.0.1" else (f"127.0.0.1:{port}" in err)
+
+
 @pytest.mark.parametrize(
     "arguments, option",
     [
@@ -581,6 +845,10 @@ def test_serve_command_shuts_down_gracefully_on_sigterm():
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--kv-memory", "0.000001"], "--kv-memory"),
         (["--port", "70000"], "--port"),
+        (["--allowed-origins", "evil.example"], "--allowed-origins"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+        (["--max-request-bytes", "-1"], "--max-request-bytes"),
+        (["--api-key", " "], "--api-key"),
     ],
 )
 def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
@@ -607,6 +875,55 @@ def test_serve_compile_compiles_every_batch_size_before_serving(tiny):
     params = SamplingParams(max_new_tokens=6)
     (compiled,), (expected,) = engine.generate([prompt], params), eager.generate([prompt], params)
     assert compiled.outputs == expected.outputs
+
+
+# --------------------------------------------------------------------- the docs
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
+
+
+def docs_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", DOCS.read_text(), re.S | re.M)
+
+
+def docs_curl_commands() -> list[str]:
+    commands = []
+    for block in docs_blocks("bash"):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.startswith("curl "):
+                commands.append(command)
+    return commands
+
+
+def test_the_docs_examples_run_against_a_server(served, tiny, capsys, monkeypatch):
+    """docs/server.md's client examples and curl commands, against live servers (one with a
+    key): its URL and model name replaced by theirs."""
+    model, tokenizer = tiny
+    keyed = LiveServer(
+        create_app(make_engine(model, tokenizer, num_blocks=16), tokenizer, MODEL, api_key="k-123"),
+        api_key="k-123",
+    )
+    monkeypatch.setenv("PAGED_ATTENTION_API_KEY", "k-123")
+    try:
+        python = docs_blocks("python")
+        assert len(python) == 3
+        for code in python:
+            live = served
+            code = code.replace("http://127.0.0.1:8000", live.url).replace(
+                '"smollm2"', f'"{MODEL}"'
+            )
+            exec(compile(code, str(DOCS), "exec"), {"__name__": "docs_example"})
+        curls = docs_curl_commands()
+        assert len(curls) == 5
+        for command in curls:
+            live = keyed if "PAGED_ATTENTION_API_KEY" in command else served
+            command = command.replace("http://127.0.0.1:8000", live.url)
+            command = command.replace("curl ", "curl --fail-with-body -sS ", 1)
+            result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, (command, result.stdout, result.stderr)
+            assert result.stdout.strip()
+    finally:
+        keyed.stop()
 
 
 # --------------------------------------------------------------------- the real model

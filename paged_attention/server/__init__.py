@@ -1,11 +1,18 @@
 """An OpenAI-compatible HTTP server over the engine (``paged-attention serve``).
 
-* :mod:`~paged_attention.server.protocol` — the request bodies accepted (strictly: what is not
-  carried out is refused, never ignored), OpenAI-style errors, the response bodies;
+* :mod:`~paged_attention.server.protocol` — the request bodies accepted (strictly typed; an
+  OpenAI field that is not carried out is refused, a field OpenAI does not define is ignored
+  with a warning), OpenAI-style errors, the sampling parameters, the response bodies;
+* :mod:`~paged_attention.server.security` — what is checked before any work: the API key,
+  JSON-only bodies, the body size;
+* :mod:`~paged_attention.server.prompts` — the chat template and the tokenizer, in a worker
+  thread off the event loop;
+* :mod:`~paged_attention.server.tokenization` — ``/tokenize`` and ``/detokenize``;
 * :mod:`~paged_attention.server.engine_owner` — the one thread that steps the engine, fed by a
   queue, handing outputs back to the event loop;
 * :mod:`~paged_attention.server.metrics` — Prometheus metrics read in the owner thread;
-* :mod:`~paged_attention.server.app` — the Starlette application and its routes.
+* :mod:`~paged_attention.server.app` — the Starlette application, its routes and the bound on
+  waiting requests.
 
 Needs the ``serve`` extra, installed from source (``pip install --no-build-isolation
 '.[serve]'``): Starlette, uvicorn, pydantic and prometheus_client.

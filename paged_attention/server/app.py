@@ -12,26 +12,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paged_attention.engine import RequestOutput
-from paged_attention.server import protocol
+from paged_attention.server import protocol, tokenization
+from paged_attention.server.answers import Answer, PromptJob
 from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
     EngineStepError,
     RequestStream,
 )
+from paged_attention.server.logprobs import TokenPieces
 from paged_attention.server.metrics import ServerMetrics
+from paged_attention.server.prompts import PromptBuilder
 from paged_attention.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from paged_attention.server.security import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_WAITING_REQUESTS = 256
+ENGINE_FAILURE = "the engine failed while serving this request (it was aborted; the server goes on)"
+
+logger = logging.getLogger("paged_attention.server")
 
 
 class ClientDisconnected(Exception):
@@ -45,12 +56,57 @@ def create_app(
     *,
     max_n: int = 8,
     max_model_len: int | None = None,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
 ) -> Starlette:
     """The server's application over ``engine`` (built with ``tokenizer``), serving it as
     ``model_name``. ``max_n``: the most samples one request may ask for (at most the engine's
     ``max_num_seqs``); ``max_model_len``: the context a request may fill (default and upper
-    bound: the engine's). Starting the application (its lifespan) starts the engine's owner
-    thread; stopping it aborts what is left and stops the thread."""
+    bound: the engine's). ``api_key``: the Bearer key every route but ``/health`` requires
+    (None: open); ``allowed_origins``: the web origins whose pages may call it (CORS; None:
+    none); ``max_request_bytes``: the largest request body; ``max_waiting_requests``: how many
+    requests may wait to start before the next ones get 429. Starting the application (its
+    lifespan) starts the engine's owner thread; stopping it aborts what is left and stops the
+    thread."""
+    if max_waiting_requests < 1:
+        raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (None: no key)")
+    limits = _limits(engine, max_n, max_model_len)
+    server = _Server(engine, tokenizer, model_name, limits, WaitingRoom(max_waiting_requests))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.owner.start()
+        try:
+            yield
+        finally:
+            server.prompts.close()
+            await asyncio.to_thread(server.owner.stop)
+
+    routes = server.routes()
+    json_paths = frozenset(r.path for r in routes if "POST" in r.methods)
+    app = Starlette(
+        routes=routes,
+        middleware=_middleware(api_key, allowed_origins, max_request_bytes, json_paths),
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
+    )
+    app.state.server = server
+    app.state.owner = server.owner
+    return app
+
+
+def _limits(engine, max_n: int, max_model_len: int | None) -> protocol.Limits:
+    """What one request may ask of ``engine``, checked."""
     if not 1 <= max_n <= engine.max_num_seqs:
         raise ValueError(
             f"max_n must be between 1 and the engine's max_num_seqs ({engine.max_num_seqs}), "
@@ -65,36 +121,43 @@ def create_app(
                 f"got {max_model_len}"
             )
         context = max_model_len
-    server = _Server(engine, tokenizer, model_name, max_n, context)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.owner.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(server.owner.stop)
-
-    routes = [
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics_route, methods=["GET"]),
-    ]
-    app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error},
+    return protocol.Limits(
+        max_model_len=context,
+        max_n=max_n,
+        kv_blocks=engine.block_manager.num_device_blocks,
+        block_size=engine.block_size,
     )
-    app.state.server = server
-    app.state.owner = server.owner
-    return app
+
+
+def _middleware(api_key, allowed_origins, max_request_bytes: int, json_paths) -> list[Middleware]:
+    """CORS outside (a browser's preflight is answered before any key is asked for), then the
+    request guard."""
+    middleware = []
+    if allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    guard = dict(api_key=api_key, max_request_bytes=max_request_bytes, json_paths=json_paths)
+    middleware.append(Middleware(RequestGuard, **guard))
+    return middleware
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug: logged with its traceback, answered without it."""
+    logger.error("an unexpected error answering %s", request.url.path, exc_info=error)
+    failure = APIError(
+        "the server failed to answer this request", status=500, code="internal_error"
+    )
+    return JSONResponse(failure.body(), status_code=500)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -112,35 +175,101 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     )
 
 
+class WaitingRoom:
+    """Counts the requests that wait to start (read, tokenized, queued in the engine, until
+    their first token); beyond ``limit`` of them a request is refused with 429 and
+    ``Retry-After``. Used on the event loop only."""
+
+    RETRY_AFTER_SECONDS = 1
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting = 0
+
+    def enter(self) -> _Seat:
+        if self.waiting >= self.limit:
+            raise APIError(
+                f"the server is overloaded: {self.waiting} requests wait to start; retry later",
+                status=429,
+                code="rate_limit_exceeded",
+                type="requests",
+                headers={"retry-after": str(self.RETRY_AFTER_SECONDS)},
+            )
+        self.waiting += 1
+        return _Seat(self)
+
+
+class _Seat:
+    """A request's place in the waiting room, left once (when it starts or ends)."""
+
+    def __init__(self, room: WaitingRoom) -> None:
+        self._room: WaitingRoom | None = room
+
+    def leave(self) -> None:
+        if self._room is not None:
+            self._room.waiting -= 1
+            self._room = None
+
+
 class _Server:
-    def __init__(self, engine, tokenizer, model_name: str, max_n: int, max_model_len: int):
-        self.tokenizer = tokenizer
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        model_name: str,
+        limits: protocol.Limits,
+        waiting: WaitingRoom,
+    ) -> None:
         self.model_name = model_name
-        self.max_n = max_n
-        self.max_model_len = max_model_len
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
+        self.waiting = waiting
         self.created = int(time.time())
         self.metrics = ServerMetrics()
+        self.prompts = PromptBuilder(tokenizer, model_name)
+        self.pieces = TokenPieces(tokenizer)
         self.owner = EngineOwner(engine, on_step=self.metrics.on_step)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+        ]
 
     # ------------------------------------------------------------------ routes
 
     async def chat_completions(self, request: Request) -> Response:
-        body = protocol.parse(ChatCompletionRequest, await request.body())
-        self._check_model(body.model)
-        prompt = self._encode_chat(body)
-        params = protocol.sampling_params(body, len(prompt), self.max_model_len, self.max_n, None)
-        return await self._generate(request, body, True, prompt, params)
+        return await self._serve(request, self._prepare_chat, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        body = protocol.parse(CompletionRequest, await request.body())
-        self._check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = self.tokenizer(prompt)["input_ids"]
-        params = protocol.sampling_params(
-            body, len(prompt), self.max_model_len, self.max_n, COMPLETIONS_DEFAULT_MAX_TOKENS
+        return await self._serve(request, self._prepare_completion, chat=False)
+
+    async def tokenize(self, request: Request) -> Response:
+        limit = self.max_model_len
+        return await self._tokenizer_work(
+            request, tokenization.tokenize, self.prompts, self._check_model, limit
         )
-        return await self._generate(request, body, False, prompt, params)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer_work(
+            request, tokenization.detokenize, self.prompts, self._check_model
+        )
+
+    async def _tokenizer_work(self, request: Request, function, prompts, *args) -> Response:
+        """``function(prompts, body, *args)`` in the tokenizer's thread, answered as JSON; it
+        waits in the waiting room like a generation (the thread is shared)."""
+        seat = self.waiting.enter()
+        try:
+            raw = await request.body()
+            return JSONResponse(await self.prompts.run(function, prompts, raw, *args))
+        finally:
+            seat.leave()
 
     async def models(self, request: Request) -> Response:
         card = protocol.model_card(self.model_name, self.created, self.max_model_len)
@@ -169,6 +298,42 @@ class _Server:
 
     # ------------------------------------------------------------------ generation
 
+    async def _serve(self, request: Request, prepare, chat: bool) -> Response:
+        """A generation request: a seat in the waiting room first (or 429), then its body
+        parsed and tokenized by ``prepare`` in the tokenizer's thread, then the engine."""
+        seat = self.waiting.enter()
+        try:
+            body, jobs = await self.prompts.run(prepare, await request.body())
+            answer = Answer(body, self.pieces, jobs)
+            return await self._generate(request, body, answer, seat)
+        finally:
+            seat.leave()
+
+    def _prepare_chat(self, raw: bytes):
+        """Tokenizer thread: the request and its prompt (ids, text, the engine's parameters)."""
+        body = protocol.parse(ChatCompletionRequest, raw)
+        self._check_model(body.model)
+        ids = self.prompts.request_chat_ids(body)
+        params = protocol.sampling_params(body, len(ids), self.limits, None)
+        return body, [PromptJob(ids, "", params)]
+
+    def _prepare_completion(self, raw: bytes):
+        """Tokenizer thread: the request and its prompts (a text's ids; token ids' text, which
+        ``echo`` shows)."""
+        body = protocol.parse(CompletionRequest, raw)
+        self._check_model(body.model)
+        jobs = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                ids, text = self.prompts.text_ids(prompt), prompt
+            else:
+                ids = prompt
+                text = self.prompts.text(ids, param="prompt") if body.echo else ""
+            default = COMPLETIONS_DEFAULT_MAX_TOKENS
+            params = protocol.sampling_params(body, len(ids), self.limits, default)
+            jobs.append(PromptJob(ids, text, params))
+        return body, jobs
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(
@@ -177,49 +342,43 @@ class _Server:
                 code="model_not_found",
             )
 
-    def _encode_chat(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [m.template_message() for m in body.messages]
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError(
-                f"the model {self.model_name!r} has no chat template; use /v1/completions",
-                param="messages",
-            )
+    async def _generate(self, request: Request, body, answer: Answer, seat: _Seat) -> Response:
+        """The engine's answer to ``answer``'s prompts (submitted together), whole or streamed;
+        every one of them is aborted when the client leaves or one of them is refused."""
+        streams = []
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as error:  # the template's own checks (jinja raise_exception)
-            raise APIError(
-                f"the chat template refused the messages: {error}", param="messages"
-            ) from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    async def _generate(self, request: Request, body, chat: bool, prompt, params) -> Response:
-        try:
-            stream = self.owner.submit(prompt, params)
+            for job in answer.prompts:
+                streams.append(self.owner.submit(job.ids, job.params))
         except EngineClosedError as error:
+            for stream in streams:
+                self.owner.abort(stream)
             raise APIError(str(error), status=503, code="shutting_down") from None
         client = _ClientWatch(request)
-        handed_off = False  # to the event stream, which then ends the request itself
+        handed_off = False  # to the event stream, which then ends the requests itself
         try:
-            output = await self._first_output(client, stream, body)
-            request_id = protocol.completion_id(chat)
+            firsts = [await self._first_output(client, stream, body) for stream in streams]
+            seat.leave()  # it started
+            request_id = protocol.completion_id(answer.chat)
             if body.stream:
                 options = body.stream_options
                 include_usage = options is not None and options.include_usage
-                events = self._events(client, stream, output, chat, request_id, include_usage)
+                events = self._events(client, streams, firsts, answer, request_id, include_usage)
                 handed_off = True
                 return StreamingResponse(events, media_type="text/event-stream")
-            while not output.finished:
-                output = await client.next(stream)
-            return JSONResponse(protocol.response(chat, request_id, self.model_name, output))
+            finals = []
+            for stream, output in zip(streams, firsts):
+                while not output.finished:
+                    output = await client.next(stream)
+                finals.append(output)
+            return JSONResponse(answer.response(request_id, self.model_name, finals))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it
-        except EngineStepError as error:
-            raise APIError(str(error), status=500, code="engine_error") from None
+        except EngineStepError:
+            raise APIError(ENGINE_FAILURE, status=500, code="engine_error") from None
         finally:
             if not handed_off:
-                self.owner.abort(stream)  # a no-op when the request already ended
+                for stream in streams:
+                    self.owner.abort(stream)  # a no-op when the request already ended
                 client.close()
 
     async def _first_output(
@@ -245,17 +404,18 @@ class _Server:
     async def _events(
         self,
         client: _ClientWatch,
-        stream: RequestStream,
-        output: RequestOutput,
-        chat: bool,
+        streams: list[RequestStream],
+        firsts: list[RequestOutput],
+        answer: Answer,
         request_id: str,
         include_usage: bool,
     ):
-        """The server-sent events of a streamed answer, from its first output on. A client
-        that goes away (the response is cancelled, or the watch sees it leave) aborts the
-        request."""
+        """The server-sent events of a streamed answer, from its prompts' first outputs on
+        (the prompts run together; their chunks are sent one prompt after the other). A
+        client that goes away (the response is cancelled, or the watch sees it leave) aborts
+        the requests."""
         created = int(time.time())
-        n = stream.params.n
+        chat = answer.chat
         extra = {"usage": None} if include_usage else {}
 
         def event(choices: list[dict], **fields) -> str:
@@ -263,39 +423,36 @@ class _Server:
             return f"data: {json.dumps({**data, **extra, **fields})}\n\n"
 
         finished = False
-        reported = [False] * n
+        finals = []
         try:
             if chat:
-                for index in range(n):
+                for index in range(answer.n):
                     yield event([protocol.chunk_choice(True, index, None, None)])
-            while True:
-                for index in range(n):
-                    delta = output.new_texts[index] if index < len(output.new_texts) else ""
-                    reason = None
-                    if index < len(output.finish_reasons) and not reported[index]:
-                        reason = output.finish_reasons[index]
-                    if delta or reason is not None:
-                        reported[index] = reason is not None
-                        yield event([protocol.chunk_choice(chat, index, delta, reason)])
-                if output.finished:
-                    break
-                try:
-                    output = await client.next(stream)
-                except EngineStepError as error:
-                    finished = True
-                    failure = APIError(str(error), status=500, code="engine_error")
-                    yield f"data: {json.dumps(failure.body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
+            for p, (stream, output) in enumerate(zip(streams, firsts)):
+                while True:
+                    for choice in answer.deltas(p, output):
+                        yield event([choice])
+                    if output.finished:
+                        break
+                    try:
+                        output = await client.next(stream)
+                    except EngineStepError:
+                        finished = True
+                        failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
+                        yield f"data: {json.dumps(failure.body())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                finals.append(output)
             finished = True
             if include_usage:
-                yield event([], usage=protocol.usage(output))
+                yield event([], usage=answer.usage(finals))
             yield "data: [DONE]\n\n"
         except ClientDisconnected:
             return
         finally:
             if not finished:
-                self.owner.abort(stream)
+                for stream in streams:
+                    self.owner.abort(stream)
             client.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
@@ -16,12 +17,25 @@ class GracefulServer(uvicorn.Server):
     still runs ``grace`` seconds from now (so open streams end with finish reason ``abort``
     before uvicorn's own ``timeout_graceful_shutdown`` would cut them); then uvicorn stops
     listening and waits for the open responses. ``run()`` returns afterwards instead of
-    re-raising the signal (what uvicorn does when embedded), so a command exits 0."""
+    re-raising the signal (what uvicorn does when embedded), so a command exits 0.
+    ``on_started()`` runs once the server listens and serves (the moment to tell a user)."""
 
-    def __init__(self, config: uvicorn.Config, owner: EngineOwner, grace: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        owner: EngineOwner,
+        grace: float,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.owner = owner
         self.grace = grace
+        self.on_started = on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig, frame) -> None:
         self.owner.drain(self.grace)  # sets two attributes: safe in a signal handler

@@ -2,21 +2,25 @@
 
 Requests are validated strictly (a string where a number belongs is refused, not converted) and
 every field OpenAI defines that this server does not carry out is refused with a 400 naming it,
-unless it holds the value that asks for nothing (``frequency_penalty: 0``, ``logprobs: false``,
-``tools: []``...). Fields OpenAI does not define are refused as unrecognized, as OpenAI does.
+unless it holds the value that asks for nothing (``tools: []``, ``best_of: 1``...). Fields
+OpenAI does not define are ignored, with one logged warning per field name (vLLM's rule:
+client libraries add fields of their own).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
-import time
+import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from paged_attention.engine import RequestError, RequestOutput, SamplingParams
+from paged_attention.engine.request import MAX_LOGPROBS
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 """The engine's finish reasons as OpenAI names them (``abort``: the server ended the request,
@@ -34,6 +38,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -41,6 +46,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}  # of the response (Retry-After, WWW-Authenticate)
 
     def body(self) -> dict:
         return {
@@ -56,11 +62,6 @@ class APIError(Exception):
 # Fields OpenAI defines that the server does not carry out, with the values that ask for
 # nothing: those are accepted (a client library may send them), any other is refused.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -71,39 +72,157 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "metadata": ({},),
     "modalities": (["text"],),
     "service_tier": ("auto", "default"),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+# Fields OpenAI defines that ask for work this server does not do, whatever their value: refused
+# unless null.
+UNSUPPORTED = ("reasoning_effort", "prediction", "audio", "web_search_options", "verbosity")
+
+logger = logging.getLogger(__name__)
 
 
-class StreamOptions(_Strict):
+class UnknownFields:
+    """The names of the fields OpenAI does not define that requests held, each warned about
+    once (a client sending its own field with every request logs it once, not every time)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()  # requests are parsed in worker threads
+
+    def warn(self, where: str, names) -> None:
+        for name in names:
+            key = f"{where}.{name}"
+            with self._lock:
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+            logger.warning(
+                "ignoring the field %r of a %s: this server does not know it (warned once)",
+                name,
+                where,
+            )
+
+
+unknown_fields = UnknownFields()
+
+
+class StrictModel(BaseModel):
+    # strict: "8" is no number; extra fields are kept aside, warned about, and not used
+    model_config = ConfigDict(strict=True, extra="allow")
+    _where: ClassVar[str] = "request"
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self):
+        if self.model_extra:
+            unknown_fields.warn(self._where, list(self.model_extra))
+        return self
+
+
+class StreamOptions(StrictModel):
+    _where: ClassVar[str] = "stream_options"
     include_usage: bool = False
     include_obfuscation: Literal[False] = False
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class TextPart(StrictModel):
+    _where: ClassVar[str] = "content part"
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise FieldError(
+                "type",
+                f"content parts of type {self.type!r} are not supported: this model reads text",
+            )
+        if self.text is None:
+            raise FieldError("text", "a text content part needs its text")
+        return self
 
 
-class ChatMessage(_Strict):
+class FunctionCall(StrictModel):
+    _where: ClassVar[str] = "tool call's function"
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(StrictModel):
+    _where: ClassVar[str] = "tool call"
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def template_call(self) -> dict:
+        """The call as chat templates read it: ``arguments`` as an object where it is JSON
+        of one (templates iterate over it), else the text as sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+class ChatMessage(StrictModel):
+    """One message of a conversation: an earlier tool call of the assistant (``tool_calls``,
+    with ``content`` null) and a tool's answer (role ``tool``) are rendered by the template."""
+
+    _where: ClassVar[str] = "message"
     # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # the list first: a list's errors name its part, not the string it is not
+    content: list[TextPart] | str | None = Field(default=None)
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def template_message(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _check_role_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise FieldError(
+                "content", "content is required, unless an assistant message has tool_calls"
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError("tool_calls", "only assistant messages may have tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise FieldError("tool_call_id", "a tool message needs the tool_call_id it answers")
+        return self
+
+    def template_message(self) -> dict:
         content = self.content
-        if not isinstance(content, str):
+        if content is None:
+            content = ""  # templates concatenate it
+        elif not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class _Generation(_Strict):
+class FieldError(ValueError):
+    """A field refused by its object's validator; pydantic reports it at the object, and
+    :func:`validation_error` names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class _Generation(StrictModel):
     """The fields both routes share."""
 
     model: str | None = None
@@ -115,12 +234,20 @@ class _Generation(_Strict):
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # the caller's end-user id, for its own records
-    # refused unless neutral (NEUTRAL_VALUES)
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
+    # the caller's ids for its own records (they change nothing here)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # sampling controls: OpenAI's, then vLLM's (sent by the openai client in extra_body)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
@@ -137,6 +264,13 @@ class _Generation(_Strict):
                     param=name,
                     code="unsupported_parameter",
                 )
+        for name in UNSUPPORTED:
+            if getattr(self, name, None) is not None:
+                raise APIError(
+                    f"{name} is not supported by this server",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -147,7 +281,8 @@ class _Generation(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -158,6 +293,12 @@ class ChatCompletionRequest(_Generation):
     metadata: Any = None
     modalities: Any = None
     service_tier: Any = None
+    # refused unless null (UNSUPPORTED)
+    reasoning_effort: Any = None
+    prediction: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     @model_validator(mode="after")
     def _check_messages(self):
@@ -169,7 +310,18 @@ class ChatCompletionRequest(_Generation):
                 "give max_completion_tokens or max_tokens, not both with different values",
                 param="max_completion_tokens",
             )
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            _check_logprob_count("top_logprobs", self.top_logprobs)
         return self
+
+    @property
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """The engine's ``logprobs`` and ``prompt_logprobs`` for this request."""
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    prompt_only: ClassVar[bool] = False
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -181,33 +333,73 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    # One prompt: a string, or token ids; a list holding one of them is accepted too.
+    """A completion of one prompt or of a batch: ``prompt`` is a string, token ids, or a list
+    of either (one choice per prompt and sample, index ``prompt_index * n + sample``)."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Any = None
+    logprobs: int | None = None
+    echo: bool | None = None
     suffix: Any = None
     best_of: Any = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    f"prompt holds {len(prompt)} prompts; this server takes one prompt per "
-                    "request (send one request per prompt: they are batched together)",
-                    param="prompt",
-                    code="unsupported_parameter",
-                )
-            self.prompt = prompt[0]
-        if len(self.prompt) == 0:
+    def _check_prompts(self):
+        prompts = self.prompts
+        if not prompts:
             raise APIError("prompt must not be empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(
+                f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed in one "
+                "request",
+                param="prompt",
+            )
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+                raise APIError(f"{where} must not be empty", param="prompt")
+        if self.logprobs is not None:
+            _check_logprob_count("logprobs", self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                "max_tokens must be at least 1 (0 only with echo: true, which returns the "
+                "prompt alone)",
+                param="max_tokens",
+            )
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) alone. The engine
+        generates one token, which the answer leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """The engine's ``logprobs`` and ``prompt_logprobs`` for this request."""
+        prompt_logprobs = self.logprobs if self.echo else None
+        return (None if self.prompt_only else self.logprobs), prompt_logprobs
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
     max_tokens_param: ClassVar[str] = "max_tokens"
+
+
+MAX_PROMPTS = 64
+"""The most prompts one completion request may hold (they are served together)."""
+
+
+def _check_logprob_count(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", param=name)
 
 
 def parse(model: type[_Generation], body: bytes) -> _Generation:
@@ -233,6 +425,10 @@ def validation_error(error: ValidationError) -> APIError:
     if first["type"] == "missing":
         return APIError(f"{location} is required", param=location or None)
     message = first["msg"]
+    cause = first.get("ctx", {}).get("error")
+    if first["type"] == "value_error" and isinstance(cause, FieldError):
+        location = f"{location}.{cause.field}"
+        return APIError(f"{location}: {cause}", param=location)
     if first["type"] == "model_type" and not first["loc"]:
         message = "the request body must be a JSON object"
     shown = f"{location}: " if location else ""
@@ -254,40 +450,44 @@ def _location(loc: tuple) -> str:
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024
+"""The most stop strings one request may give, and the most characters of one: every step
+searches each new text for each of them (OpenAI itself takes 4)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of this server: the context it may fill, the samples, and the
+    KV pool (``kv_blocks`` of ``block_size`` tokens) its sequences must fit in together."""
+
+    max_model_len: int
+    max_n: int
+    kv_blocks: int
+    block_size: int
+
+    def kv_room(self, prompt_len: int, n: int) -> int:
+        """The most tokens each of ``n`` samples of a ``prompt_len``-token prompt may generate
+        with the whole pool: the prompt's full blocks are shared, every sample holds its own
+        blocks up to ``prompt + max_tokens - 1`` tokens (the engine's count)."""
+        size = self.block_size
+        shared = prompt_len // size
+        own_blocks = (self.kv_blocks - shared) // n
+        return size * (shared + own_blocks) - prompt_len + 1
+
+
 def sampling_params(
     request: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
-    max_model_len: int,
-    max_n: int,
+    limits: Limits,
     default_max_tokens: int | None,
 ) -> SamplingParams:
     """The engine's parameters for ``request`` with a prompt of ``prompt_len`` tokens, or the
     APIError naming the parameter that cannot be served."""
-    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-    if prompt_len >= max_model_len:
-        raise APIError(
-            f"the prompt is {prompt_len} tokens long; this model's context is {max_model_len} "
-            "tokens, and the completion needs at least one of them",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    room = max_model_len - prompt_len
-    max_tokens = request.max_new_tokens
-    name = request.max_tokens_param
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif max_tokens < 1:
-        raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
-    elif max_tokens > room:
-        raise APIError(
-            f"{name} is {max_tokens}, but the prompt takes {prompt_len} of this model's "
-            f"{max_model_len} context tokens: at most {room} remain",
-            param=name,
-            code="context_length_exceeded",
-        )
     n = 1 if request.n is None else request.n
-    if not 1 <= n <= max_n:
-        raise APIError(f"n must be between 1 and {max_n}, got {n}", param="n")
+    if not 1 <= n <= limits.max_n:
+        raise APIError(f"n must be between 1 and {limits.max_n}, got {n}", param="n")
+    max_tokens = _max_tokens(request, prompt_len, n, limits, default_max_tokens)
     temperature = 1.0 if request.temperature is None else request.temperature
     if not 0 <= temperature <= 2:
         raise APIError(
@@ -296,9 +496,6 @@ def sampling_params(
     top_p = 1.0 if request.top_p is None else request.top_p
     if not 0 < top_p <= 1:
         raise APIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if any(not s for s in stop):
-        raise APIError("stop strings must not be empty", param="stop")
     # Without a seed every request draws its own random numbers (the engine's default seed
     # would give every request the same samples).
     seed = secrets.randbits(63) if request.seed is None else request.seed
@@ -309,10 +506,103 @@ def sampling_params(
             top_p=top_p,
             n=n,
             seed=seed,
-            stop=tuple(stop),
+            stop=_stop_strings(request.stop),
+            logprobs=request.logprob_counts[0],
+            prompt_logprobs=request.logprob_counts[1],
+            **_sampling_controls(request),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
         raise APIError(str(error), param=error.argument) from None
+
+
+def _max_tokens(request, prompt_len: int, n: int, limits: Limits, default: int | None) -> int:
+    """The request's completion length, checked against the context; left out, the longest
+    that the context and the KV pool allow for its ``n`` samples (at most ``default``)."""
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    context = limits.max_model_len
+    if prompt_len >= context:
+        raise APIError(
+            f"the prompt is {prompt_len} tokens long; this model's context is {context} "
+            "tokens, and the completion needs at least one of them",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = context - prompt_len
+    max_tokens = request.max_new_tokens
+    name = request.max_tokens_param
+    if request.prompt_only:
+        return 1  # the engine generates at least one token; the answer leaves it out
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
+        if max_tokens > room:
+            raise APIError(
+                f"{name} is {max_tokens}, but the prompt takes {prompt_len} of this model's "
+                f"{context} context tokens: at most {room} remain",
+                param=name,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+    kv_room = limits.kv_room(prompt_len, n)
+    if kv_room < 1:
+        alone = limits.kv_room(prompt_len, 1) >= 1
+        raise APIError(
+            f"the KV cache cannot hold {n} samples of this {prompt_len}-token prompt"
+            if alone
+            else f"the KV cache cannot hold this {prompt_len}-token prompt",
+            param="n" if alone else prompt_param,
+            code="kv_cache_exceeded",
+        )
+    return min(room, kv_room, default or room)
+
+
+SAMPLING_CONTROLS = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+)
+"""Request fields that are the engine's SamplingParams of the same name (vLLM's names and
+meaning), besides ``logit_bias`` whose keys are converted. Left out (null), the engine's
+default applies."""
+
+
+def _sampling_controls(request) -> dict[str, Any]:
+    """The request's sampling controls as SamplingParams arguments; the engine checks their
+    values (its RequestError names the field)."""
+    controls = {name: getattr(request, name) for name in SAMPLING_CONTROLS}
+    controls = {name: value for name, value in controls.items() if value is not None}
+    if request.logit_bias:
+        bias = {}
+        for token, value in request.logit_bias.items():
+            if not token.isascii() or not token.isdigit():
+                raise APIError(
+                    f'logit_bias keys must be token ids ("123"), got {token!r}',
+                    param="logit_bias",
+                )
+            bias[int(token)] = value
+        controls["logit_bias"] = bias
+    if "stop_token_ids" in controls:
+        controls["stop_token_ids"] = tuple(controls["stop_token_ids"])
+    return controls
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(
+            f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
+            param="stop",
+        )
+    if any(not s for s in stops):
+        raise APIError("stop strings must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise APIError(f"a stop string may hold at most {MAX_STOP_LENGTH} characters", param="stop")
+    return tuple(stops)
 
 
 # --------------------------------------------------------------------- responses
@@ -322,9 +612,13 @@ def completion_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
-    completion = sum(len(tokens) for tokens in output.outputs)
-    prompt = len(output.prompt)
+def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict[str, int]:
+    """The tokens of a request's prompts and completions (``prompt_only``: the one token
+    the engine generated for each is not part of the answer)."""
+    prompt = sum(len(output.prompt) for output in outputs)
+    completion = 0
+    if not prompt_only:
+        completion = sum(len(tokens) for output in outputs for tokens in output.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -334,28 +628,6 @@ def usage(output: RequestOutput) -> dict[str, int]:
 
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else FINISH_REASONS[reason]
-
-
-def response(chat: bool, id: str, model: str, output: RequestOutput) -> dict:
-    """The whole answer to a non-streaming request, from its final output."""
-    choices = []
-    for index, (text, reason) in enumerate(zip(output.texts, output.finish_reasons)):
-        choice: dict[str, Any] = {"index": index}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["finish_reason"] = finish_reason(reason)
-        choice["logprobs"] = None
-        choices.append(choice)
-    return {
-        "id": id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(output),
-    }
 
 
 def chunk(chat: bool, id: str, created: int, model: str, choices: list[dict]) -> dict:
@@ -368,9 +640,11 @@ def chunk(chat: bool, id: str, created: int, model: str, choices: list[dict]) ->
     }
 
 
-def chunk_choice(chat: bool, index: int, text: str | None, reason: str | None) -> dict:
+def chunk_choice(
+    chat: bool, index: int, text: str | None, reason: str | None, logprobs: dict | None = None
+) -> dict:
     """One choice of a streamed chunk: ``text`` is the delta (``None``: the opening chunk of a
-    chat choice, which carries the role)."""
+    chat choice, which carries the role), ``logprobs`` those of its tokens."""
     choice: dict[str, Any] = {"index": index}
     if chat:
         opening = text is None
@@ -378,7 +652,7 @@ def chunk_choice(chat: bool, index: int, text: str | None, reason: str | None) -
     else:
         choice["text"] = text or ""
     choice["finish_reason"] = finish_reason(reason)
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     return choice
 
 
