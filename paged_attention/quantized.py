@@ -137,6 +137,18 @@ class QuantizedLinear(nn.Module):
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The de-quantized weight (out features, in features) in bfloat16, computed at each
+        access (the layer itself never reads it): for code that inspects a linear layer's
+        weight, such as its shape or device."""
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)
+        bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).T.contiguous()
+        finally:
+            self.bias = bias
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -200,3 +200,11 @@ def test_gguf_file_refuses_what_is_not_one(tmp_path):
     path.write_bytes(b"GGML" + bytes(40))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(path)
+
+
+def test_weight_is_the_dequantized_weight():
+    weight = random_weight((32, 64))
+    layer = QuantizedLinear.from_float(weight, "Q4_0", bias=torch.ones(32))
+    reference = dequantized(blocks_of(weight, "Q4_0"), "Q4_0")
+    assert layer.weight.shape == (32, 64) and layer.bias is not None
+    torch.testing.assert_close(layer.weight.float(), reference, rtol=2**-7, atol=1e-3)
