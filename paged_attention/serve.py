@@ -39,10 +39,11 @@ address cannot be bound; 2 for bad arguments (including a --model that cannot be
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from paged_attention.models import add_model_arguments
+    from paged_attention.models import add_model_arguments, add_weights_argument
 
     parser.epilog = EXIT_STATUS
     add_model_arguments(parser)
+    add_weights_argument(parser)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
@@ -180,7 +181,9 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, device=args.device, weights=args.weights
+        )
     except ValueError as error:  # models.ModelLoadError: one line naming the problem
         raise UsageError(str(error)) from None
     if tokenizer is None:

@@ -4,6 +4,7 @@ tiny model's byte-level tokenizer, and the real model (SmolLM2-135M-Instruct) an
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,3 +259,93 @@ def test_smollm2_cache_entry_holds_a_plain_checkpoint(smollm2):
     assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in entry.iterdir()
     }
+
+
+# ---------------------------------------------------------------- --weights
+
+
+def test_weights_argument_errors_are_one_line(monkeypatch):
+    assert "weights: expected one of auto, bf16, fp32, q4, q8, got 'q5'" in error_of(
+        "tiny", weights="q5"
+    )
+    assert "weights bf16: disagrees with dtype float32" in error_of(
+        "tiny", weights="bf16", dtype="float32"
+    )
+    message = error_of("tiny", weights="q4")  # its MLP is 688 wide: not whole blocks of 32
+    assert message.startswith("tiny: weights q4: model.layers.0.mlp.down_proj: 688 input")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "weights q8: the quantized layers run on the CPU only" in error_of(
+        "tiny", weights="q8", device="cuda"
+    )
+
+
+def test_float_weights_name_the_dtype_and_auto_leaves_a_directory_in_floats():
+    model, _ = load_model("tiny", weights="fp32")
+    assert model.dtype == torch.float32
+    assert load_model("tiny", weights="bf16", dtype="bfloat16")[0].dtype == torch.bfloat16
+    auto, _ = load_model("tiny", weights="auto", dtype="float32")
+    torch.testing.assert_close(auto.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+
+
+def test_weights_argument_of_the_commands():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    models.add_weights_argument(parser)
+    assert parser.parse_args([]).weights == "auto"
+    assert parser.parse_args(["--weights", "q8"]).weights == "q8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--weights", "int3"])
+
+
+@pytest.fixture(scope="module")
+def smollm2_as_shipped():
+    return load_model("smollm2", weights="auto")
+
+
+def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
+    """Every projection is a Q4_1 layer and the (tied) LM head a Q8_0 one, and the blocks are
+    the file's, rows in transformers' order: de-quantized, they are the weights transformers'
+    GGUF loader gives (float32, the conversion cache), exactly."""
+    from gguf import GGMLQuantizationType, quants
+
+    from paged_attention.quantized import QuantizedLinear, ShippedTensors
+
+    model, _ = smollm2_as_shipped
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert [m.format for m in layers].count("Q4_1") == 210 and model.lm_head.format == "Q8_0"
+    floats, _ = load_model("smollm2", weights="fp32")
+    shipped = ShippedTensors.read(models.smollm2_gguf(), floats)
+    for layer in (0, 29):
+        for path in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+            blocks, fmt, _ = shipped.blocks(layer, path)
+            weight = quants.dequantize(np.asarray(blocks), GGMLQuantizationType[fmt])
+            expected = floats.model.layers[layer].get_submodule(path).weight
+            assert torch.equal(torch.from_numpy(weight), expected)
+
+
+def test_smollm2_as_shipped_agrees_with_bf16_through_the_engine(smollm2_as_shipped, smollm2):
+    """Greedy tokens of the demo's questions, the GGUF's blocks against the de-quantized bf16
+    model: they compute the same weights, rounded differently, so they agree up to the first
+    near-tie (the France question's first token is one: its two best float32 logits are 0.08
+    apart)."""
+    from paged_attention.demo import QUESTIONS
+    from paged_attention.engine import Engine, SamplingParams
+
+    prompts = [[{"role": "user", "content": question}] for question in QUESTIONS[:6]]
+    tokens = []
+    for model, tokenizer in (smollm2_as_shipped, load_model("smollm2", weights="bf16")):
+        engine = Engine(model, tokenizer=tokenizer, num_blocks=128)
+        try:
+            outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+        finally:
+            model.set_attn_implementation("sdpa")
+        tokens.append([output.outputs[0] for output in outputs])
+    prefixes = [shared_prefix(a, b) for a, b in zip(*tokens)]
+    exact = sum(a == b for a, b in zip(*tokens))
+    print(f"\nas shipped vs bf16: {exact}/{len(prompts)} equal, shared prefixes {prefixes}")
+    assert sum(prefix >= 3 for prefix in prefixes) >= len(prompts) - 2
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
