@@ -265,6 +265,41 @@ def demo_section(data: dict) -> str:
     return text + table(["", "demo"], body)
 
 
+def read_limit_text(data: dict) -> str:
+    """How a decode JSON's read limit was measured, in a sentence."""
+    memory = data.get("read_limit", {}).get("memory")
+    if memory is None:  # a run from before the read limit: its limit was a sum() of the row's size
+        return "the limit is a streaming `sum()` over a buffer of as many bytes on the same machine"
+    llc = data["read_limit"].get("last_level_cache_bytes")
+    times = f", {memory['buffer_bytes'] / llc:.1f}x the last-level cache" if llc else ""
+    return (
+        "the read limit of a row is the fastest streaming read of as many bytes with all "
+        f"{memory['threads']} threads the kernels use (a float32 `sum()`, an int32 `amax()` and "
+        "a float32 matrix-vector product, each over a buffer of the row's size and over one of "
+        f"{memory['buffer_bytes'] / 2**30:.2f} GiB{times}, measured in the same run; memory: "
+        f"{num(memory['bytes_per_s'] / 1e9)} GB/s by `{memory['reader']}`). No method can read "
+        "the bytes faster, so a figure above 100% would be a measurement error, which the "
+        "benchmark and this page refuse"
+    )
+
+
+def refuse_measurement_errors(name: str, data: dict) -> None:
+    """Stop (SystemExit naming the file and the row) when ``data`` holds a figure above its read
+    limit: that is a measurement error, never a result to publish."""
+    errors = list(data.get("measurement_errors") or [])
+    rows = [*data.get("rows", []), *data.get("from_memory", [])]
+    for r in rows:
+        fraction = r.get("fraction_of_limit")
+        if (fraction is not None and fraction > 1.0) or r.get("limit_error"):
+            where = f"{r.get('dtype')} {r.get('batch')} x {r.get('context')} {r.get('method', '')}"
+            errors.append(f"{where.strip()}: above the read limit")
+    if errors:
+        raise SystemExit(
+            f"docs/results/{name}: {'; '.join(dict.fromkeys(errors))}. A figure above the read "
+            "limit is a measurement error: run the benchmark again on a quieter machine"
+        )
+
+
 def decode_section(data: dict) -> str:
     rows = data["rows"]
     shape = data.get("shape", {})
@@ -284,16 +319,17 @@ def decode_section(data: dict) -> str:
             if r.get("fraction_of_limit") is not None and method in ("v1", "v2"):
                 cell += f" ({pct(r['fraction_of_limit'])})"
             cells.append(cell)
-        cells.append(f"{num(limit.get('bytes_per_s', 0) / 1e9)} GB/s" if limit else "")
+        where = {"memory": ", memory", "same-size buffer": ""}.get(limit.get("bound"), "")
+        cells.append(f"{num(limit.get('bytes_per_s', 0) / 1e9)} GB/s{where}" if limit else "")
         body.append(cells)
-    header = ["dtype", "batch x context", "KV MiB", *methods, "streaming limit"]
+    header = ["dtype", "batch x context", "KV MiB", *methods, "read limit"]
     text = (
         f"One decode step of {shape.get('num_heads')} query heads over "
         f"{shape.get('num_kv_heads')} KV heads, head size {shape.get('head_size')}, block size "
         f"{shape.get('block_size')}, scattered block tables; every method reads the same paged "
-        "cache. GB/s is the bytes of K and V the step must read divided by its time; the limit is "
-        "a streaming `sum()` over a buffer of as many bytes on the same machine, and the "
-        "percentage is of that limit"
+        "cache. GB/s is the bytes of K and V the step must read divided by its time; "
+        + read_limit_text(data)
+        + "; the percentage is of that limit"
         + (" (caches on 2 MiB huge pages)" if data.get("huge_pages") else "")
         + ".\n\n"
     )
@@ -332,13 +368,19 @@ def prefill_section(data: dict) -> str:
 
 
 def cpu_core_section(data: dict) -> str:
-    body = [["memory: streaming `sum()`", "", num(data["memory"]["bytes_per_s"] / 1e9, 1)]]
+    memory = data["memory"]
+    reader = (
+        f" (`{memory['reader']}`, {memory['bytes'] / 2**30:.2f} GiB)" if "reader" in memory else ""
+    )
+    label = "memory: read limit" if "reader" in memory else "memory: streaming `sum()`"
+    body = [[label + reader, "", num(memory["bytes_per_s"] / 1e9, 1), ""]]
     for r in data["compute"]:
         body.append(
             [
                 f"compute: v1 over a cache in L2 ({r['dtype']})",
                 ms(r["time_s"]),
                 num(r["bytes_per_s"] / 1e9, 1),
+                "",
             ]
         )
     for r in data["from_memory"]:
@@ -347,10 +389,17 @@ def cpu_core_section(data: dict) -> str:
                 f"v1 from memory, {r['batch']} x {r['context']} ({r['dtype']})",
                 ms(r["time_s"]),
                 num(r["bytes_per_s"] / 1e9, 1),
+                pct(r.get("fraction_of_limit")),
             ]
         )
-    text = "One core's compute rate against the rate one core streams from memory.\n\n"
-    return text + table(["measure (one thread)", "time", "GB/s"], body, "lrr")
+    text = (
+        "One core's compute rate against the rate one core streams from memory. The read limit "
+        "is the fastest of the streaming readers of `paged_attention.machine` on one thread "
+        "(for the rows from memory: the faster of that and the readers over a buffer of the "
+        "row's size), measured in the same run.\n\n"
+    )
+    header = ["measure (one thread)", "time", "GB/s", "% of the read limit"]
+    return text + table(header, body, "lrrr")
 
 
 def serving_section(data: dict) -> str:
@@ -586,7 +635,7 @@ def headline_rows(
             row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
             result = (
                 f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
-                f"{pct(row.get('fraction_of_limit'))} of the streaming-read limit"
+                f"{pct(row.get('fraction_of_limit'))} of the read limit"
             )
             if row.get("speedup_vs_gather_sdpa"):
                 result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
@@ -754,6 +803,9 @@ def replace_marked(text: str, body: str, path: str) -> str:
 def render(root: Path = ROOT) -> dict[str, str]:
     """Path -> the file's text with its marked section written from docs/results/."""
     results = load_results(root / "docs" / "results")
+    for name, data in results.items():
+        if kind_of(data) in ("decode", "decode_cpu_core"):
+            refuse_measurement_errors(name, data)
     commands = index_commands(root / "docs" / "results")
     notes = index_notes(root / "docs" / "results")
     return {
