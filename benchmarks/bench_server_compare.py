@@ -123,8 +123,9 @@ class ProcessTreeMonitor:
 
 
 class SystemCpu:
-    """The machine's busy and stolen CPU seconds (every process, and the VM's steal), and this
-    client process's own, so that the rest of the machine's load can be told apart."""
+    """The machine's CPU seconds (all CPUs together: ``total``, of which ``busy`` for every
+    process and ``steal`` taken by the VM's host), and this client process's own, so that the
+    rest of the machine's load can be told apart."""
 
     def __init__(self):
         self.client = psutil.Process()
@@ -134,12 +135,10 @@ class SystemCpu:
         idle = times.idle + getattr(times, "iowait", 0.0)
         steal = getattr(times, "steal", 0.0)
         own = self.client.cpu_times()
-        return dict(
-            busy=sum(times) - idle - steal - getattr(times, "guest", 0.0)
-            - getattr(times, "guest_nice", 0.0),
-            steal=steal,
-            client=own.user + own.system,
-        )  # fmt: skip
+        # guest time is counted in user time too
+        total = sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+        client = own.user + own.system
+        return dict(total=total, busy=total - idle - steal, steal=steal, client=client)
 
 
 def free_port() -> int:
@@ -281,7 +280,11 @@ def measure_load(server: RunningServer, model: str, load: Load) -> dict:
     ttfts = [r.first_chunk - r.sent for r in ok if r.first_chunk is not None]
     itls = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     server_cores = (server_after - server_before) / wall
+    client_cores = (system_after["client"] - system_before["client"]) / wall
     delta = {key: system_after[key] - system_before[key] for key in system_before}
+    # The system's times tick every 10 ms per CPU: as a share of the CPU time that passed, they
+    # stay within the machine's cores over a short load too.
+    per_core = (os.cpu_count() or 1) / delta["total"] if delta["total"] > 0 else 1.0 / wall
     return {
         "load": load.name,
         "requests": len(results),
@@ -296,9 +299,9 @@ def measure_load(server: RunningServer, model: str, load: Load) -> dict:
         "itl_p50_ms": percentile_ms(itls, 50),
         "itl_p90_ms": percentile_ms(itls, 90),
         "server_cores": round(server_cores, 3),
-        "other_cores": round(max(0.0, (delta["busy"] - delta["client"]) / wall - server_cores), 3),
-        "client_cores": round(delta["client"] / wall, 3),
-        "steal_cores": round(delta["steal"] / wall, 3),
+        "other_cores": round(max(0.0, delta["busy"] * per_core - server_cores - client_cores), 3),
+        "client_cores": round(client_cores, 3),
+        "steal_cores": round(delta["steal"] * per_core, 3),
         "loadavg_before": loadavg,
     }
 

@@ -5,6 +5,7 @@ refused. Stub servers (tests/openai_stub_server.py) stand in for both."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from pathlib import Path
@@ -73,6 +74,8 @@ def test_the_servers_alternate_and_every_figure_is_recorded(stubs, tmp_path, cap
             assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
             assert 0 <= row["itl_p50_ms"] <= row["itl_p90_ms"]
             assert row["server_cores"] >= 0 and row["other_cores"] >= 0
+            # shares of the CPU time that passed: never more than the machine's cores
+            assert row["other_cores"] + row["steal_cores"] <= os.cpu_count() + 1e-6
     # the serve stub spends 1 ms of CPU a token: 2048 tokens take two seconds of CPU at least
     serve_chats = [r["loads"][0] for r in runs if r["server"] == "serve"]
     assert all(row["server_cores"] * row["seconds"] >= 1.5 for row in serve_chats)
