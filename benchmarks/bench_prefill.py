@@ -53,17 +53,15 @@ from pathlib import Path
 
 import torch
 from bench_decode import (
-    CUDA_CALLS_PER_SAMPLE,
     Shape,
     allocate,
     build_case,
     gather_kv,
     machine_info,
-    synchronize,
 )
 
 import paged_attention
-from paged_attention.machine import describe_machine
+from paged_attention.machine import CUDA_CALLS_PER_SAMPLE, describe_machine, synchronize
 
 
 @dataclasses.dataclass(frozen=True)

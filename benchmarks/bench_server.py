@@ -22,6 +22,12 @@ the load average and the server's model) and a PNG of latency against load.
 
 ``--launch ARGS`` starts ``python -m paged_attention serve ARGS --port 0`` first and stops it
 afterwards (SIGTERM) instead of using ``--url``.
+
+``--compare --llama-server PATH`` runs ``serve`` and llama.cpp's ``llama-server`` on the same GGUF
+alternately with the same client workload (bench_server_compare.py says how):
+
+    python benchmarks/bench_server.py --compare --llama-server PATH [--rounds 2]
+        [--json results/bench_server_compare.json] [--plot results/bench_server_compare.png]
 """
 
 from __future__ import annotations
@@ -308,14 +314,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="the running server, e.g. http://127.0.0.1:8000")
     where.add_argument("--launch", metavar="ARGS", help="start `paged_attention serve ARGS`")
+    where.add_argument(
+        "--compare",
+        action="store_true",
+        help="serve against llama-server on the same GGUF, alternately (needs --llama-server)",
+    )
     parser.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates (req/s)")
     parser.add_argument("--concurrency", default="1,4,16", help="closed-loop client counts")
     parser.add_argument("--requests", type=int, default=32, help="requests per run")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="results/bench_server.json")
-    parser.add_argument("--plot", default="results/bench_server.png")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--json", help="default: results/bench_server.json (--compare: ..._compare)"
+    )
+    parser.add_argument("--plot", help="default: results/bench_server.png (--compare: ..._compare)")
+    import bench_server_compare  # imports this module: not at the top
+
+    bench_server_compare.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.compare:
+        bench_server_compare.check_arguments(parser, args)
+    else:
+        args.json = "results/bench_server.json" if args.json is None else args.json
+        args.plot = "results/bench_server.png" if args.plot is None else args.plot
+    return args
 
 
 def _numbers(text: str, kind) -> list:
@@ -324,6 +346,12 @@ def _numbers(text: str, kind) -> list:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    typed = sys.argv if argv is None else ["benchmarks/bench_server.py", *argv]
+    command = " ".join(shlex.quote(a) for a in typed)
+    if args.compare:
+        import bench_server_compare
+
+        return bench_server_compare.run(args, command)
     process = None
     url = args.url
     if args.launch is not None:
@@ -334,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
         info.update(
             machine=machine_info("cpu"),  # the client's; a launched server runs on it too
             url=url,
-            command=" ".join(shlex.quote(a) for a in sys.argv),
+            command=command,
             requests_per_run=args.requests,
             max_tokens=args.max_tokens,
         )

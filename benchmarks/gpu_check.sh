@@ -447,7 +447,7 @@ import torch
 sys.path.insert(0, "benchmarks")
 from bench_decode import (  # noqa: E402
     FLASHINFER_WORKSPACE_BYTES, Shape, best_time, build_case, flashinfer_inputs, machine_info,
-    streaming_limit,
+    read_limit,
 )
 
 import paged_attention  # noqa: E402
@@ -533,7 +533,7 @@ for dtype in (torch.bfloat16, torch.float32):
                    flops=flops(batch, context, q_len))
         made = methods(case, query, batch, context, q_len)
         expected = made["ours"]().float()
-        limit_s = (streaming_limit(kv_bytes, dev, REPS) if bound == "bandwidth"
+        limit_s = (read_limit(kv_bytes, dev, REPS).seconds(kv_bytes) if bound == "bandwidth"
                    else row["flops"] / peak_flops)
         times = {}
         for method, fn in made.items():

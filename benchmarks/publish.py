@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -52,6 +53,8 @@ def kind_of(data: dict) -> str | None:
     """Which benchmark wrote ``data``, from its shape (file names may vary)."""
     rows = data.get("rows")
     first = rows[0] if isinstance(rows, list) and rows else {}
+    if data.get("benchmark") == "bench_server_compare":
+        return "server_compare"
     if {"kv_budget_blocks", "contiguous_blocks"} <= data.keys():
         return "demo"
     if {"memory", "compute", "from_memory"} <= data.keys():
@@ -80,6 +83,7 @@ SCRIPTS = {
     "prefill": "bench_prefill.py",
     "serving": "bench_serving.py",
     "server": "bench_server.py",
+    "server_compare": "bench_server.py --compare",
     "memory": "bench_memory.py",
     "hf_kv_bytes": "bench_hf_kv_bytes.py",
     "block_manager": "bench_block_manager.py",
@@ -144,7 +148,9 @@ def index_commands(directory: Path = RESULTS) -> dict[str, str]:
 def command_of(name: str, data: dict, kind: str, commands: dict[str, str]) -> str:
     """The command that wrote ``data``: the one it records (bench_server.py's keeps its
     arguments' quoting), else INDEX.txt's, else the script's name."""
-    recorded = data.get("info", {}).get("command") if kind == "server" else None
+    recorded = data.get("info", {}).get("command") if kind in ("server", "server_compare") else None
+    if recorded and kind == "server_compare":
+        return as_typed(recorded)
     if recorded:
         return normal_command(recorded)
     if name in commands:
@@ -160,7 +166,7 @@ def machine_of(data: dict, kind: str) -> str:
         return "any (a replay of the block manager; no timing)"
     if kind == "hf_kv_bytes":
         return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
-    machine = data["info"]["machine"] if kind == "server" else data["machine"]
+    machine = data["info"]["machine"] if kind in ("server", "server_compare") else data["machine"]
     if "gpu" in machine:
         return f"{machine['gpu']} ({machine['sms']} SMs), torch {machine['torch']}"
     model = machine["cpu_model"]
@@ -265,6 +271,41 @@ def demo_section(data: dict) -> str:
     return text + table(["", "demo"], body)
 
 
+def read_limit_text(data: dict) -> str:
+    """How a decode JSON's read limit was measured, in a sentence."""
+    memory = data.get("read_limit", {}).get("memory")
+    if memory is None:  # a run from before the read limit: its limit was a sum() of the row's size
+        return "the limit is a streaming `sum()` over a buffer of as many bytes on the same machine"
+    llc = data["read_limit"].get("last_level_cache_bytes")
+    times = f", {memory['buffer_bytes'] / llc:.1f}x the last-level cache" if llc else ""
+    return (
+        "the read limit of a row is the fastest streaming read of as many bytes with all "
+        f"{memory['threads']} threads the kernels use (a float32 `sum()`, an int32 `amax()` and "
+        "a float32 matrix-vector product, each over a buffer of the row's size and over one of "
+        f"{memory['buffer_bytes'] / 2**30:.2f} GiB{times}, measured in the same run; memory: "
+        f"{num(memory['bytes_per_s'] / 1e9)} GB/s by `{memory['reader']}`). No method can read "
+        "the bytes faster, so a figure above 100% would be a measurement error, which the "
+        "benchmark and this page refuse"
+    )
+
+
+def refuse_measurement_errors(name: str, data: dict) -> None:
+    """Stop (SystemExit naming the file and the row) when ``data`` holds a figure above its read
+    limit: that is a measurement error, never a result to publish."""
+    errors = list(data.get("measurement_errors") or [])
+    rows = [*data.get("rows", []), *data.get("from_memory", [])]
+    for r in rows:
+        fraction = r.get("fraction_of_limit")
+        if (fraction is not None and fraction > 1.0) or r.get("limit_error"):
+            where = f"{r.get('dtype')} {r.get('batch')} x {r.get('context')} {r.get('method', '')}"
+            errors.append(f"{where.strip()}: above the read limit")
+    if errors:
+        raise SystemExit(
+            f"docs/results/{name}: {'; '.join(dict.fromkeys(errors))}. A figure above the read "
+            "limit is a measurement error: run the benchmark again on a quieter machine"
+        )
+
+
 def decode_section(data: dict) -> str:
     rows = data["rows"]
     shape = data.get("shape", {})
@@ -284,16 +325,17 @@ def decode_section(data: dict) -> str:
             if r.get("fraction_of_limit") is not None and method in ("v1", "v2"):
                 cell += f" ({pct(r['fraction_of_limit'])})"
             cells.append(cell)
-        cells.append(f"{num(limit.get('bytes_per_s', 0) / 1e9)} GB/s" if limit else "")
+        where = {"memory": ", memory", "same-size buffer": ""}.get(limit.get("bound"), "")
+        cells.append(f"{num(limit.get('bytes_per_s', 0) / 1e9)} GB/s{where}" if limit else "")
         body.append(cells)
-    header = ["dtype", "batch x context", "KV MiB", *methods, "streaming limit"]
+    header = ["dtype", "batch x context", "KV MiB", *methods, "read limit"]
     text = (
         f"One decode step of {shape.get('num_heads')} query heads over "
         f"{shape.get('num_kv_heads')} KV heads, head size {shape.get('head_size')}, block size "
         f"{shape.get('block_size')}, scattered block tables; every method reads the same paged "
-        "cache. GB/s is the bytes of K and V the step must read divided by its time; the limit is "
-        "a streaming `sum()` over a buffer of as many bytes on the same machine, and the "
-        "percentage is of that limit"
+        "cache. GB/s is the bytes of K and V the step must read divided by its time; "
+        + read_limit_text(data)
+        + "; the percentage is of that limit"
         + (" (caches on 2 MiB huge pages)" if data.get("huge_pages") else "")
         + ".\n\n"
     )
@@ -332,13 +374,19 @@ def prefill_section(data: dict) -> str:
 
 
 def cpu_core_section(data: dict) -> str:
-    body = [["memory: streaming `sum()`", "", num(data["memory"]["bytes_per_s"] / 1e9, 1)]]
+    memory = data["memory"]
+    reader = (
+        f" (`{memory['reader']}`, {memory['bytes'] / 2**30:.2f} GiB)" if "reader" in memory else ""
+    )
+    label = "memory: read limit" if "reader" in memory else "memory: streaming `sum()`"
+    body = [[label + reader, "", num(memory["bytes_per_s"] / 1e9, 1), ""]]
     for r in data["compute"]:
         body.append(
             [
                 f"compute: v1 over a cache in L2 ({r['dtype']})",
                 ms(r["time_s"]),
                 num(r["bytes_per_s"] / 1e9, 1),
+                "",
             ]
         )
     for r in data["from_memory"]:
@@ -347,10 +395,17 @@ def cpu_core_section(data: dict) -> str:
                 f"v1 from memory, {r['batch']} x {r['context']} ({r['dtype']})",
                 ms(r["time_s"]),
                 num(r["bytes_per_s"] / 1e9, 1),
+                pct(r.get("fraction_of_limit")),
             ]
         )
-    text = "One core's compute rate against the rate one core streams from memory.\n\n"
-    return text + table(["measure (one thread)", "time", "GB/s"], body, "lrr")
+    text = (
+        "One core's compute rate against the rate one core streams from memory. The read limit "
+        "is the fastest of the streaming readers of `paged_attention.machine` on one thread "
+        "(for the rows from memory: the faster of that and the readers over a buffer of the "
+        "row's size), measured in the same run.\n\n"
+    )
+    header = ["measure (one thread)", "time", "GB/s", "% of the read limit"]
+    return text + table(header, body, "lrrr")
 
 
 def serving_section(data: dict) -> str:
@@ -429,6 +484,104 @@ def server_section(data: dict) -> str:
     return text + table(header, body, "lrrrrr")
 
 
+COMPARE_METRICS = (
+    ("output_tokens_per_s", "output tok/s", 1),
+    ("ttft_p50_ms", "TTFT p50 ms", 0),
+    ("ttft_p90_ms", "TTFT p90 ms", 0),
+    ("itl_p50_ms", "ITL p50 ms", 1),
+    ("itl_p90_ms", "ITL p90 ms", 1),
+    ("server_cores", "CPU cores used by the server", 2),
+    ("other_cores", "cores used by other processes meanwhile", 2),
+    ("steal_cores", "cores stolen by the VM meanwhile", 2),
+)
+
+
+def spread_cell(stats: dict | None, digits: int) -> str:
+    """A median over rounds, with the range where the rounds differ."""
+    if stats is None:
+        return "n/a"
+    text = f"{stats['median']:.{digits}f}"
+    low, high = f"{stats['min']:.{digits}f}", f"{stats['max']:.{digits}f}"
+    return text if low == high else f"{text} ({low}-{high})"
+
+
+def compare_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """bench_server.py --compare's summary as a header (the servers) and rows: each load's
+    metrics, then peak memory and start time."""
+    servers = list(summary)
+    loads = list(dict.fromkeys(load for s in summary.values() for load in s["loads"]))
+    rows = []
+    for load in loads:
+        for metric, label, digits in COMPARE_METRICS:
+            cells = [summary[s]["loads"].get(load, {}).get(metric) for s in servers]
+            rows.append([f"{load}: {label}", *(spread_cell(c, digits) for c in cells)])
+    memory = [summary[s]["peak_rss_bytes"] for s in servers]
+    memory = [m and {key: value / 1e9 for key, value in m.items()} for m in memory]
+    rows.append(["peak resident memory GB", *(spread_cell(m, 2) for m in memory)])
+    rows.append(
+        ["start until /health s", *(spread_cell(summary[s]["start_s"], 1) for s in servers)]
+    )
+    return ["", *servers], rows
+
+
+def as_typed(command: str) -> str:
+    """A recorded command line as a reader would type it from the repository's root: this
+    Python as ``python``, the JSON and the plot where they are committed, the llama-server binary
+    from the script that builds it, ports as PORT, other files by their names (an argument that
+    is itself a command line, e.g. ``--serve-command``, likewise)."""
+    words = shlex.split(command)
+    out = []
+    for i, word in enumerate(words):
+        before = words[i - 1] if i else ""
+        if " " in word:
+            word = as_typed(word)
+        elif before == "--llama-server":
+            word = "LLAMA_SERVER"
+        elif before == "--port":
+            word = "PORT"
+        elif re.search(r"(^|/)python3?(\.\d+)?$", word):
+            word = "python"
+        elif before in ("--json", "--plot") or word.startswith("/"):
+            folder = {".json": "docs/results/", ".png": "docs/img/"}.get(Path(word).suffix, "")
+            word = folder + Path(word).name
+        out.append(word)
+    if out and out[0].startswith("benchmarks/"):
+        out.insert(0, "python")
+    built = '"$(bash benchmarks/build_llama_server.sh | tail -1)"'
+    return shlex.join(out).replace("LLAMA_SERVER", built)
+
+
+def server_compare_section(data: dict) -> str:
+    info = data["info"]
+    header, rows = compare_table_rows(data["summary"])
+    loads = "; ".join(
+        f"{load['name']} ({load['clients']} client{'s' if load['clients'] != 1 else ''}, "
+        f"{load['requests']} requests)"
+        for load in info["loads"]
+    )
+    commands = {r["server"]: as_typed(r["command"]) for r in data["runs"] if r["round"] == 1}
+    starts = "; ".join(f"{server}: `{command}`" for server, command in commands.items())
+    others = [
+        row["other_cores"] + row["steal_cores"] for run in data["runs"] for row in run["loads"]
+    ]
+    before, after = info["loadavg_before"], info["loadavg_after"]
+    text = (
+        f"`paged-attention serve` and llama.cpp's `llama-server` on the same GGUF "
+        f"(`{info['gguf']}`), started alternately ({info['rounds']} rounds of A B, never both "
+        f"loaded), with the same streaming OpenAI client, greedy: {loads}. Each cell is the "
+        "median over the rounds (the range in brackets). Tokens are the server's usage counts "
+        "(llama-server's streamed chunks where it sends none); cores are CPU seconds over the "
+        "wall time, of the server's process tree and of everything else on the machine. The "
+        f"servers were started as: {starts} (the port chosen free).\n\n"
+        f"The machine was shared while this ran: load average {before[0]:.1f} at the start and "
+        f"{after[0]:.1f} at the end, other processes and the VM took "
+        f"{min(others):.2f}-{max(others):.2f} cores during the loads. On a loaded machine the "
+        "figures are indicative: compare the two servers' columns, measured in turns under the "
+        "same load, rather than the absolute rates.\n\n"
+    )
+    return text + table(header, rows, "l" + "r" * (len(header) - 1))
+
+
 def memory_section(data: dict) -> str:
     trace = data["trace"]
     util = [
@@ -496,6 +649,11 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "decode_cpu_core": ("One CPU core: compute and memory", cpu_core_section, None),
     "serving": ("Serving: the engine and transformers", serving_section, "bench_serving.png"),
     "server": ("HTTP server under load", server_section, "bench_server.png"),
+    "server_compare": (
+        "`serve` and llama-server side by side",
+        server_compare_section,
+        "bench_server_compare.png",
+    ),
     "memory": ("KV memory: paged vs. contiguous, and sharing", memory_section, "bench_memory.png"),
     "hf_kv_bytes": ("transformers `generate()`: KV bytes held", hf_kv_bytes_section, None),
     "block_manager": ("Block manager: cost per step", block_manager_section, None),
@@ -586,7 +744,7 @@ def headline_rows(
             row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
             result = (
                 f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
-                f"{pct(row.get('fraction_of_limit'))} of the streaming-read limit"
+                f"{pct(row.get('fraction_of_limit'))} of the read limit"
             )
             if row.get("speedup_vs_gather_sdpa"):
                 result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
@@ -754,6 +912,9 @@ def replace_marked(text: str, body: str, path: str) -> str:
 def render(root: Path = ROOT) -> dict[str, str]:
     """Path -> the file's text with its marked section written from docs/results/."""
     results = load_results(root / "docs" / "results")
+    for name, data in results.items():
+        if kind_of(data) in ("decode", "decode_cpu_core"):
+            refuse_measurement_errors(name, data)
     commands = index_commands(root / "docs" / "results")
     notes = index_notes(root / "docs" / "results")
     return {

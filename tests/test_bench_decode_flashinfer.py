@@ -53,6 +53,7 @@ def test_cuda_methods_are_noted_and_skipped_on_the_cpu(tmp_path):
             str(ROOT / "benchmarks" / "bench_decode.py"),
             *("--batches", "1", "--contexts", "64", "--dtypes", "float32", "--reps", "2"),
             *("--methods", "v1", "--cuda-methods", "flashinfer,flashinfer-cc", "--json", str(out)),
+            *("--memory-buffer-mib", "32"),
         ],
         capture_output=True,
         text=True,

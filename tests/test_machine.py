@@ -1,5 +1,6 @@
 """paged_attention/machine.py: what the benchmarks and the demo record about the machine."""
 
+import pytest
 import torch
 
 from paged_attention import machine
@@ -36,3 +37,50 @@ def test_machine_info_names_the_cpu_its_features_and_the_kernel_variants():
     assert "gpu" not in info
     line = machine.describe_machine(info)
     assert info["cpu_model"] in line and f"{info['threads']} threads" in line
+
+
+def test_every_reader_reads_every_byte_of_the_buffer():
+    """A value written at the end of the buffer changes every reader's result: none stops early."""
+    buffer = torch.zeros(3 * machine.ROW_BYTES, dtype=torch.uint8)
+    buffer.view(torch.float32)[-1] = 2.0
+    results = {name: make(buffer)() for name, make in machine.STREAM_READERS.items()}
+    assert results["sum"].item() == 2.0
+    assert results["amax"].item() == torch.tensor(2.0).view(torch.int32).item()
+    assert results["gemv"].tolist() == [0.0, 0.0, 2.0]
+
+
+def test_the_read_limit_is_the_fastest_reader_with_all_threads():
+    limit = machine.measure_read_limit(5 * machine.ROW_BYTES + 100, reps=3)
+    assert limit.buffer_bytes == 5 * machine.ROW_BYTES  # whole rows
+    assert set(limit.rates) == set(machine.STREAM_READERS)
+    assert limit.bytes_per_s == max(limit.rates.values()) == limit.rates[limit.reader]
+    assert limit.threads == torch.get_num_threads()
+    assert limit.seconds(2 * limit.buffer_bytes) == 2 * limit.buffer_bytes / limit.bytes_per_s
+    assert machine.ReadLimit(**limit.as_dict()) == limit
+
+
+def test_the_faster_of_two_read_limits():
+    slow = machine.ReadLimit(1e9, "sum", 4096, 2, {"sum": 1e9})
+    fast = machine.ReadLimit(2e9, "gemv", 4096, 2, {"gemv": 2e9})
+    assert slow.faster(fast) is fast and fast.faster(slow) is fast and slow.faster(None) is slow
+
+
+def test_the_read_limit_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="nbytes must be a positive int"):
+        machine.measure_read_limit(0)
+    with pytest.raises(ValueError, match="reps must be a positive int"):
+        machine.measure_read_limit(4096, reps=0)
+    with pytest.raises(ValueError, match="allocate must return 4096 uint8 elements"):
+        machine.measure_read_limit(4096, allocate=lambda n, device: torch.empty(n // 4))
+
+
+def test_the_memory_buffer_is_many_times_the_last_level_cache(tmp_path, monkeypatch):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "260M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert machine.last_level_cache_bytes("cpu", str(tmp_path)) == 260 << 20
+    assert machine.last_level_cache_bytes("cpu", str(tmp_path / "missing")) == 0
+    monkeypatch.setattr(machine, "last_level_cache_bytes", lambda device="cpu": 260 << 20)
+    assert machine.memory_buffer_bytes() == 4 * (260 << 20)
+    monkeypatch.setattr(machine, "last_level_cache_bytes", lambda device="cpu": 0)
+    assert machine.memory_buffer_bytes() == 1 << 30

@@ -146,3 +146,45 @@ def test_taking_new_results_replaces_their_files_commands_and_notes(copy_of_repo
     readme = publish.render(copy_of_repo)["README.md"]
     row = next(line for line in readme.splitlines() if line.startswith("| KV memory"))
     assert "1.2% of KV memory wasted" in row and "\\*" not in row
+
+
+@pytest.mark.parametrize(
+    "name, spoil",
+    [
+        ("bench_decode_cpu.json", lambda d: d["rows"][0].update(fraction_of_limit=1.05)),
+        ("bench_decode_cpu.json", lambda d: d.update(measurement_errors=["v1 above the limit"])),
+        ("bench_decode_cpu_core.json", lambda d: d["from_memory"][0].update(limit_error="x")),
+    ],
+    ids=["above-100%", "recorded-error", "one-core"],
+)
+def test_a_figure_above_the_read_limit_is_never_published(copy_of_repo, name, spoil):
+    path = copy_of_repo / "docs" / "results" / name
+    data = json.loads(path.read_text())
+    spoil(data)
+    path.write_text(json.dumps(data))
+    before = {p: (copy_of_repo / p).read_text() for p in publish.TARGETS}
+    with pytest.raises(SystemExit, match=f"docs/results/{name}: .*a measurement error"):
+        publish.main([])
+    assert {p: (copy_of_repo / p).read_text() for p in publish.TARGETS} == before
+
+
+def test_the_committed_decode_figures_are_within_the_read_limit():
+    for name, data in publish.load_results().items():
+        kind = publish.kind_of(data)
+        if kind == "decode":
+            assert data["read_limit"]["memory"]["reader"] in ("sum", "amax", "gemv"), name
+            fractions = [r["fraction_of_limit"] for r in data["rows"] if r.get("time_s")]
+        elif kind == "decode_cpu_core":
+            fractions = [r["fraction_of_limit"] for r in data["from_memory"]]
+        else:
+            continue
+        assert fractions and all(0 < f <= 1.0 for f in fractions), name
+        assert data["measurement_errors"] == [], name
+
+
+def test_the_decode_section_says_how_the_read_limit_was_measured():
+    memory = dict(bytes_per_s=20e9, reader="gemv", buffer_bytes=1 << 31, threads=2, rates={})
+    data = {"read_limit": {"memory": memory, "last_level_cache_bytes": 1 << 29}}
+    text = publish.read_limit_text(data)
+    assert "all 2 threads the kernels use" in text and "2.00 GiB, 4.0x the last-level" in text
+    assert "memory: 20.0 GB/s by `gemv`" in text and "a figure above 100%" in text
