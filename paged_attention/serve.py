@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
             "install paged_attention from source with the serve extra (pip install "
             "--no-build-isolation '.[serve]' in its checkout)"
         ) from None
-    from paged_attention.models import load_model
+    from paged_attention.server.engine_process import start_engine_process
 
     if args.max_n > args.max_num_seqs:
         raise UsageError(
@@ -123,13 +123,8 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    try:
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    except ValueError as error:  # models.ModelLoadError: one line naming the problem
-        raise UsageError(str(error)) from None
-    if tokenizer is None:
-        raise UsageError(f"--model {args.model}: it has no tokenizer, which the server needs")
-    engine = build_engine(model, tokenizer, args)
+    # the model loads and the engine runs in a process of its own (ServeSpec builds it there)
+    engine, tokenizer = start_engine_process(args)
     name = args.served_model_name or args.model
     try:
         app = create_app(
