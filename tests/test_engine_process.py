@@ -331,3 +331,37 @@ def test_serve_leaves_no_engine_process(sig):
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+FORKED = """
+from paged_attention.engine import SamplingParams
+from paged_attention.server.engine_process import EngineProcess, EngineSpec
+import asyncio
+from paged_attention.server.engine_owner import EngineOwner
+
+async def main():
+    owner = EngineOwner(EngineProcess(EngineSpec("tiny", {"num_blocks": 32}), start_method="fork"))
+    owner.start()
+    stream = owner.submit([3, 4, 5], SamplingParams(max_new_tokens=5))
+    items = [await stream.outputs.get()]
+    while items[-1] is None or not items[-1].finished:
+        items.append(await stream.outputs.get())
+    await asyncio.to_thread(owner.stop)
+    print(items[-1].outputs)
+
+asyncio.run(main())
+"""
+
+
+def test_fork_start_in_a_fresh_process_serves_the_same_tokens(tiny):
+    """``start_method="fork"`` from a process that has run no torch operation yet (what it is
+    for: a start without importing torch again) gives the same tokens."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer=tokenizer, num_blocks=32, block_size=16)
+    (expected,) = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=5))
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", FORKED], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(expected.outputs)

@@ -2,8 +2,9 @@
 
 * :mod:`~paged_attention.server.protocol` — the request bodies accepted (strictly: what is not
   carried out is refused, never ignored), OpenAI-style errors, the response bodies;
-* :mod:`~paged_attention.server.engine_owner` — the one thread that steps the engine, fed by a
-  queue, handing outputs back to the event loop;
+* :mod:`~paged_attention.server.engine_owner` — the owner that steps the engine, fed by a
+  queue, handing outputs back to the event loop: in a thread, or with the engine in a process
+  of its own (:mod:`~paged_attention.server.engine_process`, what ``serve`` runs);
 * :mod:`~paged_attention.server.metrics` — Prometheus metrics read in the owner thread;
 * :mod:`~paged_attention.server.app` — the Starlette application and its routes.
 

@@ -23,6 +23,7 @@ however far it falls behind.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import copy
 import logging
@@ -109,7 +110,7 @@ class RequestStream:
             pass
 
 
-class EngineOwner:
+class EngineOwner(abc.ABC):
     """Steps an engine for the event loop's handlers (``start``/``stop``);
     ``EngineOwner(engine, on_step)`` builds the owner that fits ``engine`` (module docstring).
 
@@ -127,31 +128,36 @@ class EngineOwner:
             cls = ProcessEngineOwner if isinstance(engine, EngineProcess) else ThreadEngineOwner
         return super().__new__(cls)
 
-    alive: bool  # whether the engine is being stepped (the server's /health)
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Whether the engine is being stepped (the server's /health)."""
 
+    @abc.abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start stepping (the server's startup)."""
 
+    @abc.abstractmethod
     def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns its stream at once. The stream's first item is None once
         the engine queued the request, or the ValueError of an engine that refused it
         (EngineClosedError when the owner stopped first). Raises EngineClosedError when the
         owner takes no more requests."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def abort(self, stream: RequestStream) -> None:
-        """End ``stream``'s request now (at the owner's next turn) and free its blocks; nothing
-        more is delivered to it. Harmless when it already finished."""
-        raise NotImplementedError
+        """End ``stream``'s request now (at the owner's next turn) and free its blocks; what it
+        produces from then on (its final, aborted output included) is not delivered to it, though
+        outputs already on their way may still arrive. Harmless when it already finished."""
 
+    @abc.abstractmethod
     def drain(self, grace_seconds: float) -> None:
         """Refuse new requests; abort every request still unfinished ``grace_seconds`` from now.
         Safe to call from a signal handler."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stop(self, timeout: float | None = None) -> None:
         """Abort what is left, stop stepping and wait for it."""
-        raise NotImplementedError
 
 
 @dataclass

@@ -7,11 +7,16 @@ halved a single request's tokens/s (docs/performance.md, "The server's engine pr
 * :class:`EngineSpec` / :class:`ServeSpec`: how the engine is built, as picklable arguments
   (the model's name and the engine's options; or ``serve``'s parsed arguments), since the
   engine is built in the child;
-* :class:`EngineProcess`: the child itself: started with ``spawn`` (a fresh interpreter;
-  ``fork`` is refused by torch's OpenMP and the tokenizers' thread pools once they ran, and by
-  CUDA), it reports the engine's sizes and hands back the tokenizer; afterwards it mirrors the
-  engine's state after each step for the metrics (``block_manager``, ``scheduler``, ``stats``:
-  the attributes :class:`~paged_attention.server.metrics.ServerMetrics` reads);
+* :class:`EngineProcess`: the child itself, which reports the engine's sizes and hands back
+  the tokenizer; afterwards it mirrors the engine's state after each step for the metrics
+  (``block_manager``, ``scheduler``, ``stats``: the attributes
+  :class:`~paged_attention.server.metrics.ServerMetrics` reads). It is started with ``spawn``
+  (a fresh interpreter) by default and by ``serve``. ``fork`` starts it faster, since the
+  child does not import torch and transformers again (measured in docs/performance.md), but it
+  is only safe from a process that has not yet run torch's OpenMP pool, the tokenizers' thread
+  pool or CUDA: a child forked after them can hang in its first parallel region, and a server
+  started inside a larger program (the tests run ``serve`` in their own process) cannot promise
+  that, so ``fork`` is an option for a caller that can;
 * :class:`ProcessEngineOwner`: the :class:`~paged_attention.server.engine_owner.EngineOwner`
   of such an engine: a sender thread forwards the handlers' commands (add, abort, drain, stop;
   from a queue, so that a signal handler may drain), a receiver thread turns each step's
@@ -52,7 +57,7 @@ from paged_attention.server.engine_worker import STOPPED, Delivery, Failed, Read
 
 logger = logging.getLogger("paged_attention.server")
 
-START_METHODS = ("spawn", "forkserver", "fork")
+START_METHODS = ("spawn", "fork")
 
 
 @dataclass(frozen=True)
