@@ -173,22 +173,15 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     """Load the model and serve on ``sock`` until SIGINT/SIGTERM."""
     import uvicorn
 
-    from paged_attention.models import load_model
     from paged_attention.server import create_app
+    from paged_attention.server.engine_process import start_engine_process
     from paged_attention.server.graceful import GracefulServer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    try:
-        model, tokenizer = load_model(
-            args.model, dtype=args.dtype, device=args.device, weights=args.weights
-        )
-    except ValueError as error:  # models.ModelLoadError: one line naming the problem
-        raise UsageError(str(error)) from None
-    if tokenizer is None:
-        raise UsageError(f"--model {args.model}: it has no tokenizer, which the server needs")
-    engine = build_engine(model, tokenizer, args)
+    # the model loads and the engine runs in a process of its own (ServeSpec builds it there)
+    engine, tokenizer = start_engine_process(args)
     name = args.served_model_name or args.model
     try:
         app = create_app(

@@ -8,8 +8,9 @@
 * :mod:`~paged_attention.server.prompts` — the chat template and the tokenizer, in a worker
   thread off the event loop;
 * :mod:`~paged_attention.server.tokenization` — ``/tokenize`` and ``/detokenize``;
-* :mod:`~paged_attention.server.engine_owner` — the one thread that steps the engine, fed by a
-  queue, handing outputs back to the event loop;
+* :mod:`~paged_attention.server.engine_owner` — the owner that steps the engine, fed by a
+  queue, handing outputs back to the event loop: in a thread, or with the engine in a process
+  of its own (:mod:`~paged_attention.server.engine_process`, what ``serve`` runs);
 * :mod:`~paged_attention.server.metrics` — Prometheus metrics read in the owner thread;
 * :mod:`~paged_attention.server.app` — the Starlette application, its routes and the bound on
   waiting requests.

@@ -1,17 +1,31 @@
-"""One thread owns the engine: it takes requests and aborts from a queue, steps the engine while
-any request is unfinished (every request queued by then shares the step: continuous batching
-across HTTP requests), and hands each output to the asyncio queue of the request it belongs to.
+"""Who steps the engine: one owner takes requests and aborts from the HTTP handlers, steps the
+engine while any request is unfinished (every request queued by then shares the step:
+continuous batching across HTTP requests), and hands each output to the asyncio queue of the
+request it belongs to.
 
-The engine is not thread-safe and need not be: only this thread calls it. The HTTP handlers
-run on the event loop and meet the owner through :meth:`EngineOwner.submit` (which returns the
-request's :class:`RequestStream`) and :meth:`EngineOwner.abort`; outputs cross back with
-``loop.call_soon_threadsafe``. The split of vLLM's ``AsyncLLMEngine`` (an engine loop
-beside the API server's event loop), in one process.
+``EngineOwner(engine, on_step)`` picks where the engine runs:
+
+* an :class:`~paged_attention.engine.Engine` object: in a thread of this process
+  (:class:`ThreadEngineOwner`), the split of vLLM's ``AsyncLLMEngine``. Simple, and what tests
+  that patch the engine use; but the engine's Python and torch's intra-op threads then share
+  the interpreter and the cores with the event loop, which costs a single request about half
+  of the engine's offline speed on a 2-core machine (docs/performance.md);
+* an :class:`~paged_attention.server.engine_process.EngineProcess`: in a process of its own
+  (:class:`~paged_attention.server.engine_process.ProcessEngineOwner`), as vLLM's EngineCore
+  runs. ``paged-attention serve`` does this.
+
+Either way the HTTP handlers run on the event loop and meet the owner through
+:meth:`EngineOwner.submit` (which returns the request's :class:`RequestStream`) and
+:meth:`EngineOwner.abort`. A stream's outputs that its reader has not taken yet are merged
+into one (:class:`OutputQueue`), so a slow reader holds at most one pending output per request
+however far it falls behind.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -29,7 +43,46 @@ class EngineClosedError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step of the engine raised; the requests of that moment were aborted."""
+    """A step of the engine raised (the requests of that moment were aborted), or the engine's
+    process died."""
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput, beams: bool) -> RequestOutput:
+    """One output standing for two consecutive outputs of the same request: the later state,
+    with the new tokens and new text of both, entry by entry (an entry the earlier output lacks
+    is a sample forked since: it adds nothing). Beam search reorders its entries, so its later
+    output stands alone (a beam reader reads ``outputs``). Neither argument is changed."""
+    if beams:
+        return later
+    merged = copy.copy(later)
+    merged.new_tokens = [
+        (earlier.new_tokens[i] if i < len(earlier.new_tokens) else []) + tokens
+        for i, tokens in enumerate(later.new_tokens)
+    ]
+    if later.new_texts is not None:
+        before = earlier.new_texts or []
+        merged.new_texts = [
+            (before[i] if i < len(before) else "") + text for i, text in enumerate(later.new_texts)
+        ]
+    return merged
+
+
+class OutputQueue(asyncio.Queue):
+    """A stream's queue whose pending outputs merge: an output put behind another output of
+    the same request joins it (:func:`merge_outputs`), so the queue holds at most one output
+    (plus the admission marker or an error) however slowly it is read, and what the reader
+    gets adds up to the same tokens and text."""
+
+    def __init__(self, beams: bool = False) -> None:
+        super().__init__()
+        self.beams = beams
+
+    def _put(self, item) -> None:
+        pending = self._queue  # asyncio.Queue's deque (its _put/_get are the subclass hooks)
+        if isinstance(item, RequestOutput) and pending and isinstance(pending[-1], RequestOutput):
+            pending[-1] = merge_outputs(pending[-1], item, self.beams)
+        else:
+            super()._put(item)
 
 
 @dataclass(eq=False)
@@ -40,17 +93,71 @@ class RequestStream:
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    # first None (admitted) or the exception that refused it, then RequestOutputs
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request_id: int | None = None  # set by the owner thread when the engine queued it
-    finished: bool = False  # set by the owner thread when it delivered the final output
+    # first None (admitted) or the exception that refused it, then RequestOutputs (merged
+    # while unread)
+    outputs: OutputQueue = field(init=False)
+    request_id: int | None = None  # set by the owner when the engine queued it
+    finished: bool = False  # set by the owner when it delivered the final output
+
+    def __post_init__(self) -> None:
+        self.outputs = OutputQueue(beams=self.params.is_beam_search)
 
     def deliver(self, item: RequestOutput | Exception | None) -> None:
-        """From the owner thread: hand ``item`` to the event loop."""
+        """From the owner's thread: hand ``item`` to the event loop."""
         try:
             self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is left to read it
             pass
+
+
+class EngineOwner(abc.ABC):
+    """Steps an engine for the event loop's handlers (``start``/``stop``);
+    ``EngineOwner(engine, on_step)`` builds the owner that fits ``engine`` (module docstring).
+
+    ``on_step(engine, outputs)`` (optional) runs in the owner's thread after every step and
+    after every abort, with the outputs just produced: the place to read the engine's state
+    for metrics (for an engine in its own process, ``engine`` is the
+    :class:`~paged_attention.server.engine_process.EngineProcess`, which mirrors the state the
+    metrics read).
+    """
+
+    def __new__(cls, engine=None, on_step=None):
+        if cls is EngineOwner:
+            from paged_attention.server.engine_process import EngineProcess, ProcessEngineOwner
+
+            cls = ProcessEngineOwner if isinstance(engine, EngineProcess) else ThreadEngineOwner
+        return super().__new__(cls)
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Whether the engine is being stepped (the server's /health)."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start stepping (the server's startup)."""
+
+    @abc.abstractmethod
+    def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream at once. The stream's first item is None once
+        the engine queued the request, or the ValueError of an engine that refused it
+        (EngineClosedError when the owner stopped first). Raises EngineClosedError when the
+        owner takes no more requests."""
+
+    @abc.abstractmethod
+    def abort(self, stream: RequestStream) -> None:
+        """End ``stream``'s request now (at the owner's next turn) and free its blocks; what it
+        produces from then on (its final, aborted output included) is not delivered to it, though
+        outputs already on their way may still arrive. Harmless when it already finished."""
+
+    @abc.abstractmethod
+    def drain(self, grace_seconds: float) -> None:
+        """Refuse new requests; abort every request still unfinished ``grace_seconds`` from now.
+        Safe to call from a signal handler."""
+
+    @abc.abstractmethod
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is left, stop stepping and wait for it."""
 
 
 @dataclass
@@ -63,13 +170,10 @@ class _Abort:
     stream: RequestStream
 
 
-class EngineOwner:
-    """Steps ``engine`` in a thread of its own (``start``/``stop``).
-
-    ``on_step(engine, outputs)`` (optional) runs in the owner thread after every step and after
-    every abort, with the outputs just delivered: the place to read the engine's state for
-    metrics, since no other thread may touch it.
-    """
+class ThreadEngineOwner(EngineOwner):
+    """Steps ``engine`` (an :class:`~paged_attention.engine.Engine`) in a thread of this
+    process. The engine is not thread-safe and need not be: only this thread calls it; outputs
+    cross back to the event loop with ``loop.call_soon_threadsafe``."""
 
     def __init__(
         self, engine, on_step: Callable[[object, list[RequestOutput]], None] | None = None

@@ -1,0 +1,121 @@
+"""One user through ``serve`` against the offline engine, in one run: the tokens/s of a
+single streamed chat of ``--max-tokens`` tokens (the openai client, greedy), the engine's own
+rate for the same prompt offline, and the seconds from starting ``serve`` until ``/health``
+answers. Servers are started from the checkouts given (``--checkouts before=PATH,after=PATH``)
+in turn, A B A B, so a shared machine's load falls on both alike; /proc/loadavg is recorded.
+
+    python benchmarks/bench_server_process.py --checkouts before=../old,after=. --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as file:
+        return " ".join(file.read().split()[:3])
+
+
+def serve_once(checkout: str, model: str, max_tokens: int) -> dict:
+    import httpx
+    import openai
+
+    port = free_port()
+    command = [sys.executable, "-m", "paged_attention", "serve", "--model", model]
+    command += ["--port", str(port), "--log-level", "warning"]
+    environment = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+    started = time.perf_counter()
+    server = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"serve from {checkout} exited with {server.returncode}")
+            time.sleep(0.05)
+        health = time.perf_counter() - started
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        rates = []
+        for _ in range(2):  # the first one warms the model up
+            times, usage = [], None
+            stream = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if chunk.choices and chunk.choices[0].delta.content:
+                    times.append(time.perf_counter())
+            tokens = usage.completion_tokens
+            rates.append((tokens - 1) / (times[-1] - times[0]))
+        return {"health_s": health, "tok_s": rates[-1], "tokens": tokens}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def offline(model: str, max_tokens: int) -> dict:
+    from paged_attention.engine import Engine, SamplingParams
+    from paged_attention.models import load_model
+
+    loaded, tokenizer = load_model(model)
+    engine = Engine(loaded, tokenizer=tokenizer, num_blocks=4096 // 16, block_size=16)
+    messages = [{"role": "user", "content": PROMPT}]
+    rate = None
+    for _ in range(2):
+        (output,) = engine.generate([messages], SamplingParams(max_new_tokens=max_tokens))
+        times = output.metrics.token_times
+        rate = (len(output.outputs[0]) - 1) / (times[-1] - times[0])
+    return {"tok_s": rate, "tokens": len(output.outputs[0])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkouts", required=True, help="name=PATH,name=PATH")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    checkouts = dict(item.split("=", 1) for item in args.checkouts.split(","))
+    results = []
+    for round_ in range(args.rounds):
+        entry = {"round": round_, "load_before": loadavg()}
+        entry["offline"] = offline(args.model, args.max_tokens)
+        print(f"offline: {entry['offline']}", file=sys.stderr, flush=True)
+        for name, path in checkouts.items():
+            entry[name] = serve_once(path, args.model, args.max_tokens)
+            print(f"{name}: {entry[name]}", file=sys.stderr, flush=True)
+        entry["load_after"] = loadavg()
+        results.append(entry)
+        print(json.dumps(entry), flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
