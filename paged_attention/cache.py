@@ -117,6 +117,17 @@ def bytes_per_block(
     return 2 * sum(heads * size for heads, size in shapes) * block_size * element
 
 
+HOST_SWAP_FACTOR = 4
+"""Host swap blocks per device block an engine reserves by default on a GPU."""
+
+
+def default_num_host_blocks(num_blocks: int, device: torch.device | str) -> int:
+    """The host swap space an engine reserves unless told: ``HOST_SWAP_FACTOR`` times the
+    device blocks when the device is a GPU (host memory beside device memory); none on a CPU,
+    where "host" blocks would be more of the same RAM: a preempted request is recomputed."""
+    return HOST_SWAP_FACTOR * num_blocks if torch.device(device).type == "cuda" else 0
+
+
 def _host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -167,8 +178,10 @@ class PagedKVCache:
     calibrated from the first keys and values it stores (:meth:`calibrate`, as vLLM's
     ``calculate_kv_scales`` does), so that their largest magnitude uses a quarter of the
     format's range. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
-    Blocks start zeroed: an unwritten slot never holds NaN. On a CPU device the caches are
-    allocated with :func:`advise_huge_pages`.
+    Blocks start uninitialised (``torch.empty``): the ops never read a slot that holds no
+    token, so nothing is touched before a token is stored, and on a CPU the resident memory
+    grows with the tokens cached, up to the budget. On a CPU device the caches are allocated
+    with :func:`advise_huge_pages`.
     """
 
     def __init__(
@@ -271,8 +284,8 @@ class PagedKVCache:
     def _allocate(
         self, blocks: int, device: torch.device, keys: bool = False, pin: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed key (``keys``) or value caches of ``blocks`` blocks: one allocation per layer
-        shape, and each layer's view of its allocation."""
+        """Key (``keys``) or value caches of ``blocks`` blocks, uninitialised: one allocation per
+        layer shape, and each layer's view of its allocation."""
         x = 16 // _element_size(self.cache_dtype)
         allocations, views = [], [torch.empty(0)] * self.num_layers
         for layers in self._groups:
@@ -281,10 +294,13 @@ class PagedKVCache:
                 (heads, size // x, self.block_size, x) if keys else (heads, size, self.block_size)
             )
             shape = (len(layers), blocks, *block)
+            # Not zeroed: the kernels never read a slot no token was stored in (past a
+            # sequence's length, before its window: tests/test_attention_cpu.py fills those with
+            # NaN), and zeroing would touch, so hold, every page of the budget up front.
             cache = torch.empty(shape, dtype=self.cache_dtype, device=device, pin_memory=pin)
             if not pin:
-                advise_huge_pages(cache)  # before zero_() touches the pages
-            allocations.append(cache.zero_())
+                advise_huge_pages(cache)
+            allocations.append(cache)
             for layer, view in zip(layers, cache.unbind(0)):
                 views[layer] = view
         return allocations, views

@@ -19,6 +19,7 @@ from typing import Union
 
 import torch
 
+from paged_attention.cache import default_num_host_blocks
 from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_of
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
 from paged_attention.engine.request import (
@@ -67,8 +68,9 @@ def _token_list(prompt) -> list[int]:
 
 class Engine:
     """Continuous batching over a transformers causal LM with a KV budget of ``num_blocks``
-    device blocks and ``num_host_blocks`` of swap space (default: four times the budget; 0:
-    preemption recomputes instead of swapping).
+    device blocks and ``num_host_blocks`` of host swap space (default: four times the budget on
+    a GPU, none on a CPU, where host blocks would be more of the same RAM; 0: preemption
+    recomputes instead of swapping).
 
     ``tokenizer`` (optional, a transformers tokenizer): prompts may then be text or chat
     messages, outputs carry text, and ``SamplingParams.stop`` strings apply.
@@ -120,7 +122,11 @@ class Engine:
             block_size,
             num_blocks,
             None,
-            num_host_blocks=4 * num_blocks if num_host_blocks is None else num_host_blocks,
+            num_host_blocks=(
+                default_num_host_blocks(num_blocks, geometry.device)
+                if num_host_blocks is None
+                else num_host_blocks
+            ),
             kv_cache_dtype=kv_cache_dtype,
             k_scale=k_scale,
             v_scale=v_scale,
