@@ -26,7 +26,7 @@ import torch
 
 from paged_attention import _ops
 from paged_attention.attention import AttentionMetadata
-from paged_attention.block_manager import BlockManager
+from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.supported import FP8_FORMATS, check_block_size, check_head_size, is_fp8
 
 
@@ -315,8 +315,11 @@ class PagedKVCache:
     def device_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def make_manager(self, **kwargs) -> BlockManager:
-        """A :class:`BlockManager` over exactly this cache's device and host blocks."""
+    def make_manager(self, **kwargs):
+        """A :class:`~paged_attention.block_manager.BlockManager` over exactly this cache's
+        device and host blocks (a convenience: the cache itself never consults one)."""
+        from paged_attention.block_manager import BlockManager  # the planner sits above
+
         return BlockManager(self.num_blocks, self.block_size, self.num_host_blocks, **kwargs)
 
     # ------------------------------------------------------------------ executing plans
@@ -356,54 +359,32 @@ class PagedKVCache:
         if isinstance(pairs, torch.Tensor):
             mapping = pairs.to(dtype=torch.int64).reshape(-1, 2)
         else:
-            mapping = BlockManager.mapping_tensor(pairs)
+            mapping = torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
         return mapping.to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ step metadata
 
     def metadata(
         self,
-        manager: BlockManager,
+        manager,
         seq_ids: Sequence[int],
         query_lens: int | Sequence[int] = 1,
     ) -> AttentionMetadata:
         """Metadata of a step whose new tokens are the last ``query_lens`` tokens of each
-        sequence; their slots must already be reserved (``allocate``/``append_slots``)."""
+        sequence of ``manager`` (a :class:`~paged_attention.block_manager.BlockManager` over this
+        cache); their slots must already be reserved (``allocate``/``append_slots``)."""
         self._check_manager(manager)
-        seq_ids = list(seq_ids)
-        if isinstance(query_lens, int):
-            query_lens = [query_lens] * len(seq_ids)
-        seq_lens = manager.seq_lens_tensor(seq_ids)
-        return AttentionMetadata.build(
-            query_lens=list(query_lens),
-            seq_lens=seq_lens.tolist(),
-            block_tables=manager.block_tables_tensor(seq_ids),
-            slot_mapping=manager.slot_mapping_tensor(seq_ids, list(query_lens)),
-            device=self.device,
-            seq_lens_tensor=seq_lens,
-            manager_window=manager.sliding_window,
-            manager_chunk=manager.attention_chunk_size,
-        )
+        return build_metadata(StepInputs.from_manager(manager, seq_ids, query_lens), self.device)
 
-    def decode_metadata(self, manager: BlockManager, seq_ids: Sequence[int]) -> AttentionMetadata:
+    def decode_metadata(self, manager, seq_ids: Sequence[int]) -> AttentionMetadata:
         """Reserve one slot per sequence (``manager.decode_step``), run the copy-on-write copies
         it asks for, and return the decode step's metadata."""
         self._check_manager(manager)
-        seq_ids = list(seq_ids)
-        pairs, block_tables, seq_lens, slots = manager.decode_step(seq_ids)
+        pairs, *arrays = manager.decode_step(list(seq_ids))
         self.copy_blocks(pairs)
-        return AttentionMetadata.build(
-            query_lens=[1] * len(seq_ids),
-            seq_lens=seq_lens.tolist(),
-            block_tables=block_tables,
-            slot_mapping=slots,
-            device=self.device,
-            seq_lens_tensor=seq_lens,
-            manager_window=manager.sliding_window,
-            manager_chunk=manager.attention_chunk_size,
-        )
+        return build_metadata(StepInputs.decode(manager, *arrays), self.device)
 
-    def _check_manager(self, manager: BlockManager) -> None:
+    def _check_manager(self, manager) -> None:
         """A manager plans block ids and slots for one cache geometry: this one's."""
         if manager.block_size != self.block_size or manager.num_device_blocks > self.num_blocks:
             raise ValueError(

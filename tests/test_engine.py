@@ -893,6 +893,8 @@ def test_chat_messages_are_checked(text_model):
     engine = Engine(model, num_blocks=64, block_size=BLOCK, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="string 'role' and 'content'"):
         engine.add_request([{"role": "user", "content": 5}], SamplingParams())
+    with pytest.raises(ValueError, match="string 'role' and 'content'"):  # issue 36, defect 11
+        engine.add_request([{"role": "user", "content": "hi"}, "hello"], SamplingParams())
     with pytest.raises(ValueError, match="prompt must hold at least one token"):
         engine.add_request("", SamplingParams())
     assert not engine.has_unfinished()
@@ -913,3 +915,40 @@ def test_fp8_kv_cache_calibrates_like_paged_cache(model):
     for layer in range(2):
         assert engine.kv_cache.scales(layer)[0].item() == cache.kv_cache.scales(layer)[0].item()
         assert engine.kv_cache.scales(layer)[0].item() != 1.0
+
+
+def test_text_that_is_not_valid_unicode_is_refused_naming_the_prompt(text_model):
+    # Issue 36, defect 6: a lone surrogate (what surrogateescape makes of undecodable bytes)
+    # raised TypeError inside the tokenizer.
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, tokenizer=tokenizer)
+    for prompt in ("caf\udce9", [{"role": "user", "content": "caf\udce9"}]):
+        with pytest.raises(ValueError, match="prompt: .* not valid Unicode") as raised:
+            engine.add_request(prompt, SamplingParams())
+        assert raised.value.argument == "prompt"
+    assert not engine.has_unfinished()
+
+
+def test_a_stop_string_with_a_replacement_character_never_survives_in_a_finished_text(
+    text_model,
+):
+    # Issue 36, defect 5: a sequence that ends (here by length) inside a multi-byte character
+    # gets U+FFFD only in its final text; a stop string holding it must still cut the text.
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=128, block_size=BLOCK, tokenizer=tokenizer, eos_token_id=[])
+    (free,) = engine.generate(["hello"], SamplingParams(30, temperature=1.0, seed=0))
+    ids = free.outputs[0]
+
+    def decoded(count):
+        return tokenizer.decode(ids[:count], skip_special_tokens=True)
+
+    ends = [k for k in range(1, 31) if decoded(k).endswith("\ufffd")]
+    k = next(k for k in ends if "\ufffd" not in decoded(k)[:-1])
+    for stop in ("\ufffd", decoded(k)[-2:]):
+        params = SamplingParams(k, temperature=1.0, seed=0, stop=(stop,))
+        (out,) = engine.generate(["hello"], params)
+        assert out.outputs[0] == ids[:k]  # the same draws: a stop string changes no sampling
+        assert out.finish_reasons == ["stop"]
+        assert stop not in out.text and out.text == decoded(k)[: decoded(k).index(stop)]
+        streamed = "".join(o.new_texts[0] for o in engine.stream("hello", params))
+        assert streamed == out.text

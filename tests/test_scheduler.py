@@ -28,23 +28,18 @@ def make_request(request_id, prompt_len, max_new_tokens=4, n=1):
 
 
 def run_step(scheduler: Scheduler):
-    """schedule + commit, then one new token for every sampling sequence (forking samples after
-    the prompt) and the end of finished requests; returns the step's output."""
+    """schedule, then ``update_from_output`` with token 7 for every sampling sequence (samples
+    fork after the prompt; a sequence ends at max_new_tokens); returns the step's output."""
     out = scheduler.schedule()
-    scheduler.commit(out)
     out.plan = [(c.request.request_id, c.start, c.count, c.samples) for c in out.chunks]
     sampled = {id(c.request): c.request for c in out.chunks if c.samples}
-    for request in sampled.values():
-        if len(request.seqs) == 1 and not request.seqs[0].tokens and request.params.n > 1:
-            parent = request.seqs[0]
-            children = [scheduler.new_sequence(parent) for _ in range(request.params.n - 1)]
-            scheduler.fork(request, [parent] * len(children), children)
-            request.seqs += children
-        for seq in request.seqs:
-            seq.tokens.append(7)
-        if len(request.seqs[0].tokens) == request.params.max_new_tokens:
-            scheduler.finish(request)
+    choices = [(r, [7] * r.params.n) for r in sampled.values()]
+    scheduler.update_from_output(out, choices, length_only, end_token_ids=())
     return out
+
+
+def length_only(request, seq):
+    return "length" if len(seq.tokens) == request.params.max_new_tokens else None
 
 
 def snapshot(scheduler: Scheduler):
@@ -121,7 +116,7 @@ def test_without_swap_space_the_victim_is_recomputed():
             assert not manager.has_seq(new.seqs[0].seq_id)
     assert not scheduler.has_unfinished()
     assert scheduler.stats.preemptions_by_recompute >= 1
-    assert len(new.seqs[0].tokens) == 8 and len(old.seqs[0].tokens) == 8
+    assert len(new.done[0].tokens) == 8 and len(old.done[0].tokens) == 8  # finished
     assert manager.num_free_device_blocks() == 6
     del out
 
@@ -185,7 +180,7 @@ def test_every_request_ends_and_every_block_returns(
         if request.request_id in rejected:
             assert scheduler.blocks_needed(request) > pool
         else:
-            assert [len(s.tokens) for s in request.seqs] == [5] * request.params.n
+            assert [len(s.tokens) for s in request.done] == [5] * request.params.n
     assert manager.seq_ids() == []
     assert manager.num_free_device_blocks() == pool and manager.num_free_host_blocks() == host
 
