@@ -151,13 +151,7 @@ class Engine:
         self.input_processor = InputProcessor(
             tokenizer, self.limits, self.scheduler, self.runner.device
         )
-        if eos_token_id is None:
-            eos_token_id = model.generation_config.eos_token_id
-        if eos_token_id is None:
-            eos_token_id = []
-        elif isinstance(eos_token_id, int):
-            eos_token_id = [eos_token_id]
-        self.eos_token_ids = frozenset(eos_token_id)
+        self.eos_token_ids = _end_tokens(model, eos_token_id)
         self.tokenizer = tokenizer
         self._tokenizer_backend = None if tokenizer is None else backend_of(tokenizer)
         self.stats = EngineStats()
@@ -526,6 +520,16 @@ class Engine:
         stats.blocks_swapped_out = counts.blocks_swapped_out
         stats.blocks_swapped_in = counts.blocks_swapped_in
         stats.preemptions_by_recompute = counts.preemptions_by_recompute
+
+
+def _end_tokens(model: torch.nn.Module, eos_token_id) -> frozenset[int]:
+    """The tokens that end a sequence as ``"eos"``: ``eos_token_id`` (one id or several), by
+    default the model's generation config's."""
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 def _merge(earlier: RequestOutput, later: RequestOutput, beams: bool) -> RequestOutput:
