@@ -371,31 +371,46 @@ class BlockManager:
 
     # ------------------------------------------------------------------ step tensors, stats
 
-    def block_tables_tensor(self, seq_ids: Sequence[int], pad: int = 0) -> torch.Tensor:
+    def block_tables_array(self, seq_ids: Sequence[int], pad: int = 0) -> np.ndarray:
         """int32 ``[len(seq_ids), max blocks in the batch]``; unused and released entries
         hold ``pad``."""
         rows = self._tables.device_rows(seq_ids)
-        return torch.from_numpy(self._tables.batch_table(rows, pad))
+        return self._tables.batch_table(rows, pad)
 
-    def seq_lens_tensor(self, seq_ids: Sequence[int]) -> torch.Tensor:
+    def seq_lens_array(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """int32 tokens held by each sequence."""
         rows = self._tables.rows(seq_ids)
-        return torch.from_numpy(self._tables.seq_lens[rows].astype(np.int32))
+        return self._tables.seq_lens[rows].astype(np.int32)
 
-    def slot_mapping_tensor(
+    def slot_mapping_array(
         self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int] = 1
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """int64 slots of the last ``k`` tokens of each sequence, in ``seq_ids`` order;
         -1 (skip) for a token whose block was released."""
         rows = self._tables.device_rows(seq_ids)
         counts = _token_counts(num_new_tokens, seq_ids, self._tables.seq_lens[rows])
-        return torch.from_numpy(self._tables.slots(rows, counts))
+        return self._tables.slots(rows, counts)
+
+    def block_tables_tensor(self, seq_ids: Sequence[int], pad: int = 0) -> torch.Tensor:
+        """:meth:`block_tables_array` as a tensor."""
+        return torch.from_numpy(self.block_tables_array(seq_ids, pad))
+
+    def seq_lens_tensor(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """:meth:`seq_lens_array` as a tensor."""
+        return torch.from_numpy(self.seq_lens_array(seq_ids))
+
+    def slot_mapping_tensor(
+        self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int] = 1
+    ) -> torch.Tensor:
+        """:meth:`slot_mapping_array` as a tensor."""
+        return torch.from_numpy(self.slot_mapping_array(seq_ids, num_new_tokens))
 
     def decode_step(
         self, seq_ids: Sequence[int], tokens: Sequence[int] | None = None
-    ) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray, np.ndarray]:
         """Append one token to every sequence (``tokens``: their ids, for prefix caching) and
-        return ``(cow_pairs, block_tables int32, seq_lens int32, slot_mapping int64)``.
-        Equivalent to ``append_slots(s, 1)`` for each sequence, then the three tensors."""
+        return ``(cow_pairs, block_tables int32, seq_lens int32, slot_mapping int64)``, numpy
+        arrays. Equivalent to ``append_slots(s, 1)`` for each sequence, then the three arrays."""
         tables, device, size = self._tables, self._device, self.block_size
         rows = tables.device_rows(seq_ids)
         tokens = _decode_args(seq_ids, tokens)
@@ -420,12 +435,7 @@ class BlockManager:
         if self._prefixes.chains:
             self._prefixes.record_each(seq_ids, tables, rows, lens, tokens)
         slots = tables.table[rows, lens // size] * np.int64(size) + lens % size
-        return (
-            pairs,
-            torch.from_numpy(tables.batch_table(rows, 0)),
-            torch.from_numpy((lens + 1).astype(np.int32)),
-            torch.from_numpy(slots),
-        )
+        return pairs, tables.batch_table(rows, 0), (lens + 1).astype(np.int32), slots
 
     @staticmethod
     def mapping_tensor(pairs: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from paged_attention import _ops
 from paged_attention.attention import AttentionMetadata
-from paged_attention.block_manager import BlockManager
+from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.supported import FP8_FORMATS, check_block_size, check_head_size, is_fp8
 
 
@@ -117,6 +117,17 @@ def bytes_per_block(
     return 2 * sum(heads * size for heads, size in shapes) * block_size * element
 
 
+HOST_SWAP_FACTOR = 4
+"""Host swap blocks per device block an engine reserves by default on a GPU."""
+
+
+def default_num_host_blocks(num_blocks: int, device: torch.device | str) -> int:
+    """The host swap space an engine reserves unless told: ``HOST_SWAP_FACTOR`` times the
+    device blocks when the device is a GPU (host memory beside device memory); none on a CPU,
+    where "host" blocks would be more of the same RAM: a preempted request is recomputed."""
+    return HOST_SWAP_FACTOR * num_blocks if torch.device(device).type == "cuda" else 0
+
+
 def _host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -167,8 +178,10 @@ class PagedKVCache:
     calibrated from the first keys and values it stores (:meth:`calibrate`, as vLLM's
     ``calculate_kv_scales`` does), so that their largest magnitude uses a quarter of the
     format's range. Host blocks are pinned when the device is a GPU, so swaps run asynchronously.
-    Blocks start zeroed: an unwritten slot never holds NaN. On a CPU device the caches are
-    allocated with :func:`advise_huge_pages`.
+    Blocks start uninitialised (``torch.empty``): the ops never read a slot that holds no
+    token, so nothing is touched before a token is stored, and on a CPU the resident memory
+    grows with the tokens cached, up to the budget. On a CPU device the caches are allocated
+    with :func:`advise_huge_pages`.
     """
 
     def __init__(
@@ -271,8 +284,8 @@ class PagedKVCache:
     def _allocate(
         self, blocks: int, device: torch.device, keys: bool = False, pin: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed key (``keys``) or value caches of ``blocks`` blocks: one allocation per layer
-        shape, and each layer's view of its allocation."""
+        """Key (``keys``) or value caches of ``blocks`` blocks, uninitialised: one allocation per
+        layer shape, and each layer's view of its allocation."""
         x = 16 // _element_size(self.cache_dtype)
         allocations, views = [], [torch.empty(0)] * self.num_layers
         for layers in self._groups:
@@ -281,10 +294,13 @@ class PagedKVCache:
                 (heads, size // x, self.block_size, x) if keys else (heads, size, self.block_size)
             )
             shape = (len(layers), blocks, *block)
+            # Not zeroed: the kernels never read a slot no token was stored in (past a
+            # sequence's length, before its window: tests/test_attention_cpu.py fills those with
+            # NaN), and zeroing would touch, so hold, every page of the budget up front.
             cache = torch.empty(shape, dtype=self.cache_dtype, device=device, pin_memory=pin)
             if not pin:
-                advise_huge_pages(cache)  # before zero_() touches the pages
-            allocations.append(cache.zero_())
+                advise_huge_pages(cache)
+            allocations.append(cache)
             for layer, view in zip(layers, cache.unbind(0)):
                 views[layer] = view
         return allocations, views
@@ -299,8 +315,11 @@ class PagedKVCache:
     def device_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def make_manager(self, **kwargs) -> BlockManager:
-        """A :class:`BlockManager` over exactly this cache's device and host blocks."""
+    def make_manager(self, **kwargs):
+        """A :class:`~paged_attention.block_manager.BlockManager` over exactly this cache's
+        device and host blocks (a convenience: the cache itself never consults one)."""
+        from paged_attention.block_manager import BlockManager  # the planner sits above
+
         return BlockManager(self.num_blocks, self.block_size, self.num_host_blocks, **kwargs)
 
     # ------------------------------------------------------------------ executing plans
@@ -340,54 +359,32 @@ class PagedKVCache:
         if isinstance(pairs, torch.Tensor):
             mapping = pairs.to(dtype=torch.int64).reshape(-1, 2)
         else:
-            mapping = BlockManager.mapping_tensor(pairs)
+            mapping = torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
         return mapping.to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ step metadata
 
     def metadata(
         self,
-        manager: BlockManager,
+        manager,
         seq_ids: Sequence[int],
         query_lens: int | Sequence[int] = 1,
     ) -> AttentionMetadata:
         """Metadata of a step whose new tokens are the last ``query_lens`` tokens of each
-        sequence; their slots must already be reserved (``allocate``/``append_slots``)."""
+        sequence of ``manager`` (a :class:`~paged_attention.block_manager.BlockManager` over this
+        cache); their slots must already be reserved (``allocate``/``append_slots``)."""
         self._check_manager(manager)
-        seq_ids = list(seq_ids)
-        if isinstance(query_lens, int):
-            query_lens = [query_lens] * len(seq_ids)
-        seq_lens = manager.seq_lens_tensor(seq_ids)
-        return AttentionMetadata.build(
-            query_lens=list(query_lens),
-            seq_lens=seq_lens.tolist(),
-            block_tables=manager.block_tables_tensor(seq_ids),
-            slot_mapping=manager.slot_mapping_tensor(seq_ids, list(query_lens)),
-            device=self.device,
-            seq_lens_tensor=seq_lens,
-            manager_window=manager.sliding_window,
-            manager_chunk=manager.attention_chunk_size,
-        )
+        return build_metadata(StepInputs.from_manager(manager, seq_ids, query_lens), self.device)
 
-    def decode_metadata(self, manager: BlockManager, seq_ids: Sequence[int]) -> AttentionMetadata:
+    def decode_metadata(self, manager, seq_ids: Sequence[int]) -> AttentionMetadata:
         """Reserve one slot per sequence (``manager.decode_step``), run the copy-on-write copies
         it asks for, and return the decode step's metadata."""
         self._check_manager(manager)
-        seq_ids = list(seq_ids)
-        pairs, block_tables, seq_lens, slots = manager.decode_step(seq_ids)
+        pairs, *arrays = manager.decode_step(list(seq_ids))
         self.copy_blocks(pairs)
-        return AttentionMetadata.build(
-            query_lens=[1] * len(seq_ids),
-            seq_lens=seq_lens.tolist(),
-            block_tables=block_tables,
-            slot_mapping=slots,
-            device=self.device,
-            seq_lens_tensor=seq_lens,
-            manager_window=manager.sliding_window,
-            manager_chunk=manager.attention_chunk_size,
-        )
+        return build_metadata(StepInputs.decode(manager, *arrays), self.device)
 
-    def _check_manager(self, manager: BlockManager) -> None:
+    def _check_manager(self, manager) -> None:
         """A manager plans block ids and slots for one cache geometry: this one's."""
         if manager.block_size != self.block_size or manager.num_device_blocks > self.num_blocks:
             raise ValueError(

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from paged_attention.cache import HOST_SWAP_FACTOR
 from paged_attention.engine import Engine, RequestOutput, SamplingParams
 from paged_attention.machine import machine_info
 from paged_attention.models import (
@@ -293,6 +294,9 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
             model,
             num_blocks=budget,
             block_size=args.block_size,
+            # The demo shows preemption by swapping, so it asks for the swap space the engine
+            # reserves by default only on a GPU.
+            num_host_blocks=HOST_SWAP_FACTOR * budget,
             cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs,
         )
     except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
@@ -423,7 +427,8 @@ def check_kv_budget(model: torch.nn.Module, blocks: int, block_size: int, device
     block_bytes = bytes_per_block(config.num_hidden_layers, kv_heads, head_size, block_size, dtype)
     host = _host_available_bytes()
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
-    host_needed = 4 * blocks * block_bytes + (0 if device.type == "cuda" else blocks * block_bytes)
+    on_host = HOST_SWAP_FACTOR + (0 if device.type == "cuda" else 1)  # swap space, CPU budget
+    host_needed = on_host * blocks * block_bytes
     for needed, available, where in (
         (blocks * block_bytes, device_free, f"{device.type} memory"),
         (host_needed, host, "host memory (with the swap space of 4x the blocks)"),

@@ -91,7 +91,7 @@ def scenarios(model) -> dict:
     workload = default_workload(10, model.config.vocab_size, seed=5)
     prompts = [prompt for prompt, _ in workload]
     params = [p for _, p in workload]
-    for name, host_blocks in (("engine_swap", None), ("engine_recompute", 0)):
+    for name, host_blocks in (("engine_swap", 4 * ENGINE_BLOCKS), ("engine_recompute", 0)):
         engine = Engine(
             model, num_blocks=ENGINE_BLOCKS, block_size=BLOCK, num_host_blocks=host_blocks
         )

@@ -911,7 +911,7 @@ def test_step_tensors():
     assert BlockManager.mapping_tensor([]).shape == (0, 2)
 
 
-def test_decode_step_matches_append_slots_and_tensors():
+def test_decode_step_matches_append_slots_and_arrays():
     rng = random.Random(0)
     fast, slow = BlockManager(64, 4), BlockManager(64, 4)
     for manager in (fast, slow):
@@ -924,9 +924,14 @@ def test_decode_step_matches_append_slots_and_tensors():
         pairs, tables, lens, slots = fast.decode_step(ids)
         expected = [p for s in ids for p in slow.append_slots(s)]
         assert pairs == expected
-        assert torch.equal(tables, slow.block_tables_tensor(ids))
-        assert torch.equal(lens, slow.seq_lens_tensor(ids))
-        assert torch.equal(slots, slow.slot_mapping_tensor(ids))
+        for got, want in (
+            (tables, slow.block_tables_array(ids)),
+            (lens, slow.seq_lens_array(ids)),
+            (slots, slow.slot_mapping_array(ids)),
+        ):
+            assert isinstance(got, np.ndarray) and got.dtype == want.dtype  # plain arrays
+            assert np.array_equal(got, want)
+        assert torch.equal(slow.seq_lens_tensor(ids), torch.from_numpy(lens))
     assert snapshot(fast) == snapshot(slow)
 
 
@@ -987,11 +992,13 @@ class ShadowCache:
         for token in tokens:
             values.append(self._value(values[-1] if values else 0, token))
 
-    def _write_last(self, seq_ids: list[int], counts: list[int], slots: torch.Tensor) -> None:
+    def _write_last(
+        self, seq_ids: list[int], counts: list[int], slots: np.ndarray | torch.Tensor
+    ) -> None:
         values = [
             v for s, k in zip(seq_ids, counts) for v in self.values[s][len(self.values[s]) - k :]
         ]
-        slots = slots.numpy()
+        slots = np.asarray(slots)
         keep = slots >= 0
         self.device[slots[keep]] = np.asarray(values, dtype=np.int64)[keep]
 
@@ -1014,8 +1021,8 @@ class ShadowCache:
 
     def decode(self, seq_ids: list[int], tokens: list[int], record: bool) -> None:
         pairs, tables, lens, slots = self.bm.decode_step(seq_ids, tokens if record else None)
-        assert torch.equal(tables, self.bm.block_tables_tensor(seq_ids))
-        assert torch.equal(lens, self.bm.seq_lens_tensor(seq_ids))
+        assert np.array_equal(tables, self.bm.block_tables_array(seq_ids))
+        assert np.array_equal(lens, self.bm.seq_lens_array(seq_ids))
         self._copy(pairs, self.device, self.device)
         for seq_id, token in zip(seq_ids, tokens):
             self._extend(seq_id, [token])

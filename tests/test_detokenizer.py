@@ -81,3 +81,22 @@ def test_stop_string_prefixes_are_held_back_until_decided(tokenizer):
 def test_backend_of_needs_a_fast_tokenizer():
     with pytest.raises(ValueError, match="tokenizer must be a transformers tokenizer"):
         backend_of(object())
+
+
+def test_a_stop_string_completed_by_the_final_replacement_character_never_survives(tokenizer):
+    # Issue 36, defect 5: bytes of an unfinished character are held back while streaming and
+    # become U+FFFD only in the final text, where a stop string holding U+FFFD must still end
+    # it (and say so).
+    backend = backend_of(tokenizer)
+    ids = tokenizer("a日", add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 3  # "a" and the three bytes of 日
+    unfinished = ids[:2]  # "a" and the first byte of 日
+    assert tokenizer.decode(unfinished, skip_special_tokens=True) == "a\ufffd"
+    for stop in ("a\ufffd", "\ufffd"):
+        text = IncrementalDetokenizer(backend, (stop,))
+        parts, stopped = pieces(text, unfinished)
+        assert not stopped  # streaming never saw the U+FFFD
+        assert text.stopped and stop not in "".join(parts) and stop not in text.text
+        assert text.text == "a"[: "a\ufffd".index(stop)]
+    plain = IncrementalDetokenizer(backend, ("zz",))
+    assert "".join(pieces(plain, unfinished)[0]) == "a\ufffd" and not plain.stopped

@@ -113,7 +113,7 @@ def test_greedy_matches_transformers_generate(model):
 def test_results_do_not_depend_on_kv_budget_or_swapping(model):
     work = mixed_workload()
     roomy, expected = serve(model, work, num_blocks=512)
-    tight, got = serve(model, work, num_blocks=28)
+    tight, got = serve(model, work, num_blocks=28, num_host_blocks=4 * 28)
     assert roomy.stats.swaps_out == 0
     assert tight.stats.swaps_out > 0
     assert tight.stats.swaps_in == tight.stats.swaps_out
@@ -249,6 +249,25 @@ def test_request_needing_the_whole_pool_runs_alone_without_a_watermark(model):
     engine = Engine(model, num_blocks=200, block_size=BLOCK, eos_token_id=[])
     with pytest.raises(ValueError, match="need 207 blocks of 8 together"):
         engine.add_request(*work[1])
+
+
+def test_a_cpu_engine_holds_the_kv_budget_and_no_swap_space_by_default(model):
+    # Issue 34, item 5: "host" blocks on a CPU would be more of the same RAM.
+    engine = Engine(model, num_blocks=40, block_size=BLOCK)
+    kv = engine.kv_cache
+    assert kv.num_host_blocks == engine.block_manager.num_host_blocks == 0
+    held = sum(t.numel() * t.element_size() for t in (*kv._key_groups, *kv._value_groups))
+    assert held == kv.device_bytes == 40 * kv.bytes_per_block
+    assert not kv.host_key_caches or all(t.numel() == 0 for t in kv.host_key_caches)
+    asked = Engine(model, num_blocks=40, block_size=BLOCK, num_host_blocks=8)
+    assert asked.block_manager.num_host_blocks == 8
+
+
+def test_default_swap_space_is_host_memory_beside_a_gpu():
+    from paged_attention.cache import default_num_host_blocks
+
+    assert default_num_host_blocks(10, "cuda") == 40
+    assert default_num_host_blocks(10, torch.device("cpu")) == 0
 
 
 def test_preemption_without_swap_space_recomputes_and_loses_nothing(model):
@@ -394,8 +413,11 @@ def shared_prefix_workload(count=6, prefix_len=48, seed=11):
 @pytest.mark.parametrize("num_blocks", [512, 30])
 def test_prefix_caching_changes_no_output(model, num_blocks):
     work = shared_prefix_workload() + mixed_workload()[:4]
-    off, expected = serve(model, work, num_blocks, enable_prefix_caching=False)
-    on, got = serve(model, work, num_blocks, enable_prefix_caching=True)
+    swap = 4 * num_blocks  # asked for: a CPU engine reserves no swap space by default
+    off, expected = serve(
+        model, work, num_blocks, enable_prefix_caching=False, num_host_blocks=swap
+    )
+    on, got = serve(model, work, num_blocks, enable_prefix_caching=True, num_host_blocks=swap)
     assert [o.outputs for o in got] == [o.outputs for o in expected]
     assert off.stats.prompt_tokens_cached == 0
     assert on.stats.prompt_tokens_cached > 0
@@ -488,7 +510,7 @@ def test_stream_yields_each_steps_new_tokens(model):
 
 
 def test_abort_frees_a_request_wherever_it_is(model):
-    engine = Engine(model, num_blocks=24, block_size=BLOCK)
+    engine = Engine(model, num_blocks=24, block_size=BLOCK, num_host_blocks=96)
     work = mixed_workload()
     ids = [engine.add_request(p, s) for p, s in work]
     waiting = engine.abort(ids[-1])  # never scheduled
@@ -871,6 +893,8 @@ def test_chat_messages_are_checked(text_model):
     engine = Engine(model, num_blocks=64, block_size=BLOCK, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="string 'role' and 'content'"):
         engine.add_request([{"role": "user", "content": 5}], SamplingParams())
+    with pytest.raises(ValueError, match="string 'role' and 'content'"):  # issue 36, defect 11
+        engine.add_request([{"role": "user", "content": "hi"}, "hello"], SamplingParams())
     with pytest.raises(ValueError, match="prompt must hold at least one token"):
         engine.add_request("", SamplingParams())
     assert not engine.has_unfinished()
@@ -891,3 +915,40 @@ def test_fp8_kv_cache_calibrates_like_paged_cache(model):
     for layer in range(2):
         assert engine.kv_cache.scales(layer)[0].item() == cache.kv_cache.scales(layer)[0].item()
         assert engine.kv_cache.scales(layer)[0].item() != 1.0
+
+
+def test_text_that_is_not_valid_unicode_is_refused_naming_the_prompt(text_model):
+    # Issue 36, defect 6: a lone surrogate (what surrogateescape makes of undecodable bytes)
+    # raised TypeError inside the tokenizer.
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, tokenizer=tokenizer)
+    for prompt in ("caf\udce9", [{"role": "user", "content": "caf\udce9"}]):
+        with pytest.raises(ValueError, match="prompt: .* not valid Unicode") as raised:
+            engine.add_request(prompt, SamplingParams())
+        assert raised.value.argument == "prompt"
+    assert not engine.has_unfinished()
+
+
+def test_a_stop_string_with_a_replacement_character_never_survives_in_a_finished_text(
+    text_model,
+):
+    # Issue 36, defect 5: a sequence that ends (here by length) inside a multi-byte character
+    # gets U+FFFD only in its final text; a stop string holding it must still cut the text.
+    model, tokenizer = text_model
+    engine = Engine(model, num_blocks=128, block_size=BLOCK, tokenizer=tokenizer, eos_token_id=[])
+    (free,) = engine.generate(["hello"], SamplingParams(30, temperature=1.0, seed=0))
+    ids = free.outputs[0]
+
+    def decoded(count):
+        return tokenizer.decode(ids[:count], skip_special_tokens=True)
+
+    ends = [k for k in range(1, 31) if decoded(k).endswith("\ufffd")]
+    k = next(k for k in ends if "\ufffd" not in decoded(k)[:-1])
+    for stop in ("\ufffd", decoded(k)[-2:]):
+        params = SamplingParams(k, temperature=1.0, seed=0, stop=(stop,))
+        (out,) = engine.generate(["hello"], params)
+        assert out.outputs[0] == ids[:k]  # the same draws: a stop string changes no sampling
+        assert out.finish_reasons == ["stop"]
+        assert stop not in out.text and out.text == decoded(k)[: decoded(k).index(stop)]
+        streamed = "".join(o.new_texts[0] for o in engine.stream("hello", params))
+        assert streamed == out.text

@@ -20,6 +20,7 @@ from paged_attention.engine.request import Sequence as EngineSequence  # noqa: E
 from paged_attention.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
 from paged_attention.geometry import ModelGeometry  # noqa: E402
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION  # noqa: E402
+from paged_attention.kv.step_inputs import StaticStepBuffers, StepInputs  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
@@ -41,7 +42,18 @@ def make_runner(model, num_blocks=64):
     kv = geometry.kv_cache(BLOCK, num_blocks, None)
     manager = geometry.block_manager(kv, enable_prefix_caching=False)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return ModelRunner(model, geometry, kv), manager
+    released = (manager.sliding_window, manager.attention_chunk_size)
+    return ModelRunner(model, geometry, kv, released=released), manager
+
+
+def plan_inputs(out, manager, decode_arrays=None):
+    """What the scheduler records in ``out.inputs``: the decode rows as ``decode_step``
+    returned them, then the prompt chunks' rows read from the manager."""
+    parts = [] if decode_arrays is None else [StepInputs.decode(manager, *decode_arrays)]
+    if out.prefill:
+        ids, counts = [c.seq.seq_id for c in out.prefill], [c.count for c in out.prefill]
+        parts.append(StepInputs.from_manager(manager, ids, counts))
+    out.inputs = StepInputs.concat(parts)
 
 
 def sequence_request(seq_id):
@@ -63,10 +75,10 @@ def test_packed_steps_match_per_sequence_forward(model):
     def step(plan):
         out = SchedulerOutput()
         decodes = [(s, new) for s, new in plan if manager.has_seq(s) and len(new) == 1]
+        arrays = None
         if decodes:
-            pairs, *tensors = manager.decode_step([s for s, _ in decodes])
+            pairs, *arrays = manager.decode_step([s for s, _ in decodes])
             out.block_ops.append(("copy", pairs))
-            out.decode_tensors = tuple(tensors)
         for seq_id, new in plan:
             request, seq = seqs[seq_id]
             start = len(request.prompt)
@@ -81,8 +93,9 @@ def test_packed_steps_match_per_sequence_forward(model):
                 manager.allocate(seq_id, len(new))
                 chunk.allocated = True
             out.prefill.append(chunk)
+        plan_inputs(out, manager, arrays)
         runner.execute_block_ops(out.block_ops)
-        logits = runner.run(out, manager)
+        logits = runner.run(out)
         assert logits.shape[0] == len(plan)
         for chunk, got in zip(out.chunks, logits):
             want = reference_last_logits(model, chunk.request.prompt)
@@ -113,7 +126,8 @@ def test_step_cache_needs_the_steps_metadata():
         request, seq = sequence_request(0)
         request.prompt = [4, 5, 6]
         out = SchedulerOutput(prefill=[ScheduledChunk(request, seq, 0, 3, allocated=True)])
-        runner.cache.metadata = runner.metadata(out, manager)
+        plan_inputs(out, manager)
+        runner.cache.metadata = runner.metadata(out)
         with pytest.raises(ValueError, match="packs 3 tokens in one row"):
             model(
                 input_ids=torch.tensor([[4, 5]]),
@@ -134,12 +148,13 @@ def test_a_padded_decode_step_on_the_static_buffers_equals_the_eager_step():
     for i, prompt in enumerate([[5, 6, 7, 8, 9], list(range(10, 33)), [40, 41]]):
         engine.add_request(prompt, SamplingParams(20, temperature=1.0, n=1 + i % 2, seed=i))
     engine.step()  # the prompts; decode steps from here on
-    graphs = DecodeGraphs(engine.runner, max_batch=8, max_seq_len=256, block_manager=None)
+    buffers = StaticStepBuffers(8, 256, BLOCK, "cpu")  # prefix caching: nothing released
+    graphs = DecodeGraphs(engine.runner, buffers)
     for _ in range(3):
         out = engine.scheduler.schedule()
         assert out.decode and not out.prefill and graphs.fits(out)
         engine.runner.execute_block_ops(out.block_ops)
-        eager = engine.runner.run(out, engine.block_manager)
+        eager = engine.runner.run(out)
         size = graphs.fill(out)
         assert size == 4 and len(out.decode) == 4
         padded = graphs.forward(size).float()
@@ -173,8 +188,9 @@ def test_the_step_cache_checks_each_layer_against_the_geometry():
     request.prompt = [4, 5, 6]
     manager.allocate(0, 3)
     out = SchedulerOutput(prefill=[ScheduledChunk(request, seq, 0, 3, allocated=True)])
+    plan_inputs(out, manager)
     with pytest.raises(ValueError, match="attends with a sliding window of 12, but its config"):
-        runner.run(out, manager)
+        runner.run(out)
     model.set_attn_implementation("sdpa")
 
 

@@ -275,7 +275,9 @@ def test_engine_matches_the_default_cache(zoo):
     new = 10
     expected = [zoo.greedy(prompt, new) for prompt in prompts]
     setups = {  # 12 blocks of 8 are too few for the four at once: requests are preempted
-        "prefix caching, chunked prefill, swap": dict(max_num_batched_tokens=12, max_num_seqs=4),
+        "prefix caching, chunked prefill, swap": dict(
+            max_num_batched_tokens=12, max_num_seqs=4, num_host_blocks=48
+        ),
         "prefix caching, recompute": dict(num_host_blocks=0),
     }
     window, chunk = ModelGeometry.of(zoo.model).released_reach()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from paged_attention.block_manager import BlockManager
 from paged_attention.engine.request import (
+    Drawn,
     Request,
     RequestMetrics,
     RequestStatus,
@@ -28,23 +29,18 @@ def make_request(request_id, prompt_len, max_new_tokens=4, n=1):
 
 
 def run_step(scheduler: Scheduler):
-    """schedule + commit, then one new token for every sampling sequence (forking samples after
-    the prompt) and the end of finished requests; returns the step's output."""
+    """schedule, then ``update_from_output`` with token 7 for every sampling sequence (samples
+    fork after the prompt; a sequence ends at max_new_tokens); returns the step's output."""
     out = scheduler.schedule()
-    scheduler.commit(out)
     out.plan = [(c.request.request_id, c.start, c.count, c.samples) for c in out.chunks]
     sampled = {id(c.request): c.request for c in out.chunks if c.samples}
-    for request in sampled.values():
-        if len(request.seqs) == 1 and not request.seqs[0].tokens and request.params.n > 1:
-            parent = request.seqs[0]
-            children = [scheduler.new_sequence(parent) for _ in range(request.params.n - 1)]
-            scheduler.fork(request, [parent] * len(children), children)
-            request.seqs += children
-        for seq in request.seqs:
-            seq.tokens.append(7)
-        if len(request.seqs[0].tokens) == request.params.max_new_tokens:
-            scheduler.finish(request)
+    choices = [(r, Drawn([7] * r.params.n)) for r in sampled.values()]
+    scheduler.update_from_output(out, choices, length_only, end_token_ids=())
     return out
+
+
+def length_only(request, seq):
+    return "length" if len(seq.tokens) == request.params.max_new_tokens else None
 
 
 def snapshot(scheduler: Scheduler):
@@ -121,7 +117,7 @@ def test_without_swap_space_the_victim_is_recomputed():
             assert not manager.has_seq(new.seqs[0].seq_id)
     assert not scheduler.has_unfinished()
     assert scheduler.stats.preemptions_by_recompute >= 1
-    assert len(new.seqs[0].tokens) == 8 and len(old.seqs[0].tokens) == 8
+    assert len(new.done[0].tokens) == 8 and len(old.done[0].tokens) == 8  # finished
     assert manager.num_free_device_blocks() == 6
     del out
 
@@ -185,7 +181,7 @@ def test_every_request_ends_and_every_block_returns(
         if request.request_id in rejected:
             assert scheduler.blocks_needed(request) > pool
         else:
-            assert [len(s.tokens) for s in request.seqs] == [5] * request.params.n
+            assert [len(s.tokens) for s in request.done] == [5] * request.params.n
     assert manager.seq_ids() == []
     assert manager.num_free_device_blocks() == pool and manager.num_free_host_blocks() == host
 
@@ -221,3 +217,60 @@ def test_blocks_needed_caps_each_sequence_by_what_its_tokens_read(window, chunk,
     manager = BlockManager(64, BLOCK, sliding_window=window, attention_chunk_size=chunk)
     scheduler = Scheduler(manager, max_num_seqs=4)
     assert scheduler.blocks_needed(make_request(0, 6, max_new_tokens=40, n=3)) == expected
+
+
+def test_update_from_output_forks_samples_and_frees_each_finished_one():
+    manager = BlockManager(32, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=4)
+    request = make_request(0, 6, max_new_tokens=4, n=3)
+    scheduler.add(request)
+    out = scheduler.schedule()
+    assert [c.samples for c in out.chunks] == [True] and out.inputs.query_lens.tolist() == [6]
+    updated = scheduler.update_from_output(out, [(request, Drawn([7, 8, 9]))], length_only, ())
+    assert updated == [request] and [s.tokens for s in request.seqs] == [[7], [8], [9]]
+    parent, *children = (s.seq_id for s in request.seqs)
+    assert all(manager.block_table(c) == manager.block_table(parent) for c in children)
+    assert request.new_tokens == {parent: [7], children[0]: [8], children[1]: [9]}
+    assert all(s.num_computed == 6 for s in request.seqs)
+
+    def stop_second(request, seq):
+        return "stop" if seq.seq_id == children[0] else None
+
+    out = scheduler.schedule()
+    assert out.inputs.query_lens.tolist() == [1, 1, 1]  # plain arrays, one row per sample
+    scheduler.update_from_output(out, [(request, Drawn([1, 2, 3]))], stop_second, ())
+    assert [s.seq_id for s in request.done] == [children[0]]
+    assert not manager.has_seq(children[0]) and manager.has_seq(parent)
+    assert request.status is RequestStatus.RUNNING
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, [(request, Drawn([4, 5]))], lambda r, s: "length", ())
+    assert not request.seqs and request.status is RequestStatus.FINISHED
+    assert manager.seq_ids() == [] and manager.num_free_device_blocks() == 32
+
+
+def test_update_from_output_reassigns_beams_and_ends_them_together():
+    manager = BlockManager(32, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=4)
+    params = SamplingParams(3, beam_width=2)
+    request = Request(0, [5, 6, 7], params, torch.Generator(), RequestMetrics(0.0))
+    scheduler.add(request)
+    out = scheduler.schedule()
+    # The prompt's one sequence continues twice: the first keeps it, the second forks it.
+    scheduler.update_from_output(out, [(request, ([(0, 11, -0.1), (0, 12, -0.2)], []))], None, ())
+    first, second = request.seqs
+    assert [first.tokens, second.tokens] == [[11], [12]]
+    assert manager.block_table(first.seq_id) == manager.block_table(second.seq_id)
+    out = scheduler.schedule()
+    assert [kind for kind, _ in out.block_ops] == ["copy"]  # copy-on-write of the shared block
+    # Both continuations come from the second beam: the first beam's sequence is freed; a
+    # candidate ending in an end token becomes a finished hypothesis.
+    choice = ([(1, 13, -0.3), (1, 14, -0.4)], [(0, 2, -0.25)])
+    scheduler.update_from_output(out, [(request, choice)], None, end_token_ids={2})
+    assert not manager.has_seq(first.seq_id)
+    assert [b.tokens for b in request.seqs] == [[12, 13], [12, 14]]
+    assert [(d.tokens, d.finish_reason) for d in request.done] == [([11, 2], "eos")]
+    out = scheduler.schedule()
+    choice = ([(0, 15, -0.5), (1, 16, -0.6)], [])
+    scheduler.update_from_output(out, [(request, choice)], None, ())
+    assert not request.seqs and len(request.done) == 2  # max_new_tokens: the best two kept
+    assert request.status is RequestStatus.FINISHED and manager.seq_ids() == []

@@ -30,7 +30,8 @@ class IncrementalDetokenizer:
     returns the text not handed out yet, holding back the last characters that could still be
     the start of a stop string unless ``final``. A final call also hands out what the streaming
     decoder still holds (bytes of an unfinished character, which a whole decode renders as
-    U+FFFD), so that a finished sequence's text is the decoding of its ids."""
+    U+FFFD), so that a finished sequence's text is the decoding of its ids, cut before a stop
+    string that the U+FFFD completes."""
 
     def __init__(self, backend, stop: tuple[str, ...] = ()) -> None:
         self._backend = backend
@@ -54,6 +55,10 @@ class IncrementalDetokenizer:
         self.text += piece
         if not match_stop:
             return False
+        return self._cut_at_stop(search_from)
+
+    def _cut_at_stop(self, search_from: int) -> bool:
+        """End the text before the first stop string found from ``search_from``."""
         found = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
         if found:
             self.text = self.text[: min(found)]
@@ -64,7 +69,11 @@ class IncrementalDetokenizer:
         if final and not self.stopped:
             whole = self._backend.decode(self._ids, skip_special_tokens=True)
             if whole.startswith(self.text):
+                # The decoder's held bytes now show as U+FFFD, which a stop string may hold:
+                # it never survives into a finished text (``stopped`` then says so).
+                search_from = max(0, len(self.text) - self._hold)
                 self.text = whole
+                self._cut_at_stop(search_from)
         end = len(self.text) if final or self.stopped else max(0, len(self.text) - self._hold)
         end = max(end, self._handed_out)
         new, self._handed_out = self.text[self._handed_out : end], end

@@ -10,27 +10,25 @@ do not depend on the KV budget, on preemption, on prefix caching or on chunked p
 from __future__ import annotations
 
 import itertools
-import numbers
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
+from paged_attention.cache import default_num_host_blocks
 from paged_attention.engine.detokenizer import IncrementalDetokenizer, backend_of
+from paged_attention.engine.input_processor import InputProcessor, Prompt, RequestLimits
 from paged_attention.engine.logprobs import output_logprobs, record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
 from paged_attention.engine.request import (
     Request,
-    RequestError,
-    RequestMetrics,
     RequestOutput,
     SamplingParams,
 )
 from paged_attention.engine.request import Sequence as EngineSequence
-from paged_attention.engine.sampler import Drawn, beam_candidates, draw
+from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
 from paged_attention.geometry import ModelGeometry
 
@@ -58,18 +56,11 @@ class EngineStats:
     timeline: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _token_list(prompt) -> list[int]:
-    tokens = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-    for token in tokens:
-        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-            raise ValueError(f"prompt tokens must be integers, got {token!r}")
-    return [int(t) for t in tokens]
-
-
 class Engine:
     """Continuous batching over a transformers causal LM with a KV budget of ``num_blocks``
-    device blocks and ``num_host_blocks`` of swap space (default: four times the budget; 0:
-    preemption recomputes instead of swapping).
+    device blocks and ``num_host_blocks`` of host swap space (default: four times the budget on
+    a GPU, none on a CPU, where host blocks would be more of the same RAM; 0: preemption
+    recomputes instead of swapping).
 
     ``tokenizer`` (optional, a transformers tokenizer): prompts may then be text or chat
     messages, outputs carry text, and ``SamplingParams.stop`` strings apply.
@@ -121,7 +112,11 @@ class Engine:
             block_size,
             num_blocks,
             None,
-            num_host_blocks=4 * num_blocks if num_host_blocks is None else num_host_blocks,
+            num_host_blocks=(
+                default_num_host_blocks(num_blocks, geometry.device)
+                if num_host_blocks is None
+                else num_host_blocks
+            ),
             kv_cache_dtype=kv_cache_dtype,
             k_scale=k_scale,
             v_scale=v_scale,
@@ -139,36 +134,47 @@ class Engine:
             self.kv_cache,
             decode_graphs=cuda_graphs,
             max_num_seqs=max_num_seqs,
-            block_manager=self.block_manager,
             compile_decode=compile,
+            released=(self.block_manager.sliding_window, self.block_manager.attention_chunk_size),
         )
         self.tensor_parallel = geometry.tensor_parallel
         self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
         embeddings = model.get_input_embeddings()
-        self.vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
-        config = model.config.get_text_config()
-        positions = getattr(config, "max_position_embeddings", None)
-        self.max_model_len: int | None = positions
-        """The most tokens (prompt and generated) a sequence may hold: the model's
-        ``max_position_embeddings`` (``None`` if it sets none)."""
-        if eos_token_id is None:
-            eos_token_id = model.generation_config.eos_token_id
-        if eos_token_id is None:
-            eos_token_id = []
-        elif isinstance(eos_token_id, int):
-            eos_token_id = [eos_token_id]
-        self.eos_token_ids = frozenset(eos_token_id)
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.limits = RequestLimits(
+            vocab_size=getattr(embeddings, "num_embeddings", None) or model.config.vocab_size,
+            max_model_len=positions,
+            max_num_seqs=max_num_seqs,
+        )
+        """What a request may ask (checked once, by :attr:`input_processor`): the vocabulary,
+        the model's context (``max_position_embeddings``; ``None`` if it sets none), the
+        sequences one request may run."""
+        self.input_processor = InputProcessor(
+            tokenizer, self.limits, self.scheduler, self.runner.device
+        )
+        self.eos_token_ids = _end_tokens(model, eos_token_id)
         self.tokenizer = tokenizer
         self._tokenizer_backend = None if tokenizer is None else backend_of(tokenizer)
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
-        self._request_ids = itertools.count()
         # Outputs not delivered yet, one (merged) per request, in the order they were produced.
         self._undelivered: dict[int, RequestOutput] = {}
         # The stream or generate() call that consumes a request's outputs (a weak reference: a
         # dropped stream's request is aborted at the next step).
         self._owners: dict[int, weakref.ref] = {}
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The most tokens (prompt and generated) a sequence may hold (``limits``)."""
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.limits.max_num_seqs
 
     # ------------------------------------------------------------------ requests
 
@@ -300,16 +306,22 @@ class Engine:
         try:
             self.runner.execute_block_ops(out.block_ops)
             if out.chunks:
-                logits = self.runner.run(out, self.block_manager)
+                logits = self.runner.run(out)
                 choices = self._choose_tokens(out, logits)
         except BaseException:
             self.runner.execute_block_ops([("copy", self.scheduler.rollback(out))])
             raise
-        self.scheduler.commit(out)
+        self._count_prompt_tokens(out)
         if choices is not None:
             record_prompt_logprobs(out.chunks, logits)
-            for output in self._apply_tokens(out, choices):
-                self._deliver(output)
+        updated = self.scheduler.update_from_output(
+            out,
+            () if choices is None else choices.values(),
+            self._finish_reason,
+            self.eos_token_ids,
+        )
+        for output in self._outputs(updated):
+            self._deliver(output)
         self._record(out, started)
 
     def _choose_tokens(self, out: SchedulerOutput, logits: torch.Tensor) -> dict:
@@ -342,7 +354,7 @@ class Engine:
             raise
         return {id(r): (r, choices[id(r)]) for r, _ in rows.values()}
 
-    def _apply_tokens(self, out: SchedulerOutput, choices: dict) -> list[RequestOutput]:
+    def _count_prompt_tokens(self, out: SchedulerOutput) -> None:
         step = self.stats.steps
         for request in out.admitted:
             if request.metrics.first_scheduled_step is None:
@@ -354,24 +366,21 @@ class Engine:
             chunk.request.metrics.num_computed_prompt_tokens += prompt_part
             self.stats.prompt_tokens_computed += prompt_part
             self.stats.recomputed_tokens += chunk.count - prompt_part
-        now = time.perf_counter()
-        outputs = []
-        for request, choice in choices.values():
-            request.new_tokens = {}
-            if request.params.is_beam_search:
-                self._beam_step(request, *choice)
-            else:
-                self._sample_step(request, choice)
+
+    def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        """The outputs of the requests a step gave tokens (and the end of those it finished)."""
+        now, outputs = time.perf_counter(), []
+        for request in updated:
+            self.stats.generated_tokens += sum(map(len, request.new_tokens.values()))
             metrics = request.metrics
             metrics.token_times.append(now)
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             finished = not request.seqs
             if finished:
-                self.scheduler.finish(request)
                 self._requests.pop(request.request_id, None)
                 metrics.finished_time = now
-                metrics.finished_step = step
+                metrics.finished_step = self.stats.steps
             outputs.append(self._output(request, finished))
         return outputs
 
@@ -400,57 +409,6 @@ class Engine:
                     self._undelivered.pop(request_id, None)
 
     # ------------------------------------------------------------------ sampling
-
-    def _sample_step(self, request: Request, drawn: Drawn) -> None:
-        params, tokens = request.params, drawn.tokens
-        first = len(request.seqs) == 1 and not request.seqs[0].tokens
-        if first and params.n > 1:  # the samples fork from the prompt
-            parent = request.seqs[0]
-            children = [self.scheduler.new_sequence(parent) for _ in range(params.n - 1)]
-            self.scheduler.fork(request, [parent] * len(children), children)
-            request.seqs += children
-        for i, (seq, token) in enumerate(zip(request.seqs, tokens)):
-            if drawn.logprobs is not None:
-                request.logprobs.setdefault(seq.seq_id, []).append(drawn.logprobs[i])
-            seq.tokens.append(token)
-            request.new_tokens[seq.seq_id] = [token]
-            seq.finish_reason = self._finish_reason(request, seq)
-        self.stats.generated_tokens += len(tokens)
-        finished = [s for s in request.seqs if s.finish_reason is not None]
-        self.scheduler.free(finished)
-        request.done += finished
-        request.seqs = [s for s in request.seqs if s.finish_reason is None]
-
-    def _beam_step(self, request: Request, continuing, finished) -> None:
-        """Keep the ``beam_width`` best continuations; a continuation ending in an end token
-        becomes a finished hypothesis if it ranks among them. Stops when ``beam_width``
-        hypotheses are finished or the beams reach ``max_new_tokens``."""
-        params, beams = request.params, request.seqs
-        width = params.beam_width
-        for beam, token, score in finished:  # a finished hypothesis holds no blocks: seq_id -1
-            reason = "eos" if token in self.eos_token_ids else "stop"
-            request.done.append(EngineSequence(-1, [*beams[beam].tokens, token], 0, score, reason))
-        # A parent's first child keeps its sequence, later children fork it; the beams nobody
-        # picked are freed. Copy-on-write of shared last blocks happens in the next step.
-        ids = self.scheduler.reassign(beams, [beam for beam, _, _ in continuing])
-        next_beams = [
-            EngineSequence(seq_id, [*beams[beam].tokens, token], beams[beam].num_computed, score)
-            for seq_id, (beam, token, score) in zip(ids, continuing)
-        ]
-        request.seqs = next_beams
-        request.new_tokens = {b.seq_id: [b.tokens[-1]] for b in next_beams}
-        self.stats.generated_tokens += len(next_beams)
-
-        finished_early = len(request.done) >= width
-        if finished_early or not next_beams or len(next_beams[0].tokens) == params.max_new_tokens:
-            self.scheduler.free(next_beams)
-            if not finished_early:
-                for beam in next_beams:
-                    beam.finish_reason = "length"
-                request.done += next_beams
-            request.done.sort(key=lambda b: b.score / len(b.tokens), reverse=True)
-            del request.done[width:]
-            request.seqs = []
 
     def _finish_reason(self, request: Request, seq: EngineSequence) -> str | None:
         params = request.params
@@ -485,87 +443,7 @@ class Engine:
         self.tensor_parallel.check_same_on_every_rank("the engine step's plan", plan)
 
     def _new_request(self, prompt, params, arrival_time: float | None) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise RequestError(
-                f"params must be SamplingParams, got {type(params).__name__}", "params"
-            )
-        if params.stop and self.tokenizer is None:
-            raise RequestError(
-                "stop strings need an engine with a tokenizer (Engine(tokenizer=...))", "stop"
-            )
-        params.check_vocabulary(self.vocab_size)
-        tokens = self._prompt_ids(prompt)
-        if not tokens:
-            raise RequestError("prompt must hold at least one token", "prompt")
-        outside = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if outside:
-            raise RequestError(
-                f"prompt token {outside[0]} is outside the model's vocabulary [0, "
-                f"{self.vocab_size})",
-                "prompt",
-            )
-        if params.num_seqs > self.max_num_seqs:
-            raise RequestError(
-                f"the request runs {params.num_seqs} sequences, more than "
-                f"max_num_seqs={self.max_num_seqs}",
-                "beam_width" if params.is_beam_search else "n",
-            )
-        wanted = len(tokens) + params.max_new_tokens
-        if self.max_model_len is not None and wanted > self.max_model_len:
-            raise RequestError(
-                f"the prompt ({len(tokens)} tokens) and max_new_tokens ({params.max_new_tokens}) "
-                f"need {wanted} positions; the model's context holds {self.max_model_len}",
-                "prompt" if len(tokens) >= self.max_model_len else "max_new_tokens",
-                limit="context",
-            )
-        request = Request(
-            request_id=next(self._request_ids),
-            prompt=tokens,
-            params=params,
-            generator=torch.Generator(device=self.runner.device).manual_seed(params.seed),
-            metrics=RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
-        )
-        reason = self.scheduler.rejection_reason(request)
-        if reason is not None:
-            prompt_blocks = -(-(len(tokens) + 1) // self.block_size)
-            raise RequestError(
-                f"the request can never run in this engine's KV cache: {reason}",
-                "prompt"
-                if prompt_blocks > self.block_manager.num_device_blocks
-                else "max_new_tokens",
-                limit="kv_cache",
-            )
-        return request
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        """Token ids of a prompt given as ids, text or chat messages."""
-        if isinstance(prompt, str) or _is_chat(prompt):
-            if self.tokenizer is None:
-                kind = "text" if isinstance(prompt, str) else "chat messages"
-                raise RequestError(
-                    f"a prompt of {kind} needs an engine with a tokenizer (Engine(tokenizer=...)); "
-                    "without one, pass token ids",
-                    "prompt",
-                )
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt)["input_ids"])
-            for message in prompt:
-                if not isinstance(message.get("role"), str) or not isinstance(
-                    message.get("content"), str
-                ):
-                    raise RequestError(
-                        "chat messages must be dicts with string 'role' and 'content', got "
-                        f"{message!r}",
-                        "prompt",
-                    )
-            text = self.tokenizer.apply_chat_template(
-                list(prompt), add_generation_prompt=True, tokenize=False
-            )
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        try:
-            return _token_list(prompt)
-        except (TypeError, ValueError) as error:
-            raise RequestError(str(error), "prompt") from None
+        return self.input_processor.process(prompt, params, arrival_time)
 
     def _admit(self, request: Request, owner=None) -> None:
         self._requests[request.request_id] = request
@@ -593,8 +471,11 @@ class Engine:
                         texts.append("")
                         new_texts.append("")
                         continue
+                    stopped = text.stopped
                     new_texts.append(text.take_new(final=seq.finish_reason is not None))
                     texts.append(text.handed_out)
+                    if text.stopped and not stopped and seq.finish_reason != "abort":
+                        seq.finish_reason = "stop"  # the final text completed a stop string
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -647,12 +528,14 @@ class Engine:
         stats.preemptions_by_recompute = counts.preemptions_by_recompute
 
 
-Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[Mapping[str, str]]]
-"""Token ids; or, for an engine with a tokenizer, text or chat messages."""
-
-
-def _is_chat(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+def _end_tokens(model: torch.nn.Module, eos_token_id) -> frozenset[int]:
+    """The tokens that end a sequence as ``"eos"``: ``eos_token_id`` (one id or several), by
+    default the model's generation config's."""
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 def _merge(earlier: RequestOutput, later: RequestOutput, beams: bool) -> RequestOutput:

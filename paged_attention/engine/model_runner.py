@@ -5,9 +5,13 @@ from.
 A step's tokens, decodes first and then prompt chunks, are packed into one row (batch 1) with
 their positions; :class:`StepCache` is the ``transformers.Cache`` the model's attention layers
 call, and it attends every sequence over its own paged context with one
-:class:`~paged_attention.attention.AttentionMetadata` for the whole step. The decode rows' block
-tables, seq lens and slots are the ones ``BlockManager.decode_step`` returned when the scheduler
-reserved them.
+:class:`~paged_attention.attention.AttentionMetadata` for the whole step, built by
+:func:`~paged_attention.kv.step_inputs.build_metadata` from the arrays the scheduler planned
+(``SchedulerOutput.inputs``). The runner never sees the block manager.
+
+Decode steps may run through an executor instead of eagerly: :class:`DecodeGraphs` (CUDA graphs)
+or :class:`CompiledDecode` (``torch.compile`` on the CPU), two strategies over one holder of
+static batch buffers (:class:`~paged_attention.kv.step_inputs.StaticStepBuffers`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 import torch._inductor.config
 
 from paged_attention.attention import AttentionMetadata
-from paged_attention.block_manager import BlockManager
 from paged_attention.cache import PagedKVCache
 from paged_attention.engine.logprobs import prompt_positions
 from paged_attention.engine.scheduler import SchedulerOutput
@@ -31,6 +34,7 @@ from paged_attention.integrations.transformers_backend import (
     PagedCacheBase,
     cache_argument_name,
 )
+from paged_attention.kv.step_inputs import StaticStepBuffers, build_metadata
 
 
 class StepCache(PagedCacheBase):
@@ -69,12 +73,13 @@ class StepCache(PagedCacheBase):
 
 class ModelRunner:
     """Runs ``model`` over the paged cache ``kv``, one scheduler step at a time; switches the
-    model to the ``"paged_attention"`` attention implementation. ``block_manager``: the manager
-    that plans the steps (what it releases bounds what a layer may attend; None: it releases
-    nothing). With ``decode_graphs`` (CUDA), decode steps of up to ``max_num_seqs`` sequences
-    replay CUDA graphs instead (:class:`DecodeGraphs`); with ``compile_decode`` (CPU),
-    they run through ``torch.compile`` (:class:`CompiledDecode`). Prompt chunks, and steps
-    that mix them with decodes, always run eagerly."""
+    model to the ``"paged_attention"`` attention implementation. With ``decode_graphs`` (CUDA),
+    decode steps of up to ``max_num_seqs`` sequences replay CUDA graphs instead
+    (:class:`DecodeGraphs`); with ``compile_decode`` (CPU), they run through ``torch.compile``
+    (:class:`CompiledDecode`). Prompt chunks, and steps that mix them with decodes, always run
+    eagerly. ``released``: ``(sliding_window, attention_chunk_size)`` of the manager that plans
+    the steps (what it releases bounds what a layer may attend; the static buffers of the
+    decode executors carry it)."""
 
     def __init__(
         self,
@@ -84,8 +89,8 @@ class ModelRunner:
         *,
         decode_graphs: bool = False,
         max_num_seqs: int = 64,
-        block_manager: BlockManager | None = None,
         compile_decode: bool = False,
+        released: tuple[int | None, int | None] = (None, None),
     ) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
@@ -93,32 +98,20 @@ class ModelRunner:
         self.device = geometry.device
         self.cache = StepCache(model, geometry, kv)
         self._cache_argument = cache_argument_name(model)
-        self.graphs: DecodeGraphs | None = None
-        if decode_graphs:
-            if self.device.type != "cuda":
-                raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
+        self.graphs: DecodeGraphs | CompiledDecode | None = None
+        if decode_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
+        if compile_decode:
+            _check_compilable(self.device, geometry)
+        if decode_graphs or compile_decode:
+            # The longest context the cache and the model allow, computed once for both.
             positions = getattr(model.config, "max_position_embeddings", None) or math.inf
             max_seq_len = int(min(positions, kv.num_blocks * kv.block_size))
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_seq_len, block_manager)
-        if compile_decode:
-            self.graphs = self._compiled_decode(geometry, max_num_seqs, block_manager)
-
-    def _compiled_decode(
-        self, geometry: ModelGeometry, max_num_seqs: int, block_manager: BlockManager | None
-    ) -> CompiledDecode:
-        if self.device.type != "cpu":
-            raise ValueError(
-                f"compiled decode steps are for a model on the CPU, not {self.device} (on CUDA, "
-                "decode steps replay CUDA graphs: cuda_graphs=True)"
+            buffers = StaticStepBuffers(
+                max_num_seqs, max_seq_len, kv.block_size, self.device, released
             )
-        if geometry.tensor_parallel.size > 1:
-            raise ValueError(
-                "compiled decode steps are not supported with tensor parallelism (each rank's "
-                "step calls collectives); pass compile=False"
-            )
-        positions = getattr(self.model.config, "max_position_embeddings", None) or math.inf
-        max_seq_len = int(min(positions, self.kv_cache.num_blocks * self.kv_cache.block_size))
-        return CompiledDecode(self, max_num_seqs, max_seq_len, block_manager)
+            executor = CompiledDecode if compile_decode else DecodeGraphs
+            self.graphs = executor(self, buffers)
 
     def execute_block_ops(self, block_ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """The copies and swaps the manager planned, in the order it planned them (a block a
@@ -131,41 +124,9 @@ class ModelRunner:
             else:
                 self.kv_cache.swap_in(pairs)
 
-    def metadata(self, out: SchedulerOutput, manager: BlockManager) -> AttentionMetadata:
-        """One AttentionMetadata for the step's packed rows: the decode rows first, as
-        ``decode_step`` described them, then the prompt chunks."""
-        query_lens = [1] * len(out.decode) + [c.count for c in out.prefill]
-        parts = []  # (block tables, seq lens, slots)
-        if out.decode:
-            parts.append(out.decode_tensors)
-        if out.prefill:
-            ids = [c.seq.seq_id for c in out.prefill]
-            parts.append(
-                (
-                    manager.block_tables_tensor(ids),
-                    manager.seq_lens_tensor(ids),
-                    manager.slot_mapping_tensor(ids, [c.count for c in out.prefill]),
-                )
-            )
-        if len(parts) == 1:
-            tables, seq_lens, slots = parts[0]
-        else:
-            width = max(p[0].shape[1] for p in parts)
-            tables = torch.cat(
-                [torch.nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts]
-            )
-            seq_lens = torch.cat([p[1] for p in parts])
-            slots = torch.cat([p[2] for p in parts])
-        return AttentionMetadata.build(
-            query_lens,
-            seq_lens.tolist(),
-            tables,
-            slots,
-            self.device,
-            seq_lens,
-            manager.sliding_window,
-            manager.attention_chunk_size,
-        )
+    def metadata(self, out: SchedulerOutput) -> AttentionMetadata:
+        """The AttentionMetadata of the step's packed rows: decodes first, then prompt chunks."""
+        return build_metadata(out.inputs, self.device)
 
     def forward(self, input_ids, position_ids, metadata: AttentionMetadata, keep) -> torch.Tensor:
         """One packed forward pass (batch 1) through :class:`StepCache`; the logits of the rows
@@ -188,7 +149,7 @@ class ModelRunner:
         finally:
             self.cache.metadata = None
 
-    def run(self, out: SchedulerOutput, manager: BlockManager) -> torch.Tensor:
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The forward pass of the step's chunks; float32 logits on the model's device, one row
         per chunk that samples (in chunk order)."""
         if self.graphs is not None and self.graphs.fits(out):
@@ -208,99 +169,77 @@ class ModelRunner:
         logits = self.forward(
             torch.tensor([tokens], device=self.device),
             torch.tensor([positions], device=self.device),
-            self.metadata(out, manager),
+            self.metadata(out),
             torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device),
         )
         return logits.float()
 
 
-class DecodeGraphs:
-    """CUDA graphs of decode steps (every sequence adds one token), one per padded batch size,
-    as vLLM and nano-vllm capture them: a replay runs the model's kernels without Python or
-    launch overhead. The step is copied into static buffers first; padding rows have seq_len 0
-    and slot -1, so they store and attend nothing (their logits are dropped). Every graph is
-    captured with ``max_seq_len`` (the longest context the cache and the model allow) and block
-    tables that wide, so it serves every step of its batch size; a step that does not fit runs
-    eagerly. A size is captured at its first step: warmed up on a side stream, then captured.
-    ``block_manager``: the manager that plans the steps (what it releases, None: nothing)."""
-
-    def __init__(
-        self,
-        runner: ModelRunner,
-        max_batch: int,
-        max_seq_len: int,
-        block_manager: BlockManager | None,
-    ) -> None:
-        device = runner.device
-        self.runner = runner
-        self.max_seq_len = max_seq_len
-        # What the manager releases bounds what a layer may attend (AttentionMetadata).
-        self.manager_window = None if block_manager is None else block_manager.sliding_window
-        self.manager_chunk = None if block_manager is None else block_manager.attention_chunk_size
-        self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if s < max_batch]
-        self.sizes.append(max_batch)
-        self.max_blocks = -(-max_seq_len // runner.kv_cache.block_size)
-        self.input_ids = torch.zeros(1, max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, max_batch, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(
-            max_batch, self.max_blocks, dtype=torch.int32, device=device
+def _check_compilable(device: torch.device, geometry: ModelGeometry) -> None:
+    if device.type != "cpu":
+        raise ValueError(
+            f"compiled decode steps are for a model on the CPU, not {device} (on CUDA, "
+            "decode steps replay CUDA graphs: cuda_graphs=True)"
         )
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+    if geometry.tensor_parallel.size > 1:
+        raise ValueError(
+            "compiled decode steps are not supported with tensor parallelism (each rank's "
+            "step calls collectives); pass compile=False"
+        )
+
+
+class _StaticDecode:
+    """What both decode executors share: a step is copied into ``buffers`` (padded to the
+    next of :attr:`sizes`), and the model runs over their first rows."""
+
+    SIZES: tuple[int, ...] = ()
+
+    def __init__(self, runner: ModelRunner, buffers: StaticStepBuffers) -> None:
+        self.runner = runner
+        self.buffers = buffers
+        self.max_seq_len = buffers.max_seq_len
+        batch = buffers.max_batch
+        self.sizes = [s for s in self.SIZES if s < batch] + [batch]
 
     def fits(self, out: SchedulerOutput) -> bool:
-        if out.prefill or not out.decode or len(out.decode) > self.sizes[-1]:
-            return False
-        tables, seq_lens, _ = out.decode_tensors
-        return tables.shape[1] <= self.max_blocks and int(seq_lens.max()) <= self.max_seq_len
+        return not out.prefill and out.inputs is not None and self.buffers.fits(out.inputs)
 
     def fill(self, out: SchedulerOutput) -> int:
         """Copy the decode step into the static buffers; returns its padded batch size."""
-        batch = len(out.decode)
-        size = next(s for s in self.sizes if s >= batch)
-        tables, seq_lens, slots = out.decode_tensors
-        tokens = torch.tensor([c.seq.tokens[-1] for c in out.decode])
-        positions = torch.tensor([c.start for c in out.decode])
-        self.pad(size, start=batch)
-        self.input_ids[0, :batch].copy_(tokens, non_blocking=True)
-        self.positions[0, :batch].copy_(positions, non_blocking=True)
-        self.block_tables[:batch, : tables.shape[1]].copy_(tables, non_blocking=True)
-        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
-        self.slots[:batch].copy_(slots, non_blocking=True)
+        size = next(s for s in self.sizes if s >= len(out.decode))
+        self.buffers.fill(out.inputs, [c.seq.tokens[-1] for c in out.decode], size)
         return size
 
-    def pad(self, size: int, start: int = 0) -> None:
-        """Rows ``start`` to ``size`` of the static buffers become padding (seq_len 0, slot -1:
-        they store and attend nothing); the block tables of all ``size`` rows are cleared."""
-        self.input_ids[0, start:size] = 0
-        self.positions[0, start:size] = 0
-        self.block_tables[:size].zero_()
-        self.seq_lens[start:size] = 0
-        self.slots[start:size] = -1
-
-    def forward(self, size: int) -> torch.Tensor:
-        """The model over the first ``size`` rows of the static buffers (what a graph captures;
-        eager, it serves the warm-up, and the CPU tests of the padding)."""
-        return self.runner.forward(*self._inputs(size))
+    def pad(self, size: int) -> None:
+        self.buffers.pad(size)
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
         """The runner's forward arguments for the first ``size`` rows of the static buffers."""
-        metadata = AttentionMetadata(
-            query_lens=[1] * size,
-            seq_lens=[self.max_seq_len] * size,
-            block_tables=self.block_tables[:size],
-            seq_lens_tensor=self.seq_lens[:size],
-            slot_mapping=self.slots[:size],
-            max_seq_len=self.max_seq_len,
-            query_start_loc=self.query_start_loc[: size + 1],
-            max_query_len=1,
-            manager_window=self.manager_window,
-            manager_chunk=self.manager_chunk,
-        )
-        return self.input_ids[:, :size], self.positions[:, :size], metadata, 0
+        buffers = self.buffers
+        metadata = build_metadata(None, self.runner.device, static=buffers, size=size)
+        return buffers.input_ids[:, :size], buffers.positions[:, :size], metadata, 0
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` rows of the static buffers, eagerly (what a graph
+        captures; the CPU tests check the padding through it)."""
+        return self.runner.forward(*self._inputs(size))
+
+
+class DecodeGraphs(_StaticDecode):
+    """CUDA graphs of decode steps (every sequence adds one token), one per padded batch size,
+    as vLLM and nano-vllm capture them: a replay runs the model's kernels without Python or
+    launch overhead. Padding rows have seq_len 0 and slot -1, so they store and attend nothing
+    (their logits are dropped). Every graph is captured with the buffers' ``max_seq_len`` and
+    block tables that wide, so it serves every step of its batch size; a step that does not fit
+    runs eagerly. A size is captured at its first step: warmed up on a side stream, then
+    captured."""
+
+    SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+    def __init__(self, runner: ModelRunner, buffers: StaticStepBuffers) -> None:
+        super().__init__(runner, buffers)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         size = self.fill(out)
@@ -323,9 +262,9 @@ class DecodeGraphs:
         return graph, logits
 
 
-class CompiledDecode(DecodeGraphs):
+class CompiledDecode(_StaticDecode):
     """Decode steps through ``torch.compile`` on the CPU: what :class:`DecodeGraphs` does with
-    CUDA graphs, one compiled graph per padded batch size over the same static buffers
+    CUDA graphs, one compiled graph per padded batch size over the same kind of static buffers
     (padding rows store and attend nothing, their logits are dropped).
 
     Inductor's freezing turns the weights into constants, so the projections run oneDNN
@@ -348,15 +287,8 @@ class CompiledDecode(DecodeGraphs):
     SIZES = (1, 8, 32)
     INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True}
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        max_batch: int,
-        max_seq_len: int,
-        block_manager: BlockManager | None,
-    ) -> None:
-        super().__init__(runner, max_batch, max_seq_len, block_manager)
-        self.sizes = [s for s in self.SIZES if s < max_batch] + [max_batch]
+    def __init__(self, runner: ModelRunner, buffers: StaticStepBuffers) -> None:
+        super().__init__(runner, buffers)
         self.compile_seconds: dict[int, float] = {}
         """Seconds the first step of each size took (compiling it, then running it)."""
         self._steps: dict[int, Callable[[int], torch.Tensor]] = {}

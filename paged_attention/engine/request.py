@@ -295,6 +295,17 @@ class Logprob:
 
 
 TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class Drawn:
+    """A request's tokens of one step, one per live sequence (per sample at its first step),
+    and with ``SamplingParams.logprobs`` one entry of log-probabilities per token."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
 """The log-probabilities at one position: the chosen (or prompt) token first, then the
 requested most likely alternatives, by token id."""
 

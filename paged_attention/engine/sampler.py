@@ -7,22 +7,12 @@ tokens and seed, never on the batch around it."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 
 from paged_attention.engine.logits_processors import RowState, StepControls, sampling_probabilities
 from paged_attention.engine.logprobs import token_logprobs
-from paged_attention.engine.request import Request, TokenLogprobs
-
-
-@dataclass
-class Drawn:
-    """A request's tokens of one step, one per live sequence (per sample at its first step),
-    and with ``SamplingParams.logprobs`` one entry of log-probabilities per token."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprobs] | None = None
+from paged_attention.engine.request import Drawn, Request
 
 
 def draw(

@@ -37,9 +37,8 @@ import bisect
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-
-import torch
 
 from paged_attention.block_manager import (
     RELEASED,
@@ -48,7 +47,8 @@ from paged_attention.block_manager import (
     OutOfBlocksError,
     reassign,
 )
-from paged_attention.engine.request import Request, RequestStatus, Sequence
+from paged_attention.engine.request import Drawn, Request, RequestStatus, Sequence
+from paged_attention.kv.step_inputs import StepInputs
 
 
 @dataclass
@@ -73,9 +73,12 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """The plan of one step: plain ids and numpy arrays, no tensor data."""
+
     decode: list[ScheduledChunk] = field(default_factory=list)
-    # decode_step's int32 block tables and seq lens and int64 slot mapping, for ``decode``.
-    decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The attention inputs of ``chunks`` (decodes, then prompt chunks), as the manager planned
+    # them; None for a step that computes nothing.
+    inputs: StepInputs | None = None
     prefill: list[ScheduledChunk] = field(default_factory=list)
     # Recomputed samples or beams forked from their request's first sequence with nothing of
     # their own to compute in this step (count 0).
@@ -195,20 +198,6 @@ class Scheduler:
             )
         return f"{who}; the pool has {self.block_manager.num_device_blocks}"
 
-    def fork(self, request: Request, parents: list[Sequence], children: list[Sequence]) -> None:
-        """``children[i]`` shares every block of ``parents[i]`` (no copy)."""
-        self.block_manager.fork_many([p.seq_id for p in parents], [c.seq_id for c in children])
-
-    def reassign(self, seqs: list[Sequence], sources: list[int]) -> list[int]:
-        """Sequence ids for new slots continuing ``seqs[sources[i]]`` (beam search:
-        ``block_manager.reassign``)."""
-        return reassign(
-            self.block_manager, [s.seq_id for s in seqs], sources, lambda: next(self._seq_ids)
-        )
-
-    def free(self, seqs: list[Sequence]) -> None:
-        self.block_manager.free_many(s.seq_id for s in seqs)
-
     def finish(self, request: Request) -> None:
         """Release everything ``request`` holds, wherever it is, and forget it."""
         if request.status is RequestStatus.FINISHED:
@@ -233,6 +222,7 @@ class Scheduler:
         budget -= self._reserve_decodes(out)
         budget = self._continue_prefills(out, budget)
         self._admit_waiting(out, budget)
+        out.inputs = self._step_inputs(out)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -253,6 +243,87 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         return pairs
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: Iterable[tuple[Request, object]],
+        finish_reason: Callable[[Request, Sequence], str | None],
+        end_token_ids: Collection[int],
+    ) -> list[Request]:
+        """After the forward pass of ``out`` succeeded: mark its tokens computed, then give each
+        request its ``sampled`` choice (a sampling request: one token per sequence, in order; a
+        beam request: ``(continuing, finished)`` candidates, :func:`~paged_attention.engine.
+        sampler.beam_candidates`). Samples fork from the prompt at their first token, beams are
+        reassigned, ``finish_reason(request, seq)`` ends sequences (``end_token_ids``: what
+        ends a beam as ``"eos"``), and what finished is freed. Returns the requests updated,
+        each with its ``new_tokens``; a request with no ``seqs`` left has finished."""
+        self.commit(out)
+        updated = []
+        for request, choice in sampled:
+            request.new_tokens = {}
+            if request.params.is_beam_search:
+                self._update_beams(request, *choice, end_token_ids)
+            else:
+                self._update_samples(request, choice, finish_reason)
+            if not request.seqs:
+                self.finish(request)
+            updated.append(request)
+        return updated
+
+    def _update_samples(self, request: Request, drawn: Drawn, finish_reason) -> None:
+        first = len(request.seqs) == 1 and not request.seqs[0].tokens
+        if first and request.params.n > 1:  # the samples fork from the prompt
+            parent = request.seqs[0]
+            children = [self.new_sequence(parent) for _ in range(request.params.n - 1)]
+            self.block_manager.fork_many(
+                [parent.seq_id] * len(children), [c.seq_id for c in children]
+            )
+            request.seqs += children
+        for i, (seq, token) in enumerate(zip(request.seqs, drawn.tokens)):
+            if drawn.logprobs is not None:
+                request.logprobs.setdefault(seq.seq_id, []).append(drawn.logprobs[i])
+            seq.tokens.append(token)
+            request.new_tokens[seq.seq_id] = [token]
+            seq.finish_reason = finish_reason(request, seq)
+        finished = [s for s in request.seqs if s.finish_reason is not None]
+        self.block_manager.free_many(s.seq_id for s in finished)
+        request.done += finished
+        request.seqs = [s for s in request.seqs if s.finish_reason is None]
+
+    def _update_beams(self, request: Request, continuing, finished, end_token_ids) -> None:
+        """Keep the ``beam_width`` best continuations; a continuation ending in an end token
+        becomes a finished hypothesis if it ranks among them. Stops when ``beam_width``
+        hypotheses are finished or the beams reach ``max_new_tokens``."""
+        params, beams = request.params, request.seqs
+        width = params.beam_width
+        for beam, token, score in finished:  # a finished hypothesis holds no blocks: seq_id -1
+            reason = "eos" if token in end_token_ids else "stop"
+            request.done.append(Sequence(-1, [*beams[beam].tokens, token], 0, score, reason))
+        # A parent's first child keeps its sequence, later children fork it; the beams nobody
+        # picked are freed. Copy-on-write of shared last blocks happens in the next step.
+        ids = reassign(
+            self.block_manager,
+            [b.seq_id for b in beams],
+            [beam for beam, _, _ in continuing],
+            lambda: next(self._seq_ids),
+        )
+        next_beams = [
+            Sequence(seq_id, [*beams[beam].tokens, token], beams[beam].num_computed, score)
+            for seq_id, (beam, token, score) in zip(ids, continuing)
+        ]
+        request.seqs = next_beams
+        request.new_tokens = {b.seq_id: [b.tokens[-1]] for b in next_beams}
+        finished_early = len(request.done) >= width
+        if finished_early or not next_beams or len(next_beams[0].tokens) == params.max_new_tokens:
+            self.block_manager.free_many(b.seq_id for b in next_beams)
+            if not finished_early:
+                for beam in next_beams:
+                    beam.finish_reason = "length"
+                request.done += next_beams
+            request.done.sort(key=lambda b: b.score / len(b.tokens), reverse=True)
+            del request.done[width:]
+            request.seqs = []
 
     # ------------------------------------------------------------------ the phases
 
@@ -305,7 +376,7 @@ class Scheduler:
                 out.block_ops.append(("copy", pairs))
                 self.stats.cow_copies += len(pairs)
             out.decode = [ScheduledChunk(r, s, s.num_computed, 1) for r, s in seqs]
-            out.decode_tensors = (tables, seq_lens, slots)
+            out.inputs = StepInputs.decode(self.block_manager, tables, seq_lens, slots)
             return len(seqs)
 
     def _continue_prefills(self, out: SchedulerOutput, budget: float) -> float:
@@ -371,6 +442,16 @@ class Scheduler:
             budget -= sum(c.count for c in chunks)
 
     # ------------------------------------------------------------------ helpers
+
+    def _step_inputs(self, out: SchedulerOutput) -> StepInputs | None:
+        """The step's attention inputs: the decode rows as ``decode_step`` returned them (set by
+        ``_reserve_decodes``), then the prompt chunks' rows read from the manager."""
+        parts = [] if out.inputs is None else [out.inputs]
+        if out.prefill:
+            ids = [c.seq.seq_id for c in out.prefill]
+            counts = [c.count for c in out.prefill]
+            parts.append(StepInputs.from_manager(self.block_manager, ids, counts))
+        return StepInputs.concat(parts) if parts else None
 
     def _reserve_chunks(
         self, request: Request, budget: float, out: SchedulerOutput, watermark: bool = False

@@ -36,6 +36,7 @@ from paged_attention.integrations.transformers_backend import (
     PagedCacheBase,
     cache_argument_name,
 )
+from paged_attention.kv.step_inputs import StepInputs, build_metadata
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "cache_argument_name"]
 
@@ -224,18 +225,10 @@ class PagedCache(PagedCacheBase):
 
         try:
             if all(n == 1 for n in counts) and None not in self._rows:
-                pairs, block_tables, seq_lens, slots = self.block_manager.decode_step(self._rows)
+                pairs, *arrays = self.block_manager.decode_step(self._rows)
                 self.kv_cache.copy_blocks(pairs)
-                metadata = AttentionMetadata.build(
-                    [1] * batch,
-                    seq_lens.tolist(),
-                    block_tables,
-                    slots,
-                    self.kv_cache.device,
-                    seq_lens,
-                    self.block_manager.sliding_window,
-                    self.block_manager.attention_chunk_size,
-                )
+                inputs = StepInputs.decode(self.block_manager, *arrays)
+                metadata = build_metadata(inputs, self.kv_cache.device)
             else:
                 metadata = self._grow_rows(counts, duplicates)
         except OutOfBlocksError as error:
@@ -285,21 +278,11 @@ class PagedCache(PagedCacheBase):
             raise
         self.kv_cache.copy_blocks(pairs)
         seq_ids, query_lens = [s for s, _ in active], [n for _, n in active]
-        slots = self.block_manager.slot_mapping_tensor(seq_ids, query_lens)
+        inputs = StepInputs.from_manager(self.block_manager, seq_ids, query_lens)
         starts = [0, *itertools.accumulate(query_lens)]
         for index in dropped:  # a forked copy reads its parent's slots and writes none
-            slots[starts[index] : starts[index + 1]] = -1
-        seq_lens = self.block_manager.seq_lens_tensor(seq_ids)
-        return AttentionMetadata.build(
-            query_lens,
-            seq_lens.tolist(),
-            self.block_manager.block_tables_tensor(seq_ids),
-            slots,
-            self.kv_cache.device,
-            seq_lens,
-            self.block_manager.sliding_window,
-            self.block_manager.attention_chunk_size,
-        )
+            inputs.slot_mapping[starts[index] : starts[index + 1]] = -1
+        return build_metadata(inputs, self.kv_cache.device)
 
     @staticmethod
     def _real_tokens(batch, q_len, attention_mask) -> torch.Tensor | None:
