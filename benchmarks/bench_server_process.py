@@ -5,6 +5,7 @@ answers. Servers are started from the checkouts given (``--checkouts before=PATH
 in turn, A B A B, so a shared machine's load falls on both alike; /proc/loadavg is recorded.
 
     python benchmarks/bench_server_process.py --checkouts before=../old,after=. --rounds 2
+    python benchmarks/bench_server_process.py --checkouts after=. --start-methods
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def loadavg() -> str:
         return " ".join(file.read().split()[:3])
 
 
-def serve_once(checkout: str, model: str, max_tokens: int) -> dict:
+def serve_once(checkout: str, model: str, max_tokens: int, threads: int | None) -> dict:
     import httpx
     import openai
 
     port = free_port()
     command = [sys.executable, "-m", "paged_attention", "serve", "--model", model]
     command += ["--port", str(port), "--log-level", "warning"]
+    command += ["--threads", str(threads)] if threads else []
     environment = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
     started = time.perf_counter()
     server = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL)
@@ -77,9 +79,14 @@ def serve_once(checkout: str, model: str, max_tokens: int) -> dict:
         server.wait(60)
 
 
-def offline(model: str, max_tokens: int) -> dict:
+def offline(model: str, max_tokens: int, threads: int | None) -> dict:
+    import torch
+
     from paged_attention.engine import Engine, SamplingParams
     from paged_attention.models import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
 
     loaded, tokenizer = load_model(model)
     engine = Engine(loaded, tokenizer=tokenizer, num_blocks=4096 // 16, block_size=16)
@@ -92,22 +99,51 @@ def offline(model: str, max_tokens: int) -> dict:
     return {"tok_s": rate, "tokens": len(output.outputs[0])}
 
 
+def start_methods(model: str, rounds: int) -> list[dict]:
+    """Seconds until the engine's process is ready, ``spawn`` and ``fork`` alternately, from
+    this process (which imported torch, as ``serve``'s has)."""
+    from paged_attention.server.engine_process import EngineProcess, EngineSpec
+
+    results = []
+    for _ in range(rounds):
+        for method in ("spawn", "fork"):
+            load = loadavg()
+            started = time.perf_counter()
+            engine = EngineProcess(EngineSpec(model, {"num_blocks": 256}), start_method=method)
+            ready = time.perf_counter() - started
+            engine.close()
+            results.append({"start_method": method, "ready_s": ready, "load": load})
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkouts", required=True, help="name=PATH,name=PATH")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="torch threads (serve --threads)")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--start-methods",
+        action="store_true",
+        help="instead: time the engine process's start with spawn and with fork",
+    )
     args = parser.parse_args()
+    if args.start_methods:
+        import torch  # noqa: F401  (imported before the child starts, as in serve)
+
+        start_methods(args.model, args.rounds)
+        return
     checkouts = dict(item.split("=", 1) for item in args.checkouts.split(","))
     results = []
     for round_ in range(args.rounds):
         entry = {"round": round_, "load_before": loadavg()}
-        entry["offline"] = offline(args.model, args.max_tokens)
+        entry["offline"] = offline(args.model, args.max_tokens, args.threads)
         print(f"offline: {entry['offline']}", file=sys.stderr, flush=True)
         for name, path in checkouts.items():
-            entry[name] = serve_once(path, args.model, args.max_tokens)
+            entry[name] = serve_once(path, args.model, args.max_tokens, args.threads)
             print(f"{name}: {entry[name]}", file=sys.stderr, flush=True)
         entry["load_after"] = loadavg()
         results.append(entry)
