@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from test_server import LiveServer, Recorder, chat_prompt, make_engine  # noqa: E402
+from test_server import LiveServer, Recorder, chat_prompt, make_engine, wait_idle  # noqa: E402
 
 from paged_attention.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
@@ -306,3 +306,14 @@ def test_bad_logprob_values_get_400_naming_the_field(served, route, body, param)
     error = response.json()["error"]
     assert error["param"] == param
     assert param in error["message"]
+
+
+def test_a_batch_the_engine_refuses_in_part_leaves_nothing_running(served):
+    """The second prompt is refused after the first started: the first is aborted."""
+    response = httpx.post(
+        f"{served.url}{COMPLETIONS}",
+        json={"prompt": [[104] * 40, [10**7]], "max_tokens": 200, "ignore_eos": True},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    samples = wait_idle(served)
+    assert samples["paged_attention_kv_blocks_used"] == 0
