@@ -18,8 +18,16 @@ pytest.importorskip("uvicorn")
 
 from test_server import LiveServer, Recorder, chat_prompt, make_engine, wait_idle  # noqa: E402
 
+from paged_attention.engine import Logprob  # noqa: E402
 from paged_attention.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
+from paged_attention.server.logprobs import (  # noqa: E402
+    LOGPROB_FLOOR,
+    CompletionLogprobs,
+    TokenPieces,
+    chat_content,
+)
+from paged_attention.testing import byte_tokenizer  # noqa: E402
 
 MODEL = "tiny"
 TOLERANCE = 2e-3
@@ -133,10 +141,33 @@ def test_chat_stream_carries_each_tokens_logprobs_once(served):
 
 
 def test_chat_without_logprobs_has_none(served):
-    answer = served.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=False
+    client = served.client()
+    for fields in ({"logprobs": False}, {"top_logprobs": 0}, {}):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, **fields
+        )
+        assert answer.choices[0].logprobs is None
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True
     )
-    assert answer.choices[0].logprobs is None
+    assert [entry.top_logprobs for entry in answer.choices[0].logprobs.content] == [[], []]
+
+
+def test_shapes_floor_and_same_text_tokens():
+    """The shapes' rules without a server: -inf is sent as -9999.0, a completion's
+    ``top_logprobs`` keeps the likelier of two tokens of the same text, chat's
+    ``top_logprobs`` holds only tokens that rank, and byte-level tokens show their raw bytes
+    (a lone byte of a multi-byte character shows as U+FFFD)."""
+    pieces = TokenPieces(byte_tokenizer())
+    entry = {0xC3: Logprob(float("-inf"), 250), 0xA9: Logprob(-0.5, 1), 0xC2: Logprob(-1.0, 2)}
+    (content,) = chat_content(pieces, [0xC3], [entry], 2)
+    assert content["logprob"] == LOGPROB_FLOOR and content["bytes"] == [0xC3]
+    assert content["token"] == "\ufffd"
+    assert [t["bytes"] for t in content["top_logprobs"]] == [[0xA9], [0xC2]]
+    legacy = CompletionLogprobs(pieces).piece([0xC3, 104], [None, entry | {104: Logprob(-7, 9)}])
+    assert legacy["token_logprobs"] == [None, -7]
+    assert legacy["top_logprobs"] == [None, {"\ufffd": -0.5, "h": -7}]
+    assert legacy["text_offset"] == [0, 1]
 
 
 # --------------------------------------------------------------------- completions
@@ -278,6 +309,8 @@ MESSAGES = [{"role": "user", "content": "x"}]
 
 BAD_VALUES = [
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "top_logprobs": -1}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": 1}, "logprobs"),
