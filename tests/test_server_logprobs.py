@@ -6,6 +6,7 @@ against transformers' float32 log-softmax of the same tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -240,6 +241,31 @@ def test_echo_with_one_token_scores_the_prompt_and_the_token(served, reference):
     greedy = rows[-1].max().item()
     assert logprobs.token_logprobs[-1] == pytest.approx(greedy, abs=TOLERANCE)
     assert answer.usage.completion_tokens == 1
+
+
+def test_concurrent_scoring_requests_of_the_async_client(served, reference):
+    """lm-eval sends its loglikelihood requests concurrently: each answer is its own prompt's
+    logprobs, whatever ran beside it."""
+    tokenizer = served.tokenizer
+    texts = ["alpha beta", "gamma", "delta epsilon zeta", "eta theta", "iota", "kappa lambda"]
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+
+    async def score_all():
+        client = served.async_client()
+        requests = [
+            client.completions.create(
+                model=MODEL, prompt=[prompt], echo=True, max_tokens=0, logprobs=1
+            )
+            for prompt in prompts
+        ]
+        return await asyncio.gather(*requests)
+
+    for answer, prompt in zip(asyncio.run(score_all()), prompts):
+        rows = reference(prompt)
+        expected = [rows[i - 1][prompt[i]].item() for i in range(1, len(prompt))]
+        assert answer.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+            expected, abs=TOLERANCE
+        )
 
 
 def test_a_batch_of_prompts_answers_as_single_prompts(served):
