@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -374,5 +375,29 @@ def test_a_batch_the_engine_refuses_in_part_leaves_nothing_running(served):
         json={"prompt": [[104] * 40, [10**7]], "max_tokens": 200, "ignore_eos": True},
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    samples = wait_idle(served)
+    assert samples["paged_attention_kv_blocks_used"] == 0
+
+
+def test_a_client_leaving_a_streamed_batch_aborts_every_prompt(served):
+    key = 'paged_attention_requests_finished_total{finish_reason="abort"}'
+    aborted_before = served.metrics().get(key, 0)
+    body = {
+        "prompt": [[104] * 8, [105] * 8, [106] * 8],
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "stream": True,
+    }
+    with httpx.Client(base_url=served.url) as raw:
+        with raw.stream("POST", COMPLETIONS, json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    assert "logprobs" in json.loads(line[6:])["choices"][0]
+                    break  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while served.metrics().get(key, 0) < aborted_before + 3:
+        assert time.monotonic() < deadline, "the batch's requests were not all aborted"
+        time.sleep(0.01)
     samples = wait_idle(served)
     assert samples["paged_attention_kv_blocks_used"] == 0
