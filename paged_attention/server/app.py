@@ -436,8 +436,7 @@ class _Server:
             while running:
                 try:
                     p, output = await client.next_of(running)
-                except EngineStepError:
-                    finished = True
+                except EngineStepError:  # the batch's other prompts are aborted below
                     failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
                     yield f"data: {json.dumps(failure.body())}\n\n"
                     yield "data: [DONE]\n\n"
