@@ -6,7 +6,9 @@ against transformers' float32 log-softmax of the same tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -16,10 +18,18 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from test_server import LiveServer, Recorder, chat_prompt, make_engine  # noqa: E402
+from test_server import LiveServer, Recorder, chat_prompt, make_engine, wait_idle  # noqa: E402
 
+from paged_attention.engine import Logprob  # noqa: E402
 from paged_attention.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
+from paged_attention.server.logprobs import (  # noqa: E402
+    LOGPROB_FLOOR,
+    CompletionLogprobs,
+    TokenPieces,
+    chat_content,
+)
+from paged_attention.testing import byte_tokenizer  # noqa: E402
 
 MODEL = "tiny"
 TOLERANCE = 2e-3
@@ -133,10 +143,33 @@ def test_chat_stream_carries_each_tokens_logprobs_once(served):
 
 
 def test_chat_without_logprobs_has_none(served):
-    answer = served.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=False
+    client = served.client()
+    for fields in ({"logprobs": False}, {"top_logprobs": 0}, {}):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, **fields
+        )
+        assert answer.choices[0].logprobs is None
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True
     )
-    assert answer.choices[0].logprobs is None
+    assert [entry.top_logprobs for entry in answer.choices[0].logprobs.content] == [[], []]
+
+
+def test_shapes_floor_and_same_text_tokens():
+    """The shapes' rules without a server: -inf is sent as -9999.0, a completion's
+    ``top_logprobs`` keeps the likelier of two tokens of the same text, chat's
+    ``top_logprobs`` holds only tokens that rank, and byte-level tokens show their raw bytes
+    (a lone byte of a multi-byte character shows as U+FFFD)."""
+    pieces = TokenPieces(byte_tokenizer())
+    entry = {0xC3: Logprob(float("-inf"), 250), 0xA9: Logprob(-0.5, 1), 0xC2: Logprob(-1.0, 2)}
+    (content,) = chat_content(pieces, [0xC3], [entry], 2)
+    assert content["logprob"] == LOGPROB_FLOOR and content["bytes"] == [0xC3]
+    assert content["token"] == "\ufffd"
+    assert [t["bytes"] for t in content["top_logprobs"]] == [[0xA9], [0xC2]]
+    legacy = CompletionLogprobs(pieces).piece([0xC3, 104], [None, entry | {104: Logprob(-7, 9)}])
+    assert legacy["token_logprobs"] == [None, -7]
+    assert legacy["top_logprobs"] == [None, {"\ufffd": -0.5, "h": -7}]
+    assert legacy["text_offset"] == [0, 1]
 
 
 # --------------------------------------------------------------------- completions
@@ -211,6 +244,31 @@ def test_echo_with_one_token_scores_the_prompt_and_the_token(served, reference):
     assert answer.usage.completion_tokens == 1
 
 
+def test_concurrent_scoring_requests_of_the_async_client(served, reference):
+    """lm-eval sends its loglikelihood requests concurrently: each answer is its own prompt's
+    logprobs, whatever ran beside it."""
+    tokenizer = served.tokenizer
+    texts = ["alpha beta", "gamma", "delta epsilon zeta", "eta theta", "iota", "kappa lambda"]
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+
+    async def score_all():
+        client = served.async_client()
+        requests = [
+            client.completions.create(
+                model=MODEL, prompt=[prompt], echo=True, max_tokens=0, logprobs=1
+            )
+            for prompt in prompts
+        ]
+        return await asyncio.gather(*requests)
+
+    for answer, prompt in zip(asyncio.run(score_all()), prompts):
+        rows = reference(prompt)
+        expected = [rows[i - 1][prompt[i]].item() for i in range(1, len(prompt))]
+        assert answer.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+            expected, abs=TOLERANCE
+        )
+
+
 def test_a_batch_of_prompts_answers_as_single_prompts(served):
     client = served.client()
     fields = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=5, n=2, logprobs=2)
@@ -278,6 +336,8 @@ MESSAGES = [{"role": "user", "content": "x"}]
 
 BAD_VALUES = [
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "top_logprobs": -1}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": 1}, "logprobs"),
@@ -306,3 +366,38 @@ def test_bad_logprob_values_get_400_naming_the_field(served, route, body, param)
     error = response.json()["error"]
     assert error["param"] == param
     assert param in error["message"]
+
+
+def test_a_batch_the_engine_refuses_in_part_leaves_nothing_running(served):
+    """The second prompt is refused after the first started: the first is aborted."""
+    response = httpx.post(
+        f"{served.url}{COMPLETIONS}",
+        json={"prompt": [[104] * 40, [10**7]], "max_tokens": 200, "ignore_eos": True},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    samples = wait_idle(served)
+    assert samples["paged_attention_kv_blocks_used"] == 0
+
+
+def test_a_client_leaving_a_streamed_batch_aborts_every_prompt(served):
+    key = 'paged_attention_requests_finished_total{finish_reason="abort"}'
+    aborted_before = served.metrics().get(key, 0)
+    body = {
+        "prompt": [[104] * 8, [105] * 8, [106] * 8],
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "stream": True,
+    }
+    with httpx.Client(base_url=served.url) as raw:
+        with raw.stream("POST", COMPLETIONS, json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    assert "logprobs" in json.loads(line[6:])["choices"][0]
+                    break  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while served.metrics().get(key, 0) < aborted_before + 3:
+        assert time.monotonic() < deadline, "the batch's requests were not all aborted"
+        time.sleep(0.01)
+    samples = wait_idle(served)
+    assert samples["paged_attention_kv_blocks_used"] == 0

@@ -2,7 +2,7 @@
 
 * :mod:`~paged_attention.server.protocol` — the request bodies accepted (strictly typed; an
   OpenAI field that is not carried out is refused, a field OpenAI does not define is ignored
-  with a warning), OpenAI-style errors, the sampling parameters, the response bodies;
+  with a warning), OpenAI-style errors, the sampling parameters, the chunk and usage bodies;
 * :mod:`~paged_attention.server.security` — what is checked before any work: the API key,
   JSON-only bodies, the body size;
 * :mod:`~paged_attention.server.prompts` — the chat template and the tokenizer, in a worker
@@ -11,6 +11,12 @@
 * :mod:`~paged_attention.server.engine_owner` — the owner that steps the engine, fed by a
   queue, handing outputs back to the event loop: in a thread, or with the engine in a process
   of its own (:mod:`~paged_attention.server.engine_process`, what ``serve`` runs);
+* :mod:`~paged_attention.server.answers` — the engine's outputs of a request's prompts as
+  OpenAI's choices (whole or streamed; ``echo``; a batch of prompts);
+* :mod:`~paged_attention.server.logprobs` — log probabilities in OpenAI's chat and legacy
+  completions shapes;
+* :mod:`~paged_attention.server.client_watch` — waiting for outputs while watching the
+  client's connection;
 * :mod:`~paged_attention.server.metrics` — Prometheus metrics read in the owner thread;
 * :mod:`~paged_attention.server.app` — the Starlette application, its routes and the bound on
   waiting requests.

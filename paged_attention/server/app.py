@@ -26,6 +26,7 @@ from starlette.routing import Route
 from paged_attention.engine import RequestOutput
 from paged_attention.server import protocol, tokenization
 from paged_attention.server.answers import Answer, PromptJob
+from paged_attention.server.client_watch import ClientDisconnected, ClientWatch
 from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
@@ -43,10 +44,6 @@ DEFAULT_MAX_WAITING_REQUESTS = 256
 ENGINE_FAILURE = "the engine failed while serving this request (it was aborted; the server goes on)"
 
 logger = logging.getLogger("paged_attention.server")
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 def create_app(
@@ -353,7 +350,7 @@ class _Server:
             for stream in streams:
                 self.owner.abort(stream)
             raise APIError(str(error), status=503, code="shutting_down") from None
-        client = _ClientWatch(request)
+        client = ClientWatch(request)
         handed_off = False  # to the event stream, which then ends the requests itself
         try:
             firsts = [await self._first_output(client, stream, body) for stream in streams]
@@ -382,7 +379,7 @@ class _Server:
                 client.close()
 
     async def _first_output(
-        self, client: _ClientWatch, stream: RequestStream, body
+        self, client: ClientWatch, stream: RequestStream, body
     ) -> RequestOutput:
         """The request's first output, once the engine took it and it got tokens; the APIError
         a client gets when the engine refused it (when queued, or when scheduled)."""
@@ -403,7 +400,7 @@ class _Server:
 
     async def _events(
         self,
-        client: _ClientWatch,
+        client: ClientWatch,
         streams: list[RequestStream],
         firsts: list[RequestOutput],
         answer: Answer,
@@ -411,9 +408,9 @@ class _Server:
         include_usage: bool,
     ):
         """The server-sent events of a streamed answer, from its prompts' first outputs on
-        (the prompts run together; their chunks are sent one prompt after the other). A
-        client that goes away (the response is cancelled, or the watch sees it leave) aborts
-        the requests."""
+        (the prompts run together; each output's chunks are sent as it comes). A client that
+        goes away (the response is cancelled, or the watch sees it leave) aborts the
+        requests."""
         created = int(time.time())
         chat = answer.chat
         extra = {"usage": None} if include_usage else {}
@@ -423,29 +420,35 @@ class _Server:
             return f"data: {json.dumps({**data, **extra, **fields})}\n\n"
 
         finished = False
-        finals = []
         try:
             if chat:
                 for index in range(answer.n):
                     yield event([protocol.chunk_choice(True, index, None, None)])
+            running: dict[int, RequestStream] = {}
+            finals: dict[int, RequestOutput] = {}
             for p, (stream, output) in enumerate(zip(streams, firsts)):
-                while True:
-                    for choice in answer.deltas(p, output):
-                        yield event([choice])
-                    if output.finished:
-                        break
-                    try:
-                        output = await client.next(stream)
-                    except EngineStepError:
-                        finished = True
-                        failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
-                        yield f"data: {json.dumps(failure.body())}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                finals.append(output)
+                for choice in answer.deltas(p, output):
+                    yield event([choice])
+                if output.finished:
+                    finals[p] = output
+                else:
+                    running[p] = stream
+            while running:
+                try:
+                    p, output = await client.next_of(running)
+                except EngineStepError:  # the batch's other prompts are aborted below
+                    failure = APIError(ENGINE_FAILURE, status=500, code="engine_error")
+                    yield f"data: {json.dumps(failure.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                for choice in answer.deltas(p, output):
+                    yield event([choice])
+                if output.finished:
+                    finals[p] = output
+                    del running[p]
             finished = True
             if include_usage:
-                yield event([], usage=answer.usage(finals))
+                yield event([], usage=answer.usage(list(finals.values())))
             yield "data: [DONE]\n\n"
         except ClientDisconnected:
             return
@@ -454,39 +457,6 @@ class _Server:
                 for stream in streams:
                     self.owner.abort(stream)
             client.close()
-
-
-class _ClientWatch:
-    """Waits for a stream's next item while watching the connection: raises
-    ClientDisconnected as soon as the client goes away, whatever the engine is doing."""
-
-    def __init__(self, request: Request) -> None:
-        self._gone = asyncio.ensure_future(self._wait_disconnect(request))
-
-    @staticmethod
-    async def _wait_disconnect(request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def next(self, stream: RequestStream):
-        """The stream's next item; an exception in its place is raised."""
-        if self._gone.done():
-            raise ClientDisconnected
-        if stream.outputs.empty():
-            get = asyncio.ensure_future(stream.outputs.get())
-            await asyncio.wait({get, self._gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                raise ClientDisconnected
-            item = get.result()
-        else:
-            item = stream.outputs.get_nowait()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._gone.cancel()
 
 
 def _engine_refusal(error: ValueError, request) -> APIError:

@@ -311,9 +311,9 @@ class ChatCompletionRequest(_Generation):
                 param="max_completion_tokens",
             )
         if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
             _check_logprob_count("top_logprobs", self.top_logprobs)
+            if self.top_logprobs and not self.logprobs:  # 0 asks for nothing
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         return self
 
     @property
