@@ -401,3 +401,41 @@ def test_a_client_leaving_a_streamed_batch_aborts_every_prompt(served):
         time.sleep(0.01)
     samples = wait_idle(served)
     assert samples["paged_attention_kv_blocks_used"] == 0
+
+
+def test_real_model_scores_and_spells_tokens_as_transformers_does():
+    """SmolLM2 in float32 with its real byte-level BPE tokenizer: an echoed text's logprobs
+    equal transformers', its tokens' bytes spell it (accents and an emoji split across
+    tokens included), and a chat answer's token ``bytes`` spell the answer."""
+    model, tokenizer = load_model("smollm2", dtype="float32")
+    live = LiveServer(create_app(make_engine(model, tokenizer, num_blocks=64), tokenizer, "s"))
+    try:
+        client = live.client()
+        text = "Le café ☕ est chaud, dit-elle."
+        scored = client.completions.create(
+            model="s", prompt=text, echo=True, max_tokens=0, logprobs=3
+        )
+        chat = client.chat.completions.create(
+            model="s",
+            messages=[{"role": "user", "content": "Écris « café ☕ » trois fois."}],
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+        )
+    finally:
+        live.stop()
+    ids = tokenizer(text)["input_ids"]
+    choice = scored.choices[0]
+    assert choice.text == text and choice.logprobs.tokens[0] == tokenizer.decode(ids[:1])
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        rows = model(torch.tensor([ids]), use_cache=False).logits[0].float().log_softmax(-1)
+    expected = [rows[i - 1][ids[i]].item() for i in range(1, len(ids))]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=TOLERANCE)
+    pieces = TokenPieces(tokenizer)
+    assert b"".join(bytes(pieces.bytes(t)) for t in ids) == text.encode()
+    answer = chat.choices[0]
+    assert answer.finish_reason == "length"
+    spelled = bytes(b for entry in answer.logprobs.content for b in entry.bytes)
+    assert spelled.decode("utf-8", "replace") == answer.message.content
