@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from paged_attention.engine import Engine, RequestOutput, SamplingParams
+from paged_attention.engine import Engine, Logprob, RequestOutput, SamplingParams
 from paged_attention.models import load_model
 from paged_attention.server.engine_owner import (
     EngineOwner,
@@ -45,6 +45,18 @@ def test_merge_joins_new_tokens_and_text_entry_by_entry_and_keeps_the_later_stat
     assert forked.new_tokens == [[1, 3], [4]] and forked.new_texts == ["ac", "d"]
     # beams reorder: the later output stands alone
     assert merge_outputs(earlier, later, beams=True) is later
+
+
+def test_merge_joins_each_tokens_logprobs_once():
+    earlier, later = output([[1], [2]], ["a", "b"]), output([[3], [4]], ["c", "d"])
+    earlier.new_logprobs = [[{1: Logprob(-0.1, 1)}], [{2: Logprob(-0.2, 1)}]]
+    later.new_logprobs = [[{3: Logprob(-0.3, 2)}], [{4: Logprob(-0.4, 1)}]]
+    merged = merge_outputs(earlier, later, beams=False)
+    assert merged.new_logprobs == [
+        [{1: Logprob(-0.1, 1)}, {3: Logprob(-0.3, 2)}],
+        [{2: Logprob(-0.2, 1)}, {4: Logprob(-0.4, 1)}],
+    ]
+    assert later.new_logprobs == [[{3: Logprob(-0.3, 2)}], [{4: Logprob(-0.4, 1)}]]
 
 
 def test_an_unread_queue_holds_one_output_after_its_admission():

@@ -89,7 +89,25 @@ REQUESTS = [
     ("Stop me", SamplingParams(max_new_tokens=40, temperature=1.0, seed=3), None),  # see below
     ("Aborted", SamplingParams(max_new_tokens=300), 3),
     ("Too long", SamplingParams(max_new_tokens=5000), None),  # beyond the model's context
+    ("Scored", SamplingParams(max_new_tokens=12, logprobs=3, prompt_logprobs=2), None),
 ]
+
+
+def same_logprobs(ours, theirs) -> bool:
+    """Entries (dicts of token id -> Logprob, or None) with the same tokens and ranks, and
+    values equal to float32 rounding (the two processes run the same model)."""
+    if ours is None or theirs is None:
+        return ours is theirs
+    return len(ours) == len(theirs) and all(
+        (a is None and b is None)
+        or (
+            a is not None
+            and b is not None
+            and list(a) == list(b)
+            and all(a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+        )
+        for a, b in zip(ours, theirs)
+    )
 
 
 def serve_one_by_one(owner, tokenizer, requests):
@@ -146,12 +164,19 @@ def test_the_process_owner_gives_the_thread_owners_outputs_once_each_in_order(ti
         # every token and character delivered exactly once, in order
         assert [sum((o.new_tokens[i] for o in ours), []) for i in entries] == last.outputs
         assert ["".join(o.new_texts[i] for o in ours) for i in entries] == last.texts
+        if last.logprobs is not None or reference.logprobs is not None:
+            assert all(map(same_logprobs, last.logprobs, reference.logprobs))
+            assert same_logprobs(last.prompt_logprobs, reference.prompt_logprobs)
+            # each token's logprobs delivered once, in order
+            assert [sum((o.new_logprobs[i] for o in ours), []) for i in entries] == last.logprobs
         if abort_after is None:
             assert last.finished and last.metrics.finished_time is not None
             assert len(last.metrics.token_times) == len(reference.metrics.token_times)
     assert len(got[1][-1].outputs) == 3
     assert got[2][-1].finish_reasons == ["stop"]
     assert got[2][-1].texts[0] == answer.texts[0][: answer.texts[0].index(stop)]
+    scored = got[5][-1]
+    assert len(scored.logprobs[0]) == 12 and len(scored.prompt_logprobs) == len(scored.prompt)
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:

@@ -49,9 +49,10 @@ class EngineStepError(RuntimeError):
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput, beams: bool) -> RequestOutput:
     """One output standing for two consecutive outputs of the same request: the later state,
-    with the new tokens and new text of both, entry by entry (an entry the earlier output lacks
-    is a sample forked since: it adds nothing). Beam search reorders its entries, so its later
-    output stands alone (a beam reader reads ``outputs``). Neither argument is changed."""
+    with the new tokens, new text and new logprobs of both, entry by entry (an entry the
+    earlier output lacks is a sample forked since: it adds nothing). Beam search reorders its
+    entries, so its later output stands alone (a beam reader reads ``outputs``). Neither
+    argument is changed."""
     if beams:
         return later
     merged = copy.copy(later)
@@ -63,6 +64,12 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput, beams: bool) -> 
         before = earlier.new_texts or []
         merged.new_texts = [
             (before[i] if i < len(before) else "") + text for i, text in enumerate(later.new_texts)
+        ]
+    if later.new_logprobs is not None:
+        before = earlier.new_logprobs or []
+        merged.new_logprobs = [
+            (before[i] if i < len(before) else []) + entries
+            for i, entries in enumerate(later.new_logprobs)
         ]
     return merged
 

@@ -247,6 +247,8 @@ class OutputAssembler:
             output.outputs = [a + n for a, n in zip(last.outputs, output.new_tokens)]
             if output.new_texts is not None:
                 output.texts = [a + n for a, n in zip(last.texts or (), output.new_texts)]
+            if output.new_logprobs is not None and last.logprobs is not None:
+                output.logprobs = [a + n for a, n in zip(last.logprobs, output.new_logprobs)]
             if output.metrics is not None and last.metrics is not None:
                 output.metrics.token_times = last.metrics.token_times + output.metrics.token_times
         if output.finished:

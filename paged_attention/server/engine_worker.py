@@ -135,6 +135,7 @@ class DeltaEncoder:
         if not whole:
             delta.outputs = None
             delta.texts = None
+            delta.logprobs = None  # the server joins new_logprobs onto what it has
         return Delivery(key, delta, whole, to_stream)
 
     @staticmethod
