@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_arguments(serve_parser)
     serve_parser.set_defaults(run=serve.main, parser=serve_parser)
     args = parser.parse_args(argv)
+    # a process of its own (the command line): serve may fork its engine process from it
+    args.fresh_process = argv is None
     try:
         return args.run(args)
     except demo.UsageError as error:

@@ -181,7 +181,9 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     # the model loads and the engine runs in a process of its own (ServeSpec builds it there)
-    engine, tokenizer = start_engine_process(args)
+    # fork from the command line's fresh process; spawn when serve runs inside another program
+    fresh = getattr(args, "fresh_process", False)
+    engine, tokenizer = start_engine_process(args, "fork" if fresh else "spawn")
     name = args.served_model_name or args.model
     try:
         app = create_app(

@@ -113,13 +113,15 @@ class ServeSpec:
         return build_engine(model, tokenizer, args), tokenizer
 
 
-def start_engine_process(args: argparse.Namespace):
+def start_engine_process(args: argparse.Namespace, start_method: str = "spawn"):
     """``serve``'s engine in its own process: ``(EngineProcess, tokenizer)``. Raises
-    ``UsageError`` for what the arguments got wrong."""
+    ``UsageError`` for what the arguments got wrong. ``fork`` skips the child's second import
+    of torch and transformers (seconds of the start), and is safe only from a process that has
+    run no torch or tokenizer threads yet: the command line's own ``serve`` process."""
     # the parsed values only: the namespace also holds the command's parser and function
     plain = (str, int, float, bool, type(None))
     values = {name: value for name, value in vars(args).items() if isinstance(value, plain)}
-    engine = EngineProcess(ServeSpec(argparse.Namespace(**values)))
+    engine = EngineProcess(ServeSpec(argparse.Namespace(**values)), start_method=start_method)
     return engine, engine.tokenizer
 
 
