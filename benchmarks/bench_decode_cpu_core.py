@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from bench_decode import (
     LIMIT_RETRIES,
+    LIMIT_RETRY_BUDGET_S,
     LIMIT_RETRY_REPS_FACTOR,
     build_case,
     describe_limit,
@@ -112,7 +113,8 @@ def from_memory_rate(dtype: torch.dtype, memory: ReadLimit, batch=32, context=40
     for _ in range(LIMIT_RETRIES):
         if same_size.faster(memory).seconds(nbytes) <= seconds:
             break
-        retry = measure_read_limit(nbytes, reps=LIMIT_REPS * LIMIT_RETRY_REPS_FACTOR)
+        retry = measure_read_limit(nbytes, reps=LIMIT_REPS * LIMIT_RETRY_REPS_FACTOR,
+                                   budget_s=LIMIT_RETRY_BUDGET_S)  # fmt: skip
         same_size = same_size.faster(retry)
     row = dict(dtype=str(dtype).removeprefix("torch."), batch=batch, context=context,
                kv_bytes=nbytes, time_s=seconds, bytes_per_s=nbytes / seconds,
