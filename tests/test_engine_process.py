@@ -343,9 +343,12 @@ def test_serve_leaves_no_engine_process(sig):
     server = start_serve(port)
     try:
         wait_healthy(port, server)
-        # the engine's process, and multiprocessing's resource tracker
+        # the engine's process, forked from the command line's own process (its command line
+        # is the server's), and possibly multiprocessing's resource tracker
         children = psutil.Process(server.pid).children()
-        assert any("spawn_main" in " ".join(c.cmdline()) for c in children)
+        command = " ".join(psutil.Process(server.pid).cmdline())
+        assert any(" ".join(c.cmdline()) == command for c in children)
+        assert not any("spawn_main" in " ".join(c.cmdline()) for c in children)
         if sig == signal.SIGINT:
             os.killpg(server.pid, sig)  # as a terminal's Ctrl-C does
             assert server.wait(60) == 0

@@ -150,9 +150,12 @@ class EngineProcess:
         context = multiprocessing.get_context(start_method)
         commands_read, self.commands = context.Pipe(duplex=False)
         self.results, results_write = context.Pipe(duplex=False)
+        # a forked child holds copies of the parent's ends too: it closes them first, or the
+        # parent's death would never reach it as the end of its command pipe
+        parent_ends = (self.commands, self.results) if start_method == "fork" else ()
         self.process = context.Process(
             target=engine_worker.main,
-            args=(spec, commands_read, results_write),
+            args=(spec, commands_read, results_write, parent_ends),
             name="paged-attention-engine",
             daemon=True,
         )

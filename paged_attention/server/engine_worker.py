@@ -277,9 +277,12 @@ class EngineLoop:
         self.turn = Turn()
 
 
-def main(spec, commands, results) -> None:
+def main(spec, commands, results, parent_ends=()) -> None:
     """The engine process: build the engine from ``spec``, answer :class:`Ready`, then run
-    the loop until ``stop`` or until the server's process is gone."""
+    the loop until ``stop`` or until the server's process is gone. ``parent_ends``: the
+    server's ends of the pipes, which a forked child inherits and closes."""
+    for connection in parent_ends:
+        connection.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from paged_attention.demo import UsageError
