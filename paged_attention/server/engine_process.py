@@ -352,8 +352,8 @@ class ProcessEngineOwner(EngineOwner):
         try:
             while (message := self.engine.results.recv()) != STOPPED:
                 self._take(message)
-        except (EOFError, OSError):
-            pass  # the child died (or the pipe was closed by stop())
+        except (EOFError, OSError):  # the child died, or stop() closed the pipe
+            logger.debug("the engine's process closed its pipe")
         except BaseException:  # a bug: fail every waiting handler rather than hang it
             logger.exception("the engine owner's receiver failed")
         finally:

@@ -21,6 +21,7 @@ on ``stop``, or when the server's process is gone (its pipe closes).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import signal
@@ -297,7 +298,6 @@ def main(spec, commands, results, parent_ends=()) -> None:
         results.send(Failed(f"{type(error).__name__}: {error}", usage=False))
         return
     results.send(Ready(engine_sizes(engine), engine_state(engine), tokenizer))
-    try:
+    # a broken pipe means the server's process is gone: nobody is left to answer
+    with contextlib.suppress(BrokenPipeError, EOFError):
         EngineLoop(engine, commands, results).run()
-    except (BrokenPipeError, EOFError):
-        pass  # the server's process is gone
