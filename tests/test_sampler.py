@@ -8,6 +8,7 @@ import collections
 import math
 
 import pytest
+import test_engine
 import torch
 
 from paged_attention.engine import Engine, RequestError, SamplingParams
@@ -293,28 +294,7 @@ def test_repetition_penalty_stops_a_greedy_loop(model):
     assert not set(out.outputs[0]) & set(PROMPT)
 
 
-@pytest.fixture(scope="module")
-def text_model():
-    """test_engine's tiny model over the byte-level test tokenizer (its greedy text repeats
-    " hello")."""
-    import transformers
-    from text_tokenizer import byte_level_test_tokenizer
-
-    tokenizer = byte_level_test_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return transformers.LlamaForCausalLM(config).eval(), tokenizer
+text_model = test_engine.text_model  # the fixture: its tiny model over the test tokenizer
 
 
 def test_min_tokens_ignores_stop_strings_until_reached(text_model):
