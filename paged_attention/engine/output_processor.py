@@ -184,6 +184,17 @@ class OutputProcessor:
                 self.release(request_id)
         return outputs
 
+    def take_owned(self) -> list[tuple[object, RequestOutput]]:
+        """Every waiting output of an owned request, with its owner, in the order produced
+        (owners that route further themselves, as the server does, take them all at once);
+        an owner is released with its request's final output."""
+        taken = []
+        for request_id in list(self._undelivered):
+            owner = self.owner(request_id)
+            if owner is not None:
+                taken.append((owner, self.take(request_id)))
+        return taken
+
     def has_unowned(self) -> bool:
         return any(self.owner(request_id) is None for request_id in self._undelivered)
 
