@@ -16,11 +16,11 @@ anything is allocated (:meth:`CacheConfig.memory_shortfall`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from paged_attention import cache as _cache_module
 from paged_attention.cache import (
     PagedKVCache,
     bytes_per_block,
@@ -136,7 +136,7 @@ class CacheConfig:
         num_blocks, host_blocks = self.sizes(geometry)
         device = geometry.device
         block = self.block_bytes(geometry)
-        host_available = _host_available_bytes()
+        host_available = _cache_module._host_available_bytes()
         on_device, on_host = num_blocks * block, host_blocks * block
         if device.type == "cuda":
             device_free = torch.cuda.mem_get_info(device)[0]
@@ -248,7 +248,3 @@ class EngineConfig:
             SchedulerConfig(**parts[SchedulerConfig]),
             **parts[cls],
         )
-
-
-def _host_available_bytes() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
