@@ -18,8 +18,7 @@ Either way the engine's :class:`~paged_attention.engine.output_processor.OutputP
 each output to its request's owner: in a thread, the request's :class:`ServerStream` owns it
 there; in the engine's process, the worker's key for it does (the server's side then only maps
 the pipe's keys back to streams). The HTTP handlers run on the event loop and meet the owner
-through
-:meth:`EngineOwner.submit` (which returns the request's :class:`ServerStream`) and
+through :meth:`EngineOwner.submit` (which returns the request's :class:`ServerStream`) and
 :meth:`EngineOwner.abort`. A stream's outputs that its reader has not taken yet are merged
 into one (:class:`OutputQueue`), so a slow reader holds at most one pending output per request
 however far it falls behind.
