@@ -217,7 +217,7 @@ class Scheduler:
             out.block_ops.append(("swap_in", pairs))
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
-            self._insert_running(request)
+            self._insert_by_admission(self.running, request)
             self.stats.swaps_in += 1
             self.stats.blocks_swapped_in += len(pairs)
 
@@ -308,7 +308,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self._admission_order.setdefault(request.request_id, next(self._admissions))
-            self._insert_running(request)
+            self._insert_by_admission(self.running, request)
             out.admitted.append(request)
             if request.metrics.first_scheduled_step is None:
                 request.metrics.num_cached_prompt_tokens = min(chunks[0].start, len(request.prompt))
@@ -348,9 +348,6 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.stats.preemptions_by_recompute += 1
-
-    def _insert_running(self, request: Request) -> None:
-        self._insert_by_admission(self.running, request)
 
     def _insert_by_admission(self, queue: list[Request], request: Request) -> None:
         order = self._admission_order
