@@ -156,7 +156,7 @@ def read_prompts(path: str) -> list[str]:
 
 
 def build_engine(args: argparse.Namespace):
-    from paged_attention.engine import Engine
+    from paged_attention.engine import CacheConfig, Engine, EngineConfig
     from paged_attention.models import ModelLoadError, load_model
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -171,12 +171,10 @@ def build_engine(args: argparse.Namespace):
         raise UsageError(f"--model {args.model}: it has no tokenizer with a chat template")
     block_size = 16
     try:
-        return Engine(
-            model,
-            tokenizer=tokenizer,
-            num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size,
-            block_size=block_size,
+        cache = CacheConfig(
+            block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
         )
+        return Engine(model, EngineConfig(cache), tokenizer=tokenizer)
     except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {args.model}: {error}") from None
 

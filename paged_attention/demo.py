@@ -26,7 +26,14 @@ import time
 import torch
 
 from paged_attention.cache import HOST_SWAP_FACTOR
-from paged_attention.engine import Engine, RequestOutput, SamplingParams
+from paged_attention.engine import (
+    CacheConfig,
+    Engine,
+    EngineConfig,
+    RequestOutput,
+    SamplingParams,
+)
+from paged_attention.engine.config import KVBudgetError
 from paged_attention.machine import machine_info
 from paged_attention.models import (
     TINY_MODEL,
@@ -266,12 +273,9 @@ def compare_greedy(tokens: list[int], expected: list[int], logits: torch.Tensor,
 def run(args: argparse.Namespace, reporting: bool = True) -> dict:
     """Serve the workload and check it; with ``reporting`` False (a tensor-parallel rank but
     the first) no progress is shown and no plot written."""
-    from tqdm import tqdm
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
-    ranks = torch.distributed.get_world_size() if args.tp else 1
     model, tokenizer = load(args, device)
     if args.tp:  # transformers placed each rank's shard on its local device
         placed = next(model.parameters()).device
@@ -286,21 +290,45 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         conversations, workload = chat_workload(args.requests, tokenizer, args.seed)
     else:
         workload = default_workload(args.requests, model.config.vocab_size, args.seed)
-    budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
-    check_kv_budget(model, budget, args.block_size, device)
+    engine = build_engine(args, model, device)
+    outputs = serve_workload(engine, workload, reporting)
+    answers = []
+    if conversations is not None:
+        answers = [
+            answer(messages, params, out, tokenizer)
+            for messages, (_, params), out in zip(conversations, workload, outputs)
+        ][:ANSWERS_SHOWN]
+    if reporting:
+        plot_timeline(engine.stats.timeline, engine.config.cache.num_blocks, args.plot)
+    verdicts = check_greedy(engine, workload, outputs, reporting)
+    report = summary(args, engine, workload, outputs, verdicts)
+    return {**report, "workload": kind, "device": str(device), "answers": answers}
 
+
+def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
+    """The demo's engine: ``--kv-budget`` blocks (checked against the memory there is before
+    anything is allocated) and, to show preemption by swapping, the host swap space the engine
+    reserves by default only on a GPU."""
+    budget = args.kv_budget or DEFAULT_BUDGET_TOKENS // args.block_size
     try:
-        engine = Engine(
-            model,
-            num_blocks=budget,
+        cache = CacheConfig(
             block_size=args.block_size,
-            # The demo shows preemption by swapping, so it asks for the swap space the engine
-            # reserves by default only on a GPU.
+            num_blocks=budget,
             num_host_blocks=HOST_SWAP_FACTOR * budget,
-            cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs,
         )
+        config = EngineConfig(cache, cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs)
+        return Engine(model, config)
+    except KVBudgetError as error:
+        raise UsageError(f"--kv-budget {budget}: {error.detail}") from None
     except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {args.model}: {error}") from error
+
+
+def serve_workload(engine, workload: list, reporting: bool) -> list[RequestOutput]:
+    """Every request's final output, in the workload's order (a request the engine refuses
+    at once gets a rejected output)."""
+    from tqdm import tqdm
+
     ids, results = [], {}
     for prompt, params in workload:
         try:
@@ -320,41 +348,44 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
             ended = [output for output in engine.step() if output.finished]
             results.update((output.request_id, output) for output in ended)
             bar.update(len(ended))
-    outputs = [results[i] for i in ids]
-    stats = engine.stats
+    return [results[i] for i in ids]
 
+
+def check_greedy(engine, workload: list, outputs: list[RequestOutput], reporting: bool) -> list:
+    """:func:`compare_greedy`'s verdict for every greedy request served, against transformers'
+    ``generate()`` of the same model (switched back to sdpa attention for it)."""
+    from tqdm import tqdm
+
+    model = engine.model
     greedy = [
         (prompt, params, out)
         for (prompt, params), out in zip(workload, outputs)
         if is_greedy(params) and out.rejected is None
     ]
-    rejected = [out.rejected for out in outputs if out.rejected is not None]
-    served = [out.metrics for out in outputs if out.rejected is None]
-    ttfts = [m.time_to_first_token for m in served]
-    itls = [latency for m in served for latency in m.inter_token_latencies]
     eos = sorted(engine.eos_token_ids)
-    verdicts = []
     dtype = next(model.parameters()).dtype
     model.set_attn_implementation("sdpa")
+    verdicts = []
     checking = tqdm(greedy, desc="checking", unit="req", file=sys.stderr, disable=not reporting)
     for prompt, params, out in checking:
         expected, logits = transformers_greedy(model, prompt, params.max_new_tokens, eos)
         verdicts.append(compare_greedy(out.outputs[0], expected, logits, dtype))
-    answers = []
-    if conversations is not None:
-        answers = [
-            answer(messages, params, out, tokenizer)
-            for messages, (_, params), out in zip(conversations, workload, outputs)
-        ][:ANSWERS_SHOWN]
+    return verdicts
 
-    if reporting:
-        plot_timeline(stats.timeline, budget, args.plot)
+
+def summary(args, engine, workload: list, outputs: list[RequestOutput], verdicts: list) -> dict:
+    """The demo's report of a run (the workload kind, device and answers aside)."""
+    model, stats = engine.model, engine.stats
+    budget = engine.config.cache.num_blocks
+    ranks = torch.distributed.get_world_size() if args.tp else 1
+    rejected = [out.rejected for out in outputs if out.rejected is not None]
+    served = [out.metrics for out in outputs if out.rejected is None]
+    ttfts = [m.time_to_first_token for m in served]
+    itls = [latency for m in served for latency in m.inter_token_latencies]
     tokens = json.dumps([[out.outputs, out.rejected] for out in outputs]).encode()
     return {
         "model": args.model,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "workload": kind,
-        "device": str(device),
         "tensor_parallel_ranks": ranks,
         "cuda_graphs": engine.runner.graphs is not None,
         "requests": len(outputs),
@@ -386,13 +417,12 @@ def run(args: argparse.Namespace, reporting: bool = True) -> dict:
         "ttft_p99_ms": _ms(percentile(ttfts, 99)),
         "itl_p50_ms": _ms(percentile(itls, 50)),
         "itl_p99_ms": _ms(percentile(itls, 99)),
-        "greedy_requests": len(greedy),
+        "greedy_requests": len(verdicts),
         "greedy_matching": verdicts.count("equal"),
         "greedy_ties": verdicts.count("tie"),
         "greedy_matches_transformers": "differs" not in verdicts,
         "outputs_sha256": hashlib.sha256(tokens).hexdigest(),
         "plot": args.plot,
-        "answers": answers,
     }
 
 
@@ -412,32 +442,6 @@ def answer(messages: list[dict], params: SamplingParams, out: RequestOutput, tok
         "answers": texts[:1] if params.beam_width > 1 else texts,
         "rejected": out.rejected,
     }
-
-
-def check_kv_budget(model: torch.nn.Module, blocks: int, block_size: int, device) -> None:
-    """Refuse a KV budget (and its host swap space, four times as many blocks) larger than the
-    memory available for it, before anything is allocated."""
-    from paged_attention.cache import _host_available_bytes, bytes_per_block
-
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = next(model.parameters()).dtype
-    block_bytes = bytes_per_block(config.num_hidden_layers, kv_heads, head_size, block_size, dtype)
-    host = _host_available_bytes()
-    device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
-    on_host = HOST_SWAP_FACTOR + (0 if device.type == "cuda" else 1)  # swap space, CPU budget
-    host_needed = on_host * blocks * block_bytes
-    for needed, available, where in (
-        (blocks * block_bytes, device_free, f"{device.type} memory"),
-        (host_needed, host, "host memory (with the swap space of 4x the blocks)"),
-    ):
-        if needed > available:
-            raise UsageError(
-                f"--kv-budget {blocks}: {blocks} blocks of {block_bytes} bytes need "
-                f"{needed / 2**30:.1f} GiB of {where}; {available / 2**30:.1f} GiB are available"
-            )
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -488,19 +492,25 @@ def _fmt_ms(value: float | None) -> str:
 
 
 def print_table(report: dict) -> None:
-    ratio = report["contiguous_blocks"] / max(report["peak_blocks"], 1)
-    if not report["greedy_requests"]:
-        greedy = "n/a (no greedy request was served)"
-    else:
-        greedy = "yes" if report["greedy_matches_transformers"] else "NO"
-        greedy += f" ({report['greedy_matching']}/{report['greedy_requests']} token for token"
-        if report["greedy_ties"]:
-            greedy += f", {report['greedy_ties']} up to a {report['dtype']} tie"
-        greedy += ")"
+    """The report as a table of rows, then the chat answers shown."""
+    rows = _run_rows(report) + _memory_rows(report)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    for shown in report["answers"]:
+        system = " (after the system prompt)" if shown["system_prompt"] else ""
+        print(f"\n> {shown['question']}{system} [{shown['decoding']}]")
+        if shown["rejected"] is not None:
+            print(f"  rejected: {shown['rejected']}")
+        for text in shown["answers"]:
+            print("  " + text.replace("\n", "\n  "))
+
+
+def _run_rows(report: dict) -> list[tuple[str, str]]:
+    """The rows of what ran: model, requests, throughput and time."""
     ranks = report["tensor_parallel_ranks"]
     split = f", tensor parallel over {ranks} ranks" if ranks > 1 else ""
-    per_rank = f" per rank, {ranks} ranks" if ranks > 1 else ""
-    rows = [
+    return [
         (
             "model",
             f"{report['model']} ({report['dtype']}) on {report['device']}{split}"
@@ -519,6 +529,23 @@ def print_table(report: dict) -> None:
             f"{report['wall_seconds']:.1f} s (serving {report['seconds']:.1f} s, the rest is "
             "model setup and the generate() check)",
         ),
+    ]
+
+
+def _memory_rows(report: dict) -> list[tuple[str, str]]:
+    """The rows of the KV cache, its sharing and preemption, latencies and the check."""
+    ratio = report["contiguous_blocks"] / max(report["peak_blocks"], 1)
+    if not report["greedy_requests"]:
+        greedy = "n/a (no greedy request was served)"
+    else:
+        greedy = "yes" if report["greedy_matches_transformers"] else "NO"
+        greedy += f" ({report['greedy_matching']}/{report['greedy_requests']} token for token"
+        if report["greedy_ties"]:
+            greedy += f", {report['greedy_ties']} up to a {report['dtype']} tie"
+        greedy += ")"
+    ranks = report["tensor_parallel_ranks"]
+    per_rank = f" per rank, {ranks} ranks" if ranks > 1 else ""
+    return [
         (
             "KV budget",
             f"{report['kv_budget_blocks']} blocks of {report['block_size']} tokens",
@@ -558,16 +585,6 @@ def print_table(report: dict) -> None:
         ("outputs (sha256 of every token)", report["outputs_sha256"][:16]),
         ("KV memory plot", report["plot"]),
     ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    for shown in report["answers"]:
-        system = " (after the system prompt)" if shown["system_prompt"] else ""
-        print(f"\n> {shown['question']}{system} [{shown['decoding']}]")
-        if shown["rejected"] is not None:
-            print(f"  rejected: {shown['rejected']}")
-        for text in shown["answers"]:
-            print("  " + text.replace("\n", "\n  "))
 
 
 def positive_int(text: str) -> int:

@@ -245,40 +245,34 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def build_engine(model, tokenizer, args: argparse.Namespace):
-    """The engine the server drives, sized by the arguments."""
-    from paged_attention.cache import bytes_per_block, num_blocks_for_budget
-    from paged_attention.engine import Engine
-    from paged_attention.geometry import ModelGeometry
+    """The engine the server drives, configured by the arguments: ``--num-blocks``, else a KV
+    cache of ``--kv-memory`` GiB (the engine sizes it from the model's geometry)."""
+    from paged_attention.engine import CacheConfig, Engine, EngineConfig, SchedulerConfig
 
-    num_blocks = args.num_blocks
-    if num_blocks is None:
-        geometry = ModelGeometry.of(model)
-        block_bytes = bytes_per_block(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_size,
-            args.block_size,
-            geometry.dtype,
-        )
-        budget = int((args.kv_memory or DEFAULT_KV_MEMORY_GIB) * 2**30)
-        try:
-            num_blocks = num_blocks_for_budget(block_bytes, geometry.device, budget)
-        except ValueError as error:
-            raise UsageError(f"--kv-memory: {error}") from None
+    memory = None
+    if args.num_blocks is None:
+        memory = int((args.kv_memory or DEFAULT_KV_MEMORY_GIB) * 2**30)
     try:
-        engine = Engine(
-            model,
-            tokenizer=tokenizer,
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            num_host_blocks=args.num_host_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
+        config = EngineConfig(
+            CacheConfig(
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                max_memory=memory,
+                num_host_blocks=args.num_host_blocks,
+                enable_prefix_caching=not args.no_prefix_caching,
+            ),
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            ),
             compile=args.compile,
         )
+        engine = Engine(model, config, tokenizer=tokenizer)
     except ValueError as error:  # sizes the engine refuses, or a model it cannot serve
-        raise UsageError(str(error)) from None
+        message = str(error)
+        if message.startswith("max_memory"):
+            message = f"--kv-memory {args.kv_memory or DEFAULT_KV_MEMORY_GIB:g}: {message}"
+        raise UsageError(message) from None
     if args.compile:
         seconds = engine.compile_decode_steps()
         logging.info(

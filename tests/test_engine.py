@@ -650,7 +650,7 @@ class FailingDraw:
 def test_a_failed_sampling_rolls_the_step_back(model, monkeypatch, fail_at):
     # Issue 28, defect 1: an exception in sampling (after the forward pass) is rolled back like
     # a failed forward; the generators are restored, so even sampled tokens come out the same.
-    from paged_attention.engine import engine as engine_module
+    from paged_attention.engine import core as engine_module
 
     work = mixed_workload()[:6]
     _, expected = serve(model, work, num_blocks=40)

@@ -21,7 +21,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
-from paged_attention.engine import engine as engine_module  # noqa: E402
+from paged_attention.engine import core as engine_module  # noqa: E402
 
 BLOCK = 8
 MAX_STEPS = 400
@@ -158,7 +158,7 @@ class EngineDelivery(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 100))
     def abort(self, index):
-        live = sorted(self.engine._requests)
+        live = sorted(self.engine.core.requests)
         if live:
             request_id = live[index % len(live)]
             self.aborted[request_id] = self.engine.abort(request_id)

@@ -6,14 +6,23 @@ stop strings and an abort; and what crosses per step does not grow with the answ
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import pickle
+import threading
 
 import pytest
 
 from paged_attention.engine import Engine, SamplingParams
 from paged_attention.models import load_model
 from paged_attention.server.engine_process import OutputAssembler
-from paged_attention.server.engine_worker import DeltaEncoder, engine_sizes, engine_state
+from paged_attention.server.engine_worker import (
+    STOPPED,
+    Delivery,
+    DeltaEncoder,
+    EngineLoop,
+    engine_sizes,
+    engine_state,
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +118,42 @@ def test_engine_state_and_sizes_are_what_the_metrics_and_app_read(tiny):
         "block_size": 16,
         "num_device_blocks": 128,
     }
+
+
+def test_the_loop_takes_each_requests_outputs_from_the_engines_output_processor(tiny):
+    engine = make_engine(tiny)
+    returned_by_step = []
+    step = engine.step
+
+    def recording_step():
+        outputs = step()
+        returned_by_step.extend(outputs)
+        return outputs
+
+    engine.step = recording_step
+    server_commands, loop_commands = multiprocessing.Pipe()
+    loop_results, server_results = multiprocessing.Pipe()
+    loop = EngineLoop(engine, loop_commands, loop_results)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    server_commands.send(("add", 7, "Hi", SamplingParams(max_new_tokens=5)))
+    server_commands.send(("add", 8, "Long one", SamplingParams(max_new_tokens=200)))
+    deliveries, finished = [], set()
+    while 7 not in finished:
+        turn = server_results.recv()
+        for event in turn.events:
+            if isinstance(event, Delivery):
+                deliveries.append(event)
+                if event.output.finished:
+                    finished.add(event.key)
+    server_commands.send(("abort", 8))
+    server_commands.send(("stop",))
+    while server_results.recv() != STOPPED:
+        pass
+    thread.join(10)
+    assert returned_by_step == []  # every output went to its key's owner, none to step()
+    assert sum(len(d.output.new_tokens[0]) for d in deliveries if d.key == 7) == 5
+    assert loop.request_ids == {} and loop.owners == {}
+    assert engine.output_processor.take_owned() == [] and not engine.has_unfinished()
+    manager = engine.block_manager
+    assert manager.seq_ids() == []

@@ -154,7 +154,7 @@ def test_a_stream_delivers_each_tokens_logprobs_once(model):
 
 
 def test_a_failed_step_records_each_logprob_once(model, monkeypatch):
-    from paged_attention.engine import engine as engine_module
+    from paged_attention.engine import core as engine_module
 
     work = [(p, SamplingParams(5, logprobs=2, prompt_logprobs=2)) for p in prompts(3, seed=6)]
     expected = Engine(model, num_blocks=40, block_size=8).generate(

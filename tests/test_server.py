@@ -88,20 +88,20 @@ def make_engine(model, tokenizer, **options) -> Engine:
 
 
 class Recorder:
-    """Keeps every final output the engine's steps give (in the owner thread), so a test can
-    compare the tokens behind an HTTP answer: the tiny model's random bytes mostly decode to
-    U+FFFD, which text alone would not tell apart."""
+    """Keeps every final output the engine's output processor routes to the server's streams
+    (in the owner thread), so a test can compare the tokens behind an HTTP answer: the tiny
+    model's random bytes mostly decode to U+FFFD, which text alone would not tell apart."""
 
     def __init__(self, engine) -> None:
         self.finals = []
-        step = engine.step
+        take_owned = engine.output_processor.take_owned
 
-        def recording_step():
-            outputs = step()
-            self.finals += [o for o in outputs if o.finished]
-            return outputs
+        def recording_take_owned():
+            taken = take_owned()
+            self.finals += [o for _, o in taken if o.finished]
+            return taken
 
-        engine.step = recording_step
+        engine.output_processor.take_owned = recording_take_owned
 
     def of(self, prompt: list[int]) -> list:
         return [o for o in self.finals if o.prompt == prompt]

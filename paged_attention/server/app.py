@@ -31,7 +31,7 @@ from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
     EngineStepError,
-    RequestStream,
+    ServerStream,
 )
 from paged_attention.server.logprobs import TokenPieces
 from paged_attention.server.metrics import ServerMetrics
@@ -378,9 +378,7 @@ class _Server:
                     self.owner.abort(stream)  # a no-op when the request already ended
                 client.close()
 
-    async def _first_output(
-        self, client: ClientWatch, stream: RequestStream, body
-    ) -> RequestOutput:
+    async def _first_output(self, client: ClientWatch, stream: ServerStream, body) -> RequestOutput:
         """The request's first output, once the engine took it and it got tokens; the APIError
         a client gets when the engine refused it (when queued, or when scheduled)."""
         try:
@@ -401,7 +399,7 @@ class _Server:
     async def _events(
         self,
         client: ClientWatch,
-        streams: list[RequestStream],
+        streams: list[ServerStream],
         firsts: list[RequestOutput],
         answer: Answer,
         request_id: str,
@@ -424,7 +422,7 @@ class _Server:
             if chat:
                 for index in range(answer.n):
                     yield event([protocol.chunk_choice(True, index, None, None)])
-            running: dict[int, RequestStream] = {}
+            running: dict[int, ServerStream] = {}
             finals: dict[int, RequestOutput] = {}
             for p, (stream, output) in enumerate(zip(streams, firsts)):
                 for choice in answer.deltas(p, output):

@@ -8,7 +8,7 @@ from collections import deque
 
 from starlette.requests import Request
 
-from paged_attention.server.engine_owner import RequestStream
+from paged_attention.server.engine_owner import ServerStream
 
 
 class ClientDisconnected(Exception):
@@ -29,7 +29,7 @@ class ClientWatch:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def next(self, stream: RequestStream):
+    async def next(self, stream: ServerStream):
         """The stream's next item."""
         if self._gone.done():
             raise ClientDisconnected
@@ -44,7 +44,7 @@ class ClientWatch:
             item = stream.outputs.get_nowait()
         return _raised(item)
 
-    async def next_of(self, streams: dict[int, RequestStream]) -> tuple[int, object]:
+    async def next_of(self, streams: dict[int, ServerStream]) -> tuple[int, object]:
         """``(key, item)``: the next item of whichever of ``streams`` has one (each stream's
         items in their order; none waits while another's are read: every step gives each
         stream at most one)."""

@@ -14,8 +14,11 @@ request it belongs to.
   (:class:`~paged_attention.server.engine_process.ProcessEngineOwner`), as vLLM's EngineCore
   runs. ``paged-attention serve`` does this.
 
-Either way the HTTP handlers run on the event loop and meet the owner through
-:meth:`EngineOwner.submit` (which returns the request's :class:`RequestStream`) and
+Either way the engine's :class:`~paged_attention.engine.output_processor.OutputProcessor` routes
+each output to its request's owner: in a thread, the request's :class:`ServerStream` owns it
+there; in the engine's process, the worker's key for it does (the server's side then only maps
+the pipe's keys back to streams). The HTTP handlers run on the event loop and meet the owner
+through :meth:`EngineOwner.submit` (which returns the request's :class:`ServerStream`) and
 :meth:`EngineOwner.abort`. A stream's outputs that its reader has not taken yet are merged
 into one (:class:`OutputQueue`), so a slow reader holds at most one pending output per request
 however far it falls behind.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -34,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged_attention.engine import RequestOutput, SamplingParams
+from paged_attention.engine.output_processor import merge_outputs
 
 logger = logging.getLogger("paged_attention.server")
 
@@ -45,33 +48,6 @@ class EngineClosedError(RuntimeError):
 class EngineStepError(RuntimeError):
     """A step of the engine raised (the requests of that moment were aborted), or the engine's
     process died."""
-
-
-def merge_outputs(earlier: RequestOutput, later: RequestOutput, beams: bool) -> RequestOutput:
-    """One output standing for two consecutive outputs of the same request: the later state,
-    with the new tokens, new text and new logprobs of both, entry by entry (an entry the
-    earlier output lacks is a sample forked since: it adds nothing). Beam search reorders its
-    entries, so its later output stands alone (a beam reader reads ``outputs``). Neither
-    argument is changed."""
-    if beams:
-        return later
-    merged = copy.copy(later)
-    merged.new_tokens = [
-        (earlier.new_tokens[i] if i < len(earlier.new_tokens) else []) + tokens
-        for i, tokens in enumerate(later.new_tokens)
-    ]
-    if later.new_texts is not None:
-        before = earlier.new_texts or []
-        merged.new_texts = [
-            (before[i] if i < len(before) else "") + text for i, text in enumerate(later.new_texts)
-        ]
-    if later.new_logprobs is not None:
-        before = earlier.new_logprobs or []
-        merged.new_logprobs = [
-            (before[i] if i < len(before) else []) + entries
-            for i, entries in enumerate(later.new_logprobs)
-        ]
-    return merged
 
 
 class OutputQueue(asyncio.Queue):
@@ -93,7 +69,7 @@ class OutputQueue(asyncio.Queue):
 
 
 @dataclass(eq=False)
-class RequestStream:
+class ServerStream:
     """The outputs of one request, in the order the engine produced them. The last one is
     finished; an ``EngineStepError`` in their place means the engine failed under it."""
 
@@ -145,14 +121,14 @@ class EngineOwner(abc.ABC):
         """Start stepping (the server's startup)."""
 
     @abc.abstractmethod
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt: list[int], params: SamplingParams) -> ServerStream:
         """Queue a request; returns its stream at once. The stream's first item is None once
         the engine queued the request, or the ValueError of an engine that refused it
         (EngineClosedError when the owner stopped first). Raises EngineClosedError when the
         owner takes no more requests."""
 
     @abc.abstractmethod
-    def abort(self, stream: RequestStream) -> None:
+    def abort(self, stream: ServerStream) -> None:
         """End ``stream``'s request now (at the owner's next turn) and free its blocks; what it
         produces from then on (its final, aborted output included) is not delivered to it, though
         outputs already on their way may still arrive. Harmless when it already finished."""
@@ -169,12 +145,12 @@ class EngineOwner(abc.ABC):
 
 @dataclass
 class _Add:
-    stream: RequestStream
+    stream: ServerStream
 
 
 @dataclass
 class _Abort:
-    stream: RequestStream
+    stream: ServerStream
 
 
 class ThreadEngineOwner(EngineOwner):
@@ -188,7 +164,10 @@ class ThreadEngineOwner(EngineOwner):
         self.engine = engine
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[int, RequestStream] = {}  # request_id -> its stream, until finished
+        # The streams whose requests are in the engine, until finished: the engine's output
+        # processor routes their outputs (each stream owns its request there); this is what
+        # an abort of them all, or a failure, reaches.
+        self._streams: dict[int, ServerStream] = {}
         self._thread: threading.Thread | None = None
         # Plain attributes, set from other threads (a signal handler among them, where taking
         # a lock could deadlock): time.monotonic() after which every request is aborted, and
@@ -207,17 +186,17 @@ class ThreadEngineOwner(EngineOwner):
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt: list[int], params: SamplingParams) -> ServerStream:
         """Queue a request; returns its stream at once. The request reaches the engine at the
         owner's next turn; the stream's first item is then None (queued), or the ValueError of
         an engine that refused it (EngineClosedError when the owner stopped first)."""
         if self._closed:
             raise EngineClosedError("the server is shutting down")
-        stream = RequestStream(prompt, params, asyncio.get_running_loop())
+        stream = ServerStream(prompt, params, asyncio.get_running_loop())
         self._commands.put(_Add(stream))
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
+    def abort(self, stream: ServerStream) -> None:
         """End ``stream``'s request now (at the owner's next turn) and free its blocks; nothing
         more is delivered to it. Harmless when it already finished."""
         self._commands.put(_Abort(stream))
@@ -319,33 +298,39 @@ class ThreadEngineOwner(EngineOwner):
                 stream.deliver(EngineStepError(f"the engine failed: {error!r}"))
                 return
             self._streams[stream.request_id] = stream
+            self.engine.output_processor.own(stream.request_id, stream)
             stream.deliver(None)  # admitted
             return
         if stream.request_id is None or stream.finished:  # refused, or ended meanwhile
             return
-        self._streams.pop(stream.request_id, None)
+        self._notify([self._end(stream.request_id)])
+
+    def _end(self, request_id: int) -> RequestOutput:
+        """Abort ``request_id`` without delivering its final output to its stream."""
+        stream = self._streams.pop(request_id)
         stream.finished = True
-        output = self.engine.abort(stream.request_id)
-        self._notify([output])
+        self.engine.output_processor.release(request_id)
+        output = self.engine.abort(request_id)
+        self.engine.output_processor.discard(request_id)
+        return output
 
     def _abort_all(self, error: EngineStepError | None = None) -> None:
         outputs = []
         for request_id, stream in list(self._streams.items()):
-            outputs.append(self.engine.abort(request_id))
-            del self._streams[request_id]
-            stream.finished = True
+            outputs.append(self._end(request_id))
             stream.deliver(error or outputs[-1])
         self._notify(outputs)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
+    def _deliver(self, unowned: list[RequestOutput]) -> None:
+        """Hand the step's outputs to their streams, as the engine's output processor routed
+        them (``unowned``: outputs of requests queued around the owner, for the metrics)."""
+        outputs = list(unowned)
+        for stream, output in self.engine.output_processor.take_owned():
             if output.finished:
                 del self._streams[output.request_id]
                 stream.finished = True
             stream.deliver(output)
+            outputs.append(output)
         self._notify(outputs)
 
     def _notify(self, outputs: list[RequestOutput]) -> None:

@@ -51,7 +51,7 @@ from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
     EngineStepError,
-    RequestStream,
+    ServerStream,
 )
 from paged_attention.server.engine_worker import STOPPED, Delivery, Failed, Ready, Turn
 
@@ -277,7 +277,7 @@ class ProcessEngineOwner(EngineOwner):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._keys = itertools.count()
         self._lock = threading.Lock()  # guards _streams and _ended
-        self._streams: dict[int, RequestStream] = {}  # key -> its stream, until it ends
+        self._streams: dict[int, ServerStream] = {}  # key -> its stream, until it ends
         self._admitted: set[int] = set()  # receiver thread only
         self._assembler = OutputAssembler()  # receiver thread only
         self._ended = False  # the receiver ended: the engine's process is gone
@@ -301,10 +301,10 @@ class ProcessEngineOwner(EngineOwner):
         receiving = self._receiver is not None and self._receiver.is_alive()
         return receiving and self.engine.alive
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt: list[int], params: SamplingParams) -> ServerStream:
         if self._closed:
             raise EngineClosedError("the server is shutting down")
-        stream = RequestStream(prompt, params, asyncio.get_running_loop())
+        stream = ServerStream(prompt, params, asyncio.get_running_loop())
         stream.request_id = next(self._keys)
         with self._lock:
             if self._ended:
@@ -315,7 +315,7 @@ class ProcessEngineOwner(EngineOwner):
         self._commands.put(("add", stream.request_id, prompt, params))
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
+    def abort(self, stream: ServerStream) -> None:
         if stream.finished:
             return
         with self._lock:
@@ -437,7 +437,7 @@ def _refusal(event: tuple) -> Exception:
     raise ValueError(f"unknown engine event {kind!r} for request {key}")
 
 
-def _deliver_all(deliveries: list[tuple[RequestStream, object]]) -> None:
+def _deliver_all(deliveries: list[tuple[ServerStream, object]]) -> None:
     """Hand each item to its stream's event loop: one wake-up per loop, in order."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for stream, item in deliveries:

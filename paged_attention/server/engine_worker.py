@@ -88,6 +88,13 @@ class Turn:
 STOPPED = "stopped"
 
 
+@dataclass(eq=False)
+class _Key:
+    """What owns a request of the server's key ``key`` in the engine's output processor."""
+
+    key: int
+
+
 def engine_state(engine) -> dict:
     """The engine's state that the server's metrics read, small and picklable: request counts,
     free device blocks, and the scalar counters of ``engine.stats``."""
@@ -163,8 +170,10 @@ class EngineLoop:
         self.commands = commands  # multiprocessing Connection, read end
         self.results = results  # write end
         self.encoder = DeltaEncoder()
-        self.request_ids: dict[int, int] = {}  # key -> engine request id, until finished
-        self.keys: dict[int, int] = {}  # engine request id -> key
+        # key -> engine request id, until finished (the engine's output processor routes each
+        # request's outputs to its key's owner, a _Key)
+        self.request_ids: dict[int, int] = {}
+        self.owners: dict[int, _Key] = {}  # key -> what owns its request in the engine
         self.turn = Turn()
         self.closed = False  # new requests are refused
         self.stopping = False
@@ -205,10 +214,8 @@ class EngineLoop:
         if kind == "add":
             self._add(*command[1:])
         elif kind == "abort":
-            request_id = self.request_ids.pop(command[1], None)
-            if request_id is not None:  # else finished, refused, or never queued
-                del self.keys[request_id]
-                output = self.engine.abort(request_id)
+            if command[1] in self.request_ids:  # else finished, refused, or never queued
+                output = self._end(command[1])
                 self.turn.events.append(self.encoder.encode(command[1], output, to_stream=False))
         elif kind == "drain":
             self.closed = True
@@ -238,35 +245,40 @@ class EngineLoop:
             self.turn.events.append(("failed", key, f"the engine failed: {error}"))
             return
         self.request_ids[key] = request_id
-        self.keys[request_id] = key
+        self.owners[key] = _Key(key)
+        self.engine.output_processor.own(request_id, self.owners[key])
         self.turn.events.append(("admitted", key))
+
+    def _end(self, key: int) -> RequestOutput:
+        """Abort ``key``'s request; its final output is returned, not routed."""
+        request_id = self.request_ids.pop(key)
+        del self.owners[key]
+        self.engine.output_processor.release(request_id)
+        output = self.engine.abort(request_id)
+        self.engine.output_processor.discard(request_id)
+        return output
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            self.engine.step()  # every request here is owned: nothing comes back unowned
         except Exception as error:  # the engine rolled the step back; end its requests
             logger.exception("an engine step failed; aborting the requests in flight")
             self._abort_all(f"the engine failed: {error}")
             return
-        for output in outputs:
-            key = self.keys.get(output.request_id)
-            if key is None:
-                continue
+        for owner, output in self.engine.output_processor.take_owned():
             if output.finished:
-                del self.keys[output.request_id]
-                del self.request_ids[key]
-            self.turn.events.append(self.encoder.encode(key, output))
+                del self.request_ids[owner.key]
+                del self.owners[owner.key]
+            self.turn.events.append(self.encoder.encode(owner.key, output))
 
     def _abort_all(self, failure: str | None = None) -> None:
         """End every request; their streams get the final output, or ``failure``."""
-        for key, request_id in list(self.request_ids.items()):
-            output = self.engine.abort(request_id)
+        for key in list(self.request_ids):
+            output = self._end(key)
             if failure is not None:  # first: the stream ends with it, the output is for metrics
                 self.turn.events.append(("failed", key, failure))
             delivery = self.encoder.encode(key, output, to_stream=failure is None)
             self.turn.events.append(delivery)
-        self.request_ids.clear()
-        self.keys.clear()
 
     def _send_turn(self, stepped: bool) -> None:
         """Send what this turn produced, with the engine's state after it (a step that
