@@ -77,7 +77,7 @@ void check_cache_layout(const at::Tensor& key_cache, const at::Tensor& value_cac
   check_same_device(value_cache, key_cache, "value_cache", "key_cache");
   const int64_t x = 16 / static_cast<int64_t>(key_cache.element_size());
   TORCH_CHECK_VALUE(head_size % x == 0, "head_size (", head_size,
-                    ") must be a multiple of x = 16 / element size = ", x);
+                    ") must be a multiple of x = 16 / element size of key_cache = ", x);
   TORCH_CHECK_VALUE(v_head_size % x == 0, "v_head_size (value_cache.size(2) = ", v_head_size,
                     ") must be a multiple of x = 16 / element size = ", x);
   const std::vector<int64_t> key_shape = {key_cache.size(0), num_kv_heads, head_size / x,
@@ -242,6 +242,25 @@ const std::vector<int64_t>& supported_block_sizes() {
 
 namespace {
 
+// block_tables int32 [num_seqs, max_blocks] with unit inner stride, seq_lens int32 [num_seqs]
+// contiguous, both on query's device.
+void check_tables_and_lens(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query, int64_t num_seqs) {
+  check_dim(block_tables, 2, "block_tables");
+  check_dtype(block_tables, at::kInt, "block_tables");
+  check_same_device(block_tables, query, "block_tables", "query");
+  TORCH_CHECK_VALUE(block_tables.size(0) == num_seqs, "block_tables must have num_seqs (",
+                    num_seqs, ") rows, got ", block_tables.size(0));
+  TORCH_CHECK(block_tables.size(1) == 0 || block_tables.stride(1) == 1,
+              "block_tables must have unit stride in its last dim");
+  check_dim(seq_lens, 1, "seq_lens");
+  check_dtype(seq_lens, at::kInt, "seq_lens");
+  check_same_device(seq_lens, query, "seq_lens", "query");
+  TORCH_CHECK_VALUE(seq_lens.size(0) == num_seqs, "seq_lens must have num_seqs (", num_seqs,
+                    ") entries, got ", seq_lens.size(0));
+  TORCH_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
+}
+
 // What v1/v2 and the varlen op share: query and out (`rows` query rows), heads, the caches and
 // their scales, block_tables and seq_lens for num_seqs sequences, max_seq_len, ALiBi, the logit
 // parameters, and out sharing no memory with an input.
@@ -292,21 +311,8 @@ AttentionDims check_common_attention_args(const AttentionArgs& args, int64_t num
     check_scale(v_scale, key_cache, "v_scale");
   }
 
-  check_dim(block_tables, 2, "block_tables");
-  check_dtype(block_tables, at::kInt, "block_tables");
-  check_same_device(block_tables, query, "block_tables", "query");
-  TORCH_CHECK_VALUE(block_tables.size(0) == dims.num_seqs, "block_tables must have num_seqs (",
-                    dims.num_seqs, ") rows, got ", block_tables.size(0));
-  TORCH_CHECK(block_tables.size(1) == 0 || block_tables.stride(1) == 1,
-              "block_tables must have unit stride in its last dim");
+  check_tables_and_lens(block_tables, seq_lens, query, dims.num_seqs);
   dims.max_blocks_per_seq = block_tables.size(1);
-
-  check_dim(seq_lens, 1, "seq_lens");
-  check_dtype(seq_lens, at::kInt, "seq_lens");
-  check_same_device(seq_lens, query, "seq_lens", "query");
-  TORCH_CHECK_VALUE(seq_lens.size(0) == dims.num_seqs, "seq_lens must have num_seqs (",
-                    dims.num_seqs, ") entries, got ", seq_lens.size(0));
-  TORCH_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
 
   TORCH_CHECK_VALUE(max_seq_len >= 0, "max_seq_len must be >= 0, got ", max_seq_len);
   TORCH_CHECK_VALUE(max_seq_len <= dims.max_blocks_per_seq * block_size, "max_seq_len (",

@@ -259,6 +259,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
             geometry.head_size,
             args.block_size,
             geometry.dtype,
+            v_head_size=geometry.v_head_size,
         )
         budget = int((args.kv_memory or DEFAULT_KV_MEMORY_GIB) * 2**30)
         try:
