@@ -56,8 +56,19 @@ void check_inner_contiguous(const at::Tensor& t, int64_t first_dim, const char* 
   }
 }
 
+void check_head_size(int64_t head_size, const char* name, const char* source) {
+  const auto& head_sizes = supported_head_sizes();
+  TORCH_CHECK_VALUE(
+      std::find(head_sizes.begin(), head_sizes.end(), head_size) != head_sizes.end(), name, " ",
+      head_size, " is not supported (", source,
+      "; supported: 32, 64, 80, 96, 112, 120, 128, 192, 256)");
+}
+
+// The value cache's head size (v_head_size) is its own: multi-head latent attention stores keys
+// of 192 and values of 128 dims, say. Both must be multiples of x.
 void check_cache_layout(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        int64_t num_kv_heads, int64_t head_size, int64_t block_size) {
+                        int64_t num_kv_heads, int64_t head_size, int64_t v_head_size,
+                        int64_t block_size) {
   check_dim(key_cache, 5, "key_cache");
   check_dim(value_cache, 4, "value_cache");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
@@ -66,6 +77,8 @@ void check_cache_layout(const at::Tensor& key_cache, const at::Tensor& value_cac
   check_same_device(value_cache, key_cache, "value_cache", "key_cache");
   const int64_t x = 16 / static_cast<int64_t>(key_cache.element_size());
   TORCH_CHECK_VALUE(head_size % x == 0, "head_size (", head_size,
+                    ") must be a multiple of x = 16 / element size of key_cache = ", x);
+  TORCH_CHECK_VALUE(v_head_size % x == 0, "v_head_size (value_cache.size(2) = ", v_head_size,
                     ") must be a multiple of x = 16 / element size = ", x);
   const std::vector<int64_t> key_shape = {key_cache.size(0), num_kv_heads, head_size / x,
                                           block_size, x};
@@ -73,10 +86,10 @@ void check_cache_layout(const at::Tensor& key_cache, const at::Tensor& value_cac
                     "key_cache must have shape [num_blocks, num_kv_heads, head_size / x, "
                     "block_size, x] = ",
                     at::IntArrayRef(key_shape), ", got ", key_cache.sizes());
-  const std::vector<int64_t> value_shape = {key_cache.size(0), num_kv_heads, head_size,
+  const std::vector<int64_t> value_shape = {key_cache.size(0), num_kv_heads, v_head_size,
                                             block_size};
   TORCH_CHECK_VALUE(value_cache.sizes() == at::IntArrayRef(value_shape),
-                    "value_cache must have shape [num_blocks, num_kv_heads, head_size, "
+                    "value_cache must have shape [num_blocks, num_kv_heads, v_head_size, "
                     "block_size] = ",
                     at::IntArrayRef(value_shape), ", got ", value_cache.sizes());
   check_inner_contiguous(key_cache, 2, "key_cache");
@@ -229,6 +242,25 @@ const std::vector<int64_t>& supported_block_sizes() {
 
 namespace {
 
+// block_tables int32 [num_seqs, max_blocks] with unit inner stride, seq_lens int32 [num_seqs]
+// contiguous, both on query's device.
+void check_tables_and_lens(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query, int64_t num_seqs) {
+  check_dim(block_tables, 2, "block_tables");
+  check_dtype(block_tables, at::kInt, "block_tables");
+  check_same_device(block_tables, query, "block_tables", "query");
+  TORCH_CHECK_VALUE(block_tables.size(0) == num_seqs, "block_tables must have num_seqs (",
+                    num_seqs, ") rows, got ", block_tables.size(0));
+  TORCH_CHECK(block_tables.size(1) == 0 || block_tables.stride(1) == 1,
+              "block_tables must have unit stride in its last dim");
+  check_dim(seq_lens, 1, "seq_lens");
+  check_dtype(seq_lens, at::kInt, "seq_lens");
+  check_same_device(seq_lens, query, "seq_lens", "query");
+  TORCH_CHECK_VALUE(seq_lens.size(0) == num_seqs, "seq_lens must have num_seqs (", num_seqs,
+                    ") entries, got ", seq_lens.size(0));
+  TORCH_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
+}
+
 // What v1/v2 and the varlen op share: query and out (`rows` query rows), heads, the caches and
 // their scales, block_tables and seq_lens for num_seqs sequences, max_seq_len, ALiBi, the logit
 // parameters, and out sharing no memory with an input.
@@ -242,17 +274,21 @@ AttentionDims check_common_attention_args(const AttentionArgs& args, int64_t num
   dims.num_seqs = num_seqs;
   dims.num_heads = query.size(1);
   dims.head_size = query.size(2);
-  const auto& head_sizes = supported_head_sizes();
-  TORCH_CHECK_VALUE(
-      std::find(head_sizes.begin(), head_sizes.end(), dims.head_size) != head_sizes.end(),
-      "head_size ", dims.head_size,
-      " is not supported (query.size(2); supported: 32, 64, 80, 96, 112, 120, 128, 192, 256)");
+  check_head_size(dims.head_size, "head_size", "query.size(2)");
+  TORCH_CHECK(value_cache.defined(), "value_cache must be a tensor, got None");
+  check_dim(value_cache, 4, "value_cache");
+  dims.v_head_size = value_cache.size(2);
+  check_head_size(dims.v_head_size, "v_head_size", "value_cache.size(2)");
 
   check_same_device(out, query, "out", "query");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have the dtype of query (",
               query.scalar_type(), "), got ", out.scalar_type());
-  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out must have the shape of query (",
-                    query.sizes(), "), got ", out.sizes());
+  const std::vector<int64_t> out_shape = {query.size(0), dims.num_heads, dims.v_head_size};
+  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(out_shape),
+                    "out must have shape [query.size(0), num_heads, v_head_size] = ",
+                    at::IntArrayRef(out_shape),
+                    " (v_head_size: value_cache.size(2), the values' head size), got ",
+                    out.sizes());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
 
   TORCH_CHECK_VALUE(num_kv_heads > 0 && dims.num_heads % num_kv_heads == 0,
@@ -267,28 +303,16 @@ AttentionDims check_common_attention_args(const AttentionArgs& args, int64_t num
               "key_cache must be ", expected_cache_type(dims.cache_dtype, query.scalar_type()),
               " for kv_cache_dtype='", kv_cache_dtype, "' and query ", query.scalar_type(),
               ", got ", key_cache.scalar_type());
-  check_cache_layout(key_cache, value_cache, num_kv_heads, dims.head_size, block_size);
+  check_cache_layout(key_cache, value_cache, num_kv_heads, dims.head_size, dims.v_head_size,
+                     block_size);
   dims.num_blocks = key_cache.size(0);
   if (dims.cache_dtype != CacheDtype::kAuto) {
     check_scale(k_scale, key_cache, "k_scale");
     check_scale(v_scale, key_cache, "v_scale");
   }
 
-  check_dim(block_tables, 2, "block_tables");
-  check_dtype(block_tables, at::kInt, "block_tables");
-  check_same_device(block_tables, query, "block_tables", "query");
-  TORCH_CHECK_VALUE(block_tables.size(0) == dims.num_seqs, "block_tables must have num_seqs (",
-                    dims.num_seqs, ") rows, got ", block_tables.size(0));
-  TORCH_CHECK(block_tables.size(1) == 0 || block_tables.stride(1) == 1,
-              "block_tables must have unit stride in its last dim");
+  check_tables_and_lens(block_tables, seq_lens, query, dims.num_seqs);
   dims.max_blocks_per_seq = block_tables.size(1);
-
-  check_dim(seq_lens, 1, "seq_lens");
-  check_dtype(seq_lens, at::kInt, "seq_lens");
-  check_same_device(seq_lens, query, "seq_lens", "query");
-  TORCH_CHECK_VALUE(seq_lens.size(0) == dims.num_seqs, "seq_lens must have num_seqs (",
-                    dims.num_seqs, ") entries, got ", seq_lens.size(0));
-  TORCH_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
 
   TORCH_CHECK_VALUE(max_seq_len >= 0, "max_seq_len must be >= 0, got ", max_seq_len);
   TORCH_CHECK_VALUE(max_seq_len <= dims.max_blocks_per_seq * block_size, "max_seq_len (",
@@ -436,10 +460,10 @@ void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
   check_same_device(tmp_out, query, "tmp_out", "query");
   TORCH_CHECK(tmp_out.is_contiguous(), "tmp_out must be contiguous");
   TORCH_CHECK_VALUE(tmp_out.size(0) == dims.num_seqs && tmp_out.size(1) == dims.num_heads &&
-                        tmp_out.size(2) == exp_sums.size(2) && tmp_out.size(3) == dims.head_size,
-                    "tmp_out must have shape [num_seqs, num_heads, partitions, head_size] = [",
+                        tmp_out.size(2) == exp_sums.size(2) && tmp_out.size(3) == dims.v_head_size,
+                    "tmp_out must have shape [num_seqs, num_heads, partitions, v_head_size] = [",
                     dims.num_seqs, ", ", dims.num_heads, ", ", exp_sums.size(2), ", ",
-                    dims.head_size, "], got ", tmp_out.sizes());
+                    dims.v_head_size, "], got ", tmp_out.sizes());
   // The scratch tensors are written while the inputs are read.
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
                                 {max_logits, "max_logits"},
@@ -496,12 +520,14 @@ CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& 
               key.scalar_type());
   TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value must have the dtype of key (",
               key.scalar_type(), "), got ", value.scalar_type());
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value must have the shape of key (",
-                    key.sizes(), "), got ", value.sizes());
+  TORCH_CHECK_VALUE(value.size(0) == key.size(0) && value.size(1) == key.size(1),
+                    "value must have key's tokens and heads ([", key.size(0), ", ", key.size(1),
+                    ", v_head_size]), got ", value.sizes());
   check_same_device(value, key, "value", "key");
   dims.num_tokens = key.size(0);
   dims.num_kv_heads = key.size(1);
   dims.head_size = key.size(2);
+  dims.v_head_size = value.size(2);
 
   check_same_device(key_cache, key, "key_cache", "key");
   const at::ScalarType cache_type = expected_cache_type(dims.cache_dtype, key.scalar_type());
@@ -514,7 +540,8 @@ CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& 
               key_cache.sizes(), " and ", value_cache.sizes());
   dims.block_size = key_cache.size(3);
   check_block_size(dims.block_size);
-  check_cache_layout(key_cache, value_cache, dims.num_kv_heads, dims.head_size, dims.block_size);
+  check_cache_layout(key_cache, value_cache, dims.num_kv_heads, dims.head_size, dims.v_head_size,
+                     dims.block_size);
   dims.num_blocks = key_cache.size(0);
   dims.x = key_cache.size(4);
   if (dims.cache_dtype != CacheDtype::kAuto) {

@@ -32,7 +32,8 @@ struct AttentionDims {
   int64_t num_seqs;
   int64_t num_heads;
   int64_t num_kv_heads;
-  int64_t head_size;
+  int64_t head_size;    // of the query and keys
+  int64_t v_head_size;  // of the values and out: value_cache.size(2)
   int64_t block_size;
   int64_t num_blocks;
   int64_t max_blocks_per_seq;  // block_tables.size(1)
@@ -75,8 +76,9 @@ inline int64_t first_attended_position(int64_t pos, int64_t sliding_window,
 
 // Checks everything but tensor contents for paged_attention_v1/v2 and returns the dimensions.
 // Requirements: query [num_seqs, num_heads, head_size] with unit stride in the last dim (it may be
-// a slice of a fused QKV); out contiguous, same shape and dtype as query; caches in the layout of
-// docs/design.md, contiguous within a block (dims 0 and 1 may be strided); block_tables int32
+// a slice of a fused QKV); out contiguous [num_seqs, num_heads, v_head_size] in query's dtype, where
+// v_head_size = value_cache.size(2) (equal to head_size but for multi-head latent attention's
+// keys of 192 and values of 128, say); caches in the layout of docs/design.md, contiguous within a block (dims 0 and 1 may be strided); block_tables int32
 // 2-D with unit inner stride; seq_lens int32 [num_seqs] contiguous; alibi_slopes float32
 // [num_heads]; scale finite and logits_soft_cap 0 or positive, both in float32; sliding_window
 // and attention_chunk_size >= 0; out sharing no memory with any input.
@@ -87,9 +89,10 @@ struct VarlenDims : AttentionDims {
   int64_t max_query_len;
 };
 
-// Checks everything but tensor contents for paged_attention_varlen: query/out [num_tokens,
-// num_heads, head_size] as for v1; block_size from value_cache; query_start_loc int32
-// [num_seqs + 1] contiguous; sinks float32 [num_heads] contiguous; the rest as for v1.
+// Checks everything but tensor contents for paged_attention_varlen: query [num_tokens,
+// num_heads, head_size] and out [num_tokens, num_heads, v_head_size] as for v1; block_size from
+// value_cache; query_start_loc int32 [num_seqs + 1] contiguous; sinks float32 [num_heads]
+// contiguous; the rest as for v1.
 VarlenDims check_varlen_args(const AttentionArgs& args, const at::Tensor& query_start_loc,
                              int64_t max_query_len, const std::optional<at::Tensor>& sinks);
 
@@ -101,7 +104,7 @@ void check_varlen_indices(const at::Tensor& block_tables, const at::Tensor& seq_
                           int64_t sliding_window, int64_t attention_chunk_size);
 
 // exp_sums, max_logits: float32 [num_seqs, num_heads, >= max_partitions];
-// tmp_out: query dtype [num_seqs, num_heads, same partitions, head_size]; all contiguous, sharing
+// tmp_out: query dtype [num_seqs, num_heads, same partitions, v_head_size]; all contiguous, sharing
 // no memory with each other, out or any input.
 void check_v2_scratch(const at::Tensor& exp_sums, const at::Tensor& max_logits,
                       const at::Tensor& tmp_out, const AttentionDims& dims,
@@ -116,14 +119,16 @@ void check_attention_indices(const at::Tensor& block_tables, const at::Tensor& s
 struct CacheDims {
   int64_t num_tokens;
   int64_t num_kv_heads;
-  int64_t head_size;
+  int64_t head_size;    // of key
+  int64_t v_head_size;  // of value
   int64_t block_size;
   int64_t num_blocks;
   int64_t x;  // elements per 16-byte chunk of the key layout
   CacheDtype cache_dtype;
 };
 
-// key/value [num_tokens, num_kv_heads, head_size], any strides; slot_mapping int64 [num_tokens];
+// key [num_tokens, num_kv_heads, head_size], value [num_tokens, num_kv_heads, v_head_size] (the
+// value cache's head size), any strides; slot_mapping int64 [num_tokens];
 // the caches overlap neither themselves nor any input.
 CacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& key_cache, const at::Tensor& value_cache,

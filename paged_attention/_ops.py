@@ -121,8 +121,9 @@ def reshape_and_cache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping``
-    (int64; negative = skip). ``key``/``value`` must not share memory with the caches.
+    """Store ``key`` ``[num_tokens, num_kv_heads, head_size]`` and ``value`` ``[num_tokens,
+    num_kv_heads, v_head_size]`` (the value cache's head size) at ``slot_mapping`` (int64;
+    negative = skip). ``key``/``value`` must not share memory with the caches.
 
     With an fp8 ``kv_cache_dtype``, ``k_scale`` and ``v_scale`` (1-element float32 tensors on the
     cache's device) are required: the values stored are ``x / scale``. Otherwise they are unused.
@@ -190,6 +191,26 @@ def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size:
     return work_units < _CPU_UNITS_PER_THREAD * _cpu_threads()
 
 
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    _check_rank(
+        key_cache, 5, "key_cache", "[num_blocks, num_kv_heads, head_size / x, block_size, x]"
+    )
+    _check_rank(
+        value_cache, 4, "value_cache", "[num_blocks, num_kv_heads, v_head_size, block_size]"
+    )
+
+
+def _run_v2(out: torch.Tensor, common: tuple, max_seq_len: int) -> None:
+    """v2 with its scratch: per partition the max logit, the exp sum and the partial output."""
+    query, value_cache = common[0], common[2]
+    num_seqs, num_heads = query.shape[:2]
+    shape = (num_seqs, num_heads, num_partitions(max_seq_len))
+    exp_sums = torch.empty(shape, dtype=torch.float32, device=query.device)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty((*shape, value_cache.shape[2]), dtype=query.dtype, device=query.device)
+    ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *common)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -209,71 +230,47 @@ def paged_attention(
     out: torch.Tensor | None = None,
     version: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention over a paged KV cache; returns ``[num_seqs, num_heads, head_size]``.
+    """Decode attention over a paged KV cache; returns ``[num_seqs, num_heads, v_head_size]``.
 
     ``query`` is ``[num_seqs, num_heads, head_size]``; ``key_cache``/``value_cache`` are in the
-    layout of docs/design.md (num_kv_heads and block_size are read from them); ``block_tables``
-    int32 ``[num_seqs, max_blocks]``; ``seq_lens`` int32 ``[num_seqs]``. ``scale`` defaults to
-    ``head_size ** -0.5``. Pass ``max_seq_len`` (an int >= every seq_len) to avoid reading
-    ``seq_lens`` back from the GPU, which synchronises and cannot be captured in a CUDA graph.
-    ``version`` forces the v1 or v2 kernel; by default :func:`use_v2` chooses.
-    ``sliding_window = W > 0`` attends the last ``W`` positions; ``attention_chunk_size = C > 0``
-    (chunked local attention, Llama 4) only the query's own chunk of ``C`` positions, ``[p - p %
-    C, p]`` for the query at ``p = seq_len - 1``; with both, positions both allow.
-    An fp8 ``kv_cache_dtype`` requires ``k_scale`` and ``v_scale`` (a ``ValueError`` otherwise).
-    ``scale`` and ``logits_soft_cap`` are used in float32 and checked there: a scale that is inf
-    in float32, or a cap that rounds to 0, raises.
+    layout of docs/design.md (num_kv_heads, block_size and the values' head size
+    ``v_head_size``, which may differ from ``head_size`` as in multi-head latent attention, are
+    read from them); ``block_tables`` int32 ``[num_seqs, max_blocks]``; ``seq_lens`` int32
+    ``[num_seqs]``. ``scale`` defaults to ``head_size ** -0.5``. Pass ``max_seq_len`` (an int >=
+    every seq_len) to avoid reading ``seq_lens`` back from the GPU, which synchronises and cannot
+    be captured in a CUDA graph. ``version`` forces the v1 or v2 kernel; by default
+    :func:`use_v2` chooses. ``sliding_window = W > 0`` attends the last ``W`` positions;
+    ``attention_chunk_size = C > 0`` (chunked local attention, Llama 4) only the query's own chunk
+    of ``C`` positions, ``[p - p % C, p]`` for the query at ``p = seq_len - 1``; with both,
+    positions both allow. An fp8 ``kv_cache_dtype`` requires ``k_scale`` and ``v_scale`` (a
+    ``ValueError`` otherwise). ``scale`` and ``logits_soft_cap`` are used in float32 and checked
+    there: a scale that is inf in float32, or a cap that rounds to 0, raises.
     """
     _check_rank(query, 3, "query", "[num_seqs, num_heads, head_size]")
-    _check_rank(
-        key_cache, 5, "key_cache", "[num_blocks, num_kv_heads, head_size / x, block_size, x]"
-    )
-    _check_rank(value_cache, 4, "value_cache", "[num_blocks, num_kv_heads, head_size, block_size]")
+    _check_caches(key_cache, value_cache)
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads, block_size = value_cache.shape[1], value_cache.shape[3]
-    if scale is None:
-        scale = head_size**-0.5
+    num_kv_heads, v_head_size, block_size = value_cache.shape[1:]
+    scale = head_size**-0.5 if scale is None else scale
     _check_real(scale, "scale")
     _check_real(logits_soft_cap, "logits_soft_cap")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if out is None:
-        out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
+        out = query.new_empty((num_seqs, num_heads, v_head_size))
     k_scale, v_scale = _scales(kv_cache_dtype, k_scale, v_scale, key_cache.device)
     if version is not None and (type(version) is not int or version not in (1, 2)):
         raise ValueError(f"version must be 1, 2 or None, got {version!r}")
     if version is None:
         version = 2 if use_v2(query, num_kv_heads, max_seq_len, block_size) else 1
     common = (
-        query,
-        key_cache,
-        value_cache,
-        num_kv_heads,
-        float(scale),
-        block_tables,
-        seq_lens,
-        block_size,
-        max_seq_len,
-        alibi_slopes,
-        kv_cache_dtype,
-        k_scale,
-        v_scale,
-        sliding_window,
-        float(logits_soft_cap),
-        attention_chunk_size,
+        *(query, key_cache, value_cache, num_kv_heads, float(scale), block_tables, seq_lens),
+        *(block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale),
+        *(sliding_window, float(logits_soft_cap), attention_chunk_size),
     )
     if version == 1:
         ops.paged_attention_v1(out, *common)
-        return out
-    partitions = num_partitions(max_seq_len)
-    exp_sums = torch.empty(
-        (num_seqs, num_heads, partitions), dtype=torch.float32, device=query.device
-    )
-    max_logits = torch.empty_like(exp_sums)
-    tmp_out = torch.empty(
-        (num_seqs, num_heads, partitions, head_size), dtype=query.dtype, device=query.device
-    )
-    ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *common)
+    else:
+        _run_v2(out, common, max_seq_len)
     return out
 
 
@@ -300,7 +297,8 @@ def paged_attention_varlen(
 ) -> torch.Tensor:
     """Causal attention of any number of new query rows per sequence over a paged KV cache (one
     call for prefill, chunked prefill, multi-token and single-token decode, mixed in one batch);
-    returns ``[num_tokens, num_heads, head_size]``.
+    returns ``[num_tokens, num_heads, v_head_size]`` (``v_head_size = value_cache.shape[2]``,
+    the values' own head size: multi-head latent attention's differs from the keys').
 
     ``query`` is ``[num_tokens, num_heads, head_size]``; sequence ``s`` owns rows
     ``query_start_loc[s] .. query_start_loc[s + 1] - 1`` (int32 ``[num_seqs + 1]``, starting at
@@ -319,10 +317,7 @@ def paged_attention_varlen(
     ``k_scale`` and ``v_scale``.
     """
     _check_rank(query, 3, "query", "[num_tokens, num_heads, head_size]")
-    _check_rank(
-        key_cache, 5, "key_cache", "[num_blocks, num_kv_heads, head_size / x, block_size, x]"
-    )
-    _check_rank(value_cache, 4, "value_cache", "[num_blocks, num_kv_heads, head_size, block_size]")
+    _check_caches(key_cache, value_cache)
     if scale is None:
         scale = query.shape[2] ** -0.5
     _check_real(scale, "scale")
@@ -333,7 +328,7 @@ def paged_attention_varlen(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if out is None:
-        out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+        out = query.new_zeros((*query.shape[:2], value_cache.shape[2]))
     k_scale, v_scale = _scales(kv_cache_dtype, k_scale, v_scale, key_cache.device)
     ops.paged_attention_varlen(
         out,

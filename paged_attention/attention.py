@@ -1,9 +1,11 @@
 """PagedAttention: a drop-in attention module that keeps its keys and values in a paged KV cache.
 
-A step's input is *packed*: the new tokens of every sequence, one after the other, as
-``query [num_tokens, num_heads, head_size]`` and ``key``/``value [num_tokens, num_kv_heads,
-head_size]``; :class:`AttentionMetadata` says how many tokens each sequence contributes, how long
-each sequence is after the step, where its blocks are and which slot each new token goes to.
+A step's input is *packed*: the new tokens of every sequence, one after the other, as ``query
+[num_tokens, num_heads, head_size]``, ``key [num_tokens, num_kv_heads, head_size]`` and ``value
+[num_tokens, num_kv_heads, v_head_size]`` (``v_head_size = head_size`` but for multi-head latent
+attention through transformers' attention interface, whose values are narrower);
+:class:`AttentionMetadata` says how many tokens each sequence contributes, how long each sequence
+is after the step, where its blocks are and which slot each new token goes to.
 
 ``forward`` first stores the new keys and values (``reshape_and_cache``), then computes
 attention of every new token against its sequence's whole context in the cache, in one op call
@@ -142,7 +144,9 @@ class PagedAttention(nn.Module):
     ``kv_cache_dtype`` is ``"auto"`` or an fp8 format (then pass ``k_scale``/``v_scale`` to
     ``forward``, as :class:`~paged_attention.cache.PagedKVCache` holds them); ``sinks`` is
     ``None`` or ``[num_heads]`` floats, one extra logit per head that only joins the softmax's
-    denominator (attention sinks as in gpt-oss).
+    denominator (attention sinks as in gpt-oss); ``v_head_size`` is the values' head size, and
+    so the output's, where it differs from the keys' (multi-head latent attention: DeepSeek-V3's
+    keys hold 192 dims and its values 128); None: ``head_size``.
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class PagedAttention(nn.Module):
         kv_cache_dtype: str = "auto",
         sinks: Sequence[float] | torch.Tensor | None = None,
         attention_chunk_size: int = 0,
+        v_head_size: int | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -174,9 +179,12 @@ class PagedAttention(nn.Module):
         if logits_soft_cap is None or logits_soft_cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 (0 = none), got {logits_soft_cap}")
         check_head_size(head_size, kv_cache_dtype)  # validates the cache format's name too
+        v_head_size = head_size if v_head_size is None else v_head_size
+        check_head_size(v_head_size, kv_cache_dtype, name="v_head_size")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
+        self.v_head_size = v_head_size
         self.scale = float(head_size**-0.5 if scale is None else scale)
         self.sliding_window = int(sliding_window)
         self.attention_chunk_size = int(attention_chunk_size)
@@ -200,7 +208,8 @@ class PagedAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_size={self.head_size}, scale={self.scale}, sliding_window="
+            f"head_size={self.head_size}, v_head_size={self.v_head_size}, scale={self.scale}, "
+            "sliding_window="
             f"{self.sliding_window}, attention_chunk_size={self.attention_chunk_size}, "
             f"logits_soft_cap={self.logits_soft_cap}, "
             f"alibi={self.alibi_slopes is not None}, sinks={self.sinks is not None}, "
@@ -219,8 +228,9 @@ class PagedAttention(nn.Module):
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query`` ``[num_tokens, num_heads, head_size]`` (or ``[num_tokens, num_heads *
-        head_size]``), ``key``/``value`` likewise with ``num_kv_heads`` (``None`` when they are
-        already in the cache); returns the attention output in the shape of ``query``.
+        head_size]``), ``key`` likewise with ``num_kv_heads`` and ``value`` with ``num_kv_heads``
+        and ``v_head_size`` (``None`` when they are already in the cache); returns the attention
+        output in the shape of ``query`` with ``v_head_size`` for ``head_size``.
 
         Inference only: the cache writes have no autograd, so a call that would need gradients
         (grad mode on and an input requiring grad, e.g. a model in training) raises instead of
@@ -254,7 +264,7 @@ class PagedAttention(nn.Module):
         if key is not None and value is not None:
             _ops.reshape_and_cache(
                 key.view(-1, self.num_kv_heads, self.head_size),
-                value.view(-1, self.num_kv_heads, self.head_size),
+                value.view(-1, self.num_kv_heads, self.v_head_size),
                 key_cache,
                 value_cache,
                 metadata.slot_mapping,
@@ -265,7 +275,7 @@ class PagedAttention(nn.Module):
         elif key is not None or value is not None:
             raise ValueError("pass both key and value, or neither (context already cached)")
         out = self._attend(query, key_cache, value_cache, metadata, k_scale, v_scale)
-        return out.view(shape)
+        return out.view(*shape[:-1], shape[-1] // self.head_size * self.v_head_size)
 
     def _check_window(self, metadata: AttentionMetadata) -> None:
         """Refuses a step whose block manager may have released blocks this module reads."""

@@ -8,8 +8,10 @@ the device and host (``swap_blocks``). One block id addresses the same block in 
 
 Layout (docs/design.md): per layer ``key_cache [num_blocks, num_kv_heads, head_size // x,
 block_size, x]`` with ``x = 16 // element_size`` and ``value_cache [num_blocks, num_kv_heads,
-head_size, block_size]``. Layers may differ in KV heads and head size (each layer's cache has its
-own shape; the layers of one shape share one allocation). An fp8 cache stores ``uint8`` and
+v_head_size, block_size]``, where the values' head size ``v_head_size`` is ``head_size`` unless
+given (multi-head latent attention through transformers' attention interface: DeepSeek-V3's keys
+hold 192 dims, its values 128). Layers may differ in KV heads and head sizes (each layer's cache
+has its own shape; the layers of one shape share one allocation). An fp8 cache stores ``uint8`` and
 carries ``k_scale``/``v_scale``.
 """
 
@@ -76,10 +78,13 @@ def cache_dtype_for(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
 
 
 def layer_shapes(
-    num_layers: int, num_kv_heads: int | Sequence[int], head_size: int | Sequence[int]
-) -> list[tuple[int, int]]:
-    """``(num_kv_heads, head_size)`` of each layer, from one value for every layer or a sequence
-    of ``num_layers`` values."""
+    num_layers: int,
+    num_kv_heads: int | Sequence[int],
+    head_size: int | Sequence[int],
+    v_head_size: int | Sequence[int] | None = None,
+) -> list[tuple[int, int, int]]:
+    """``(num_kv_heads, head_size, v_head_size)`` of each layer, each from one value for every
+    layer or a sequence of ``num_layers`` values (``v_head_size`` None: ``head_size``)."""
 
     def per_layer(value, name: str) -> list[int]:
         if isinstance(value, Sequence):
@@ -92,12 +97,14 @@ def layer_shapes(
 
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
-    shapes = list(zip(per_layer(num_kv_heads, "num_kv_heads"), per_layer(head_size, "head_size")))
-    for layer, (heads, size) in enumerate(shapes):
-        if heads <= 0 or size <= 0:
+    sizes = per_layer(head_size, "head_size")
+    v_sizes = sizes if v_head_size is None else per_layer(v_head_size, "v_head_size")
+    shapes = list(zip(per_layer(num_kv_heads, "num_kv_heads"), sizes, v_sizes))
+    for layer, shape in enumerate(shapes):
+        if min(shape) <= 0:
             raise ValueError(
-                f"num_kv_heads and head_size must be positive, got {heads} and {size} (layer "
-                f"{layer})"
+                "num_kv_heads, head_size and v_head_size must be positive, got "
+                f"{', '.join(map(str, shape))} (layer {layer})"
             )
     return shapes
 
@@ -109,12 +116,14 @@ def bytes_per_block(
     block_size: int,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
+    v_head_size: int | Sequence[int] | None = None,
 ) -> int:
-    """Bytes one block id occupies over all layers, keys and values together (``num_kv_heads``
-    and ``head_size``: one value, or one per layer)."""
+    """Bytes one block id occupies over all layers, keys and values together (``num_kv_heads``,
+    ``head_size`` and ``v_head_size``: one value, or one per layer; ``v_head_size`` None: the
+    values have ``head_size`` too)."""
     element = _element_size(cache_dtype_for(dtype, kv_cache_dtype))
-    shapes = layer_shapes(num_layers, num_kv_heads, head_size)
-    return 2 * sum(heads * size for heads, size in shapes) * block_size * element
+    shapes = layer_shapes(num_layers, num_kv_heads, head_size, v_head_size)
+    return sum(heads * (size + v_size) for heads, size, v_size in shapes) * block_size * element
 
 
 HOST_SWAP_FACTOR = 4
@@ -167,7 +176,9 @@ class PagedKVCache:
 
     ``num_kv_heads`` and ``head_size`` are one value for every layer or one per layer (models
     whose layers differ); :attr:`num_kv_heads` and :attr:`head_size` hold what was given: an int
-    when every layer agrees, else the tuple of each layer's.
+    when every layer agrees, else the tuple of each layer's. ``v_head_size`` (likewise, held in
+    :attr:`v_head_size`) is the values' head size where it differs from the keys' (multi-head
+    latent attention); None: ``head_size``.
 
     Size it with ``num_blocks`` or with a memory budget: ``memory_budget`` bytes, or
     ``memory_fraction`` of free CUDA memory (of ``memory_budget`` when both are given; of the
@@ -200,8 +211,9 @@ class PagedKVCache:
         num_host_blocks: int = 0,
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
+        v_head_size: int | Sequence[int] | None = None,
     ) -> None:
-        shapes = layer_shapes(num_layers, num_kv_heads, head_size)
+        shapes = layer_shapes(num_layers, num_kv_heads, head_size, v_head_size)
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_host_blocks < 0:
@@ -210,17 +222,19 @@ class PagedKVCache:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_dtype = cache_dtype_for(dtype, kv_cache_dtype)
-        for size in sorted({size for _, size in shapes}):
+        for _, size, v_size in sorted(set(shapes)):
             check_head_size(size, kv_cache_dtype)
+            check_head_size(v_size, kv_cache_dtype, name="v_head_size")
         check_block_size(block_size)
         self.num_layers = num_layers
-        self.layer_shapes: tuple[tuple[int, int], ...] = tuple(shapes)
-        heads, sizes = zip(*shapes)
+        self.layer_shapes: tuple[tuple[int, int, int], ...] = tuple(shapes)
+        heads, sizes, v_sizes = zip(*shapes)
         self.num_kv_heads = heads[0] if len(set(heads)) == 1 else heads
         self.head_size = sizes[0] if len(set(sizes)) == 1 else sizes
+        self.v_head_size = v_sizes[0] if len(set(v_sizes)) == 1 else v_sizes
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block(
-            num_layers, heads, sizes, block_size, dtype, kv_cache_dtype
+            num_layers, heads, sizes, block_size, dtype, kv_cache_dtype, v_sizes
         )
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(
@@ -289,9 +303,9 @@ class PagedKVCache:
         x = 16 // _element_size(self.cache_dtype)
         allocations, views = [], [torch.empty(0)] * self.num_layers
         for layers in self._groups:
-            heads, size = self.layer_shapes[layers[0]]
+            heads, size, v_size = self.layer_shapes[layers[0]]
             block = (
-                (heads, size // x, self.block_size, x) if keys else (heads, size, self.block_size)
+                (heads, size // x, self.block_size, x) if keys else (heads, v_size, self.block_size)
             )
             shape = (len(layers), blocks, *block)
             # Not zeroed: the kernels never read a slot no token was stored in (past a

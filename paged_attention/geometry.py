@@ -1,11 +1,13 @@
 """What a decoder-only model's KV cache must hold, read from the model itself.
 
-Per layer: query heads, KV heads, head size, the softmax scale, a sliding window or attention
-chunk, the logit soft-cap and whether the layer has attention sinks (:class:`LayerGeometry`); for
-the model: those layers, its dtype, device and tensor-parallel split (:class:`ModelGeometry`),
-which build the :class:`~paged_attention.cache.PagedKVCache` (each layer's own shape when layers
-differ) and the :class:`~paged_attention.block_manager.BlockManager` that fit it. What paged
-attention cannot serve is refused here, with the reason (:class:`UnsupportedModelError`).
+Per layer: query heads, KV heads, head size (and the values' own head size, which multi-head latent
+attention run through transformers' attention interface makes narrower), the softmax scale, a
+sliding window or attention chunk, the logit soft-cap and whether the layer has attention sinks
+(:class:`LayerGeometry`); for the model: those layers, its dtype, device and tensor-parallel split
+(:class:`ModelGeometry`), which build the :class:`~paged_attention.cache.PagedKVCache` (each
+layer's own shape when layers differ) and the :class:`~paged_attention.block_manager.BlockManager`
+that fit it. What paged attention cannot serve is refused here, with the reason
+(:class:`UnsupportedModelError`).
 
 The model is read by the names transformers gives its config and attention modules
 (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ``num_key_value_heads``,
@@ -54,7 +56,9 @@ class LayerGeometry:
     reads only its own chunk, ``p - p % C .. p``; both 0: every position before it.
     ``logits_soft_cap`` 0 means none; ``sinks``: the layer adds one learned logit per head to
     its softmax's denominator (gpt-oss); ``scale`` is the module's softmax scale (None when the
-    module does not name it: the scale each call passes is the one used)."""
+    module does not name it: the scale each call passes is the one used). ``v_head_size`` is
+    the values' head size (0 when built: ``head_size``); multi-head latent attention's differs
+    (DeepSeek-V3: keys of 192 dims, the rotary 64 included, values of 128)."""
 
     num_heads: int
     num_kv_heads: int
@@ -64,6 +68,11 @@ class LayerGeometry:
     attention_chunk_size: int = 0
     logits_soft_cap: float = 0.0
     sinks: bool = False
+    v_head_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.v_head_size:
+            object.__setattr__(self, "v_head_size", self.head_size)
 
     @property
     def attends_everything(self) -> bool:
@@ -135,6 +144,12 @@ class ModelGeometry:
     def head_size(self) -> int | tuple[int, ...]:
         """Head size of every layer, or each layer's when they differ."""
         return _one_or_each(layer.head_size for layer in self.layers)
+
+    @property
+    def v_head_size(self) -> int | tuple[int, ...]:
+        """The values' head size of every layer (``head_size`` but for multi-head latent
+        attention), or each layer's when they differ."""
+        return _one_or_each(layer.v_head_size for layer in self.layers)
 
     def released_reach(self) -> tuple[int | None, int | None]:
         """``(sliding_window, attention_chunk_size)`` a block manager may release blocks by, so
@@ -214,6 +229,7 @@ class ModelGeometry:
             num_host_blocks=num_host_blocks,
             memory_budget=memory_budget,
             memory_fraction=memory_fraction,
+            v_head_size=self.v_head_size,
         )
 
     def _blocks_for_budget_on_every_rank(
@@ -229,6 +245,7 @@ class ModelGeometry:
                 block_size,
                 self.dtype,
                 kv_cache_dtype,
+                self.v_head_size,
             )
             count = num_blocks_for_budget(block_bytes, self.device, memory_budget, memory_fraction)
         except ValueError as raised:  # raised after the all-reduce, so on every rank
@@ -325,8 +342,9 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
     """Raise :class:`UnsupportedModelError` with the reason when paged attention cannot serve
     ``model``: an encoder-decoder, a model whose attention bypasses transformers' attention
-    interface, multi-head latent attention, layers with recurrent or linear-attention state, or
-    layers that reuse another layer's keys and values. ``configs``: each layer's."""
+    interface, layers with recurrent or linear-attention state, or layers that reuse another
+    layer's keys and values. ``configs``: each layer's. (Multi-head latent attention is served:
+    its keys and values reach the attention interface expanded, each of its own head size.)"""
     name = type(model).__name__
     config = configs[0]
     if getattr(config, "is_encoder_decoder", False):
@@ -360,16 +378,6 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             "layer's instead of storing their own, as in Gemma 3n), which a paged cache does not "
             "support"
         )
-    key_size, value_size = next(
-        (sizes for sizes in map(_latent_head_sizes, configs) if sizes[0] != sizes[1]),
-        (None, None),
-    )
-    if key_size != value_size:
-        raise UnsupportedModelError(
-            f"{name} uses multi-head latent attention (DeepSeek-V2/V3 style): its key heads "
-            f"hold {key_size} values and its value heads {value_size}, while a paged cache "
-            "stores keys and values of one head size"
-        )
     can_switch = getattr(type(model), "_can_set_attn_implementation", None)
     if callable(can_switch) and not can_switch():
         raise UnsupportedModelError(
@@ -386,13 +394,14 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
         )
 
 
-def _latent_head_sizes(config) -> tuple[int | None, int | None]:
-    """Key and value head sizes of a multi-head latent attention config (equal when the config
-    does not describe one)."""
-    value_size = getattr(config, "v_head_dim", None)
-    key_size = getattr(config, "qk_head_dim", None)
+def _latent_head_sizes(owner) -> tuple[int | None, int | None]:
+    """Key and value head sizes of a multi-head latent attention module or config (``(None,
+    None)`` when it does not describe one): keys of ``qk_nope_head_dim + qk_rope_head_dim``
+    (``qk_head_dim``), values of ``v_head_dim``."""
+    value_size = _int_attribute(owner, ("v_head_dim",))
+    key_size = _int_attribute(owner, ("qk_head_dim",))
     if key_size is None:
-        parts = [getattr(config, name, None) for name in ("qk_nope_head_dim", "qk_rope_head_dim")]
+        parts = [getattr(owner, name, None) for name in ("qk_nope_head_dim", "qk_rope_head_dim")]
         if all(isinstance(part, int) for part in parts):
             key_size = sum(parts)
     if key_size is None or value_size is None:
@@ -415,19 +424,21 @@ def _read_layer(index: int, kind: str, config, module) -> LayerGeometry:
     )
     if num_heads is None:
         raise UnsupportedModelError(f"cannot read layer {index}'s number of attention heads")
-    head_size = _int_attribute(module, ("head_dim", "head_size")) or _int_attribute(
-        config, ("head_dim",)
-    )
+    head_size, value_size = _latent_head_sizes(module)
     if head_size is None:
-        head_size = config.hidden_size // num_heads
-    value_size = _int_attribute(module, ("v_head_dim",))
-    if value_size is not None and value_size != head_size:
-        raise UnsupportedModelError(
-            f"layer {index}'s key heads hold {head_size} values and its value heads "
-            f"{value_size} (multi-head latent attention); a paged cache stores keys and values "
-            "of one head size"
+        head_size, value_size = _latent_head_sizes(config)
+    if head_size is not None:
+        # Multi-head latent attention: the attention interface receives the latents expanded
+        # by kv_b_proj into one key and one value head per query head.
+        num_kv_heads = num_heads
+    else:
+        head_size = _int_attribute(module, ("head_dim", "head_size")) or _int_attribute(
+            config, ("head_dim",)
         )
-    num_kv_heads = _kv_heads(module, config, num_heads, head_size)
+        if head_size is None:
+            head_size = config.hidden_size // num_heads
+        value_size = head_size
+        num_kv_heads = _kv_heads(module, config, num_heads, head_size)
     if num_heads % num_kv_heads:
         raise UnsupportedModelError(
             f"layer {index} has {num_heads} query heads over {num_kv_heads} KV heads, which do "
@@ -461,6 +472,7 @@ def _read_layer(index: int, kind: str, config, module) -> LayerGeometry:
         attention_chunk_size=int(chunk),
         logits_soft_cap=float(cap or 0.0),
         sinks=isinstance(sinks, torch.Tensor),
+        v_head_size=value_size,
     )
 
 

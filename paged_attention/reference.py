@@ -12,6 +12,10 @@ Semantics fixed here (and followed by the kernels):
   with ``attention_chunk_size = C > 0`` (chunked local attention, Llama 4) only the query's own
   chunk, ``p >= q - q % C`` for the query at ``q = L - 1``; with both, their intersection.
 * a sequence of length 0 produces an all-zero output row.
+* values have a head size of their own, ``v_head_size = value_cache.shape[2]``, and so has the
+  output (``[..., num_heads, v_head_size]``); keys and queries share ``head_size``. They differ
+  for multi-head latent attention run through the attention interface (DeepSeek-V3: keys 192,
+  values 128).
 * fp8 caches (``uint8`` tensors): ``stored = fp8(clamp(x / scale, -max, max))`` rounded to nearest
   even, ``x' = float(stored) * scale``; e4m3 is the ``float8_e4m3fn`` format (max 448), e5m2 is
   ``float8_e5m2`` (max 57344).
@@ -69,7 +73,8 @@ def reshape_and_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    """Write key/value ``[num_tokens, num_kv_heads, head_size]`` into the caches at their slots."""
+    """Write key ``[num_tokens, num_kv_heads, head_size]`` and value ``[num_tokens, num_kv_heads,
+    v_head_size]`` (the value cache's head size, its own) into the caches at their slots."""
     block_size = value_cache.shape[3]
     x = key_cache.shape[4]
     keep = slot_mapping >= 0
@@ -149,22 +154,30 @@ def gather_kv(
     v_scale: torch.Tensor | float = 1.0,
     start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys and values as float32 ``[seq_len, num_kv_heads, head_size]``.
+    """One sequence's keys and values as float32 ``[seq_len, num_kv_heads, head_size]`` and
+    ``[seq_len, num_kv_heads, v_head_size]``.
 
     Blocks wholly before position ``start`` are not read (their table entries may be released
     or stale, as before a sliding window); positions before ``start`` hold zeros."""
-    _, num_kv_heads, head_size, block_size = value_cache.shape
+    _, num_kv_heads, v_head_size, block_size = value_cache.shape
+    head_size = key_cache.shape[2] * key_cache.shape[4]
     first = min(start, seq_len) // block_size
     num_blocks = math.ceil(seq_len / block_size)
     blocks = block_table[first:num_blocks].long().to(key_cache.device)
     keys = key_cache[blocks].permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, head_size)
-    values = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)
+    values = value_cache[blocks].permute(0, 3, 1, 2).reshape(-1, num_kv_heads, v_head_size)
     keys = dequantize(keys[: seq_len - first * block_size], kv_cache_dtype, k_scale)
     values = dequantize(values[: seq_len - first * block_size], kv_cache_dtype, v_scale)
     skipped = min(start, seq_len)
-    pad = torch.zeros(skipped, num_kv_heads, head_size, device=keys.device)
-    keys = torch.cat([pad, keys[skipped - first * block_size :]])
-    values = torch.cat([pad, values[skipped - first * block_size :]])
+    keys = torch.cat(
+        [keys.new_zeros(skipped, num_kv_heads, head_size), keys[skipped - first * block_size :]]
+    )
+    values = torch.cat(
+        [
+            values.new_zeros(skipped, num_kv_heads, v_head_size),
+            values[skipped - first * block_size :],
+        ]
+    )
     return keys, values
 
 

@@ -33,17 +33,18 @@ def is_fp8(kv_cache_dtype: str) -> bool:
     )
 
 
-def check_head_size(head_size: int, kv_cache_dtype: str = "auto") -> None:
+def check_head_size(head_size: int, kv_cache_dtype: str = "auto", name: str = "head_size") -> None:
     """Raise a ValueError naming what is supported unless the kernels serve ``head_size`` with
-    this cache format (fp8 key chunks hold 16 elements, so fp8 needs a multiple of 16)."""
+    this cache format (fp8 chunks hold 16 elements, so fp8 needs a multiple of 16). ``name``:
+    the argument checked (``v_head_size`` for the values' own head size)."""
     if head_size not in HEAD_SIZES:
         raise ValueError(
-            f"head_size {head_size} is not supported by the attention kernels (supported: "
+            f"{name} {head_size} is not supported by the attention kernels (supported: "
             f"{', '.join(map(str, HEAD_SIZES))})"
         )
     if is_fp8(kv_cache_dtype) and head_size % 16:
         raise ValueError(
-            f"an fp8 KV cache needs a head size divisible by 16, got {head_size} "
+            f"an fp8 KV cache needs a {name} divisible by 16, got {head_size} "
             f"(kv_cache_dtype={kv_cache_dtype!r})"
         )
 

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_paged_kv
+from conftest import make_paged_kv, make_paged_kv_of_value_size
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,31 +69,39 @@ def attention_args(
     )
 
 
-def v2_scratch(query, max_seq_len, extra_partitions=0):
+def out_shape(args):
+    """The output of a call: query's rows and heads, the values' head size (value_cache.shape[2],
+    the keys' but for multi-head latent attention)."""
+    return (*args[0].shape[:2], args[2].shape[2])
+
+
+def v2_scratch(query, max_seq_len, extra_partitions=0, v_head_size=None):
     num_seqs, num_heads, head_size = query.shape
     partitions = paged_attention.num_partitions(max_seq_len) + extra_partitions
     exp_sums = torch.full((num_seqs, num_heads, partitions), 123.0)
     max_logits = torch.full_like(exp_sums, 123.0)
-    tmp_out = torch.full((num_seqs, num_heads, partitions, head_size), 123.0, dtype=query.dtype)
+    tmp_out = torch.full(
+        (num_seqs, num_heads, partitions, v_head_size or head_size), 123.0, dtype=query.dtype
+    )
     return exp_sums, max_logits, tmp_out
 
 
 def run_v1(args):
-    out = torch.full(args[0].shape, 7.0, dtype=args[0].dtype)
+    out = torch.full(out_shape(args), 7.0, dtype=args[0].dtype)
     ops.paged_attention_v1(out, *args)
     return out
 
 
 def run_v2(args, extra_partitions=0):
     query = args[0]
-    out = torch.full(query.shape, 7.0, dtype=query.dtype)
-    scratch = v2_scratch(query, args[8], extra_partitions)
+    out = torch.full(out_shape(args), 7.0, dtype=query.dtype)
+    scratch = v2_scratch(query, args[8], extra_partitions, args[2].shape[2])
     ops.paged_attention_v2(out, *scratch, *args)
     return out, scratch
 
 
 def run_reference_v1(args):
-    out = torch.empty(args[0].shape, dtype=args[0].dtype)
+    out = torch.empty(out_shape(args), dtype=args[0].dtype)
     reference.paged_attention_v1(out, *args)
     return out
 
@@ -108,7 +116,7 @@ def check_v1_v2(args, tolerance_dtype=None):
     out, (exp_sums, max_logits, tmp_out) = run_v2(args)
     torch.testing.assert_close(out, expected, **tol)
     ref_out = torch.empty_like(out)
-    ref_scratch = v2_scratch(query, args[8])
+    ref_scratch = v2_scratch(query, args[8], v_head_size=args[2].shape[2])
     reference.paged_attention_v2(ref_out, *ref_scratch, *args)
     torch.testing.assert_close(max_logits, ref_scratch[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(exp_sums, ref_scratch[0], rtol=1e-5, atol=1e-5)
@@ -124,6 +132,47 @@ def test_head_sizes(head_size):
     kv = make_paged_kv(3, [1, 37, 300], 2, head_size, 16, torch.float32, seed=head_size)
     query = make_query(3, 8, head_size, torch.float32)
     check_v1_v2(attention_args(query, kv, 8))
+
+
+# Values of their own head size (multi-head latent attention: DeepSeek-V3's keys 192, values 128).
+VALUE_HEAD_SIZES = [(192, 128), (128, 192), (64, 128), (128, 64), (192, 64), (64, 192)]
+
+
+@pytest.mark.parametrize("head_size, v_head_size", VALUE_HEAD_SIZES, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_of_their_own_head_size(head_size, v_head_size, block_size, dtype):
+    """v1 and v2 (three partitions) against the reference, GQA, output [.., v_head_size]."""
+    kv = make_paged_kv_of_value_size(
+        3, [1, 37, 1100], 2, head_size, v_head_size, block_size, dtype, seed=head_size
+    )
+    query = make_query(3, 8, head_size, dtype)
+    args = attention_args(query, kv, 8)
+    assert run_v1(args).shape == (3, 8, v_head_size)
+    check_v1_v2(args)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "features", [dict(sliding_window=30, soft_cap=10.0), dict(chunk=40, alibi=True)], ids=str
+)
+def test_values_of_their_own_head_size_with_features(kv_cache_dtype, features):
+    kv = make_paged_kv_of_value_size(
+        3, [5, 77, 600], 4, 192, 128, 16, torch.bfloat16, kv_cache_dtype
+    )
+    query = make_query(3, 16, 192, torch.bfloat16)
+    check_v1_v2(attention_args(query, kv, 16, scale=0.07, **features))
+
+
+def test_paged_attention_returns_the_value_head_size():
+    kv = make_paged_kv_of_value_size(2, [20, 900], 2, 192, 128, 16, torch.float32)
+    query = make_query(2, 4, 192, torch.float32)
+    expected = run_reference_v1(attention_args(query, kv, 4))
+    for version in (1, 2):
+        out = paged_attention.paged_attention(
+            query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, version=version
+        )
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -496,6 +545,16 @@ def test_opcheck(features, kv_cache_dtype):
     torch.library.opcheck(ops.paged_attention_v2, (out, *v2_scratch(query, args[8]), *args))
 
 
+def test_opcheck_with_values_of_their_own_head_size():
+    kv = make_paged_kv_of_value_size(2, [20, 600], 4, 192, 128, 16, torch.bfloat16)
+    query = make_query(2, 8, 192, torch.bfloat16)
+    args = attention_args(query, kv, 8)
+    out = torch.empty(out_shape(args), dtype=query.dtype)
+    torch.library.opcheck(ops.paged_attention_v1, (out, *args))
+    scratch = v2_scratch(query, args[8], v_head_size=128)
+    torch.library.opcheck(ops.paged_attention_v2, (out, *scratch, *args))
+
+
 @pytest.mark.parametrize("version", [1, 2, None])  # None: paged_attention() picks while tracing
 def test_torch_compile_fullgraph(version):
     kv = make_paged_kv(2, [30, 1500], 2, 64, 16, torch.bfloat16)
@@ -572,6 +631,15 @@ def bad_call(version=1, **changes):
         (dict(num_kv_heads=lambda n: 3), "must be a positive multiple of num_kv_heads"),
         (dict(kv_cache_dtype=lambda d: "int8"), "kv_cache_dtype must be one of"),
         (dict(out=lambda o: o.half()), "out must have the dtype of query"),
+        (
+            dict(value_cache=lambda v: torch.zeros(v.shape[0], 2, 48, 16)),
+            r"v_head_size 48 is not supported \(value_cache.size\(2\)",
+        ),
+        (  # values of 128 dims make an output of 128, not query's 64
+            dict(value_cache=lambda v: torch.zeros(v.shape[0], 2, 128, 16)),
+            r"out must have shape \[query.size\(0\), num_heads, v_head_size\] = \[2, 4, 128\]",
+        ),
+        (dict(value_cache=lambda v: None), "value_cache must be a tensor, got None"),
         (dict(alibi_slopes=lambda a: torch.ones(3)), "alibi_slopes must have shape"),
         (dict(out=lambda o: None), "out must be a tensor, got None"),
         (dict(key_cache=lambda k: None), "key_cache must be a tensor, got None"),

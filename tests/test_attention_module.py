@@ -161,6 +161,60 @@ def test_chunked_prefill_then_decode_match_dense_oracle(option, dtype, heads):
             done[s] += q.shape[0]
 
 
+@pytest.mark.parametrize("option", ["plain", "all", "chunk+all"])
+@pytest.mark.parametrize("sizes", [(192, 128), (64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_of_their_own_head_size_match_dense_oracle(option, sizes, dtype):
+    """Multi-head latent attention through the attention interface (keys of 192 = 128 + 64
+    rotary dims, values of 128 in DeepSeek-V3): prefill, chunked prefill with decode rows mixed
+    in, then decode steps (the decode op), each against the dense oracle; the output has the
+    values' head size, in the query's layout (flat or per head)."""
+    head_size, v_head_size = sizes
+    gen = torch.Generator().manual_seed(1)
+    options = dict(OPTIONS[option])
+    slopes = alibi_slopes(4) if options.pop("alibi", False) else None
+    module = PagedAttention(4, head_size, 2, scale=0.1, alibi_slopes=slopes,
+                            v_head_size=v_head_size, **options)  # fmt: skip
+    assert module.v_head_size == v_head_size and "v_head_size" in repr(module)
+    cache = PagedKVCache(1, 2, head_size, BLOCK, 40, dtype=dtype, v_head_size=v_head_size)
+    for t in (*cache.key_caches, *cache.value_caches):
+        t.fill_(math.nan)
+    manager = cache.make_manager(watermark=0.0)
+    data = {}
+    for s, n in {0: 30, 1: 14}.items():
+        q, k = (torch.randn(n, h, head_size, generator=gen).to(dtype) for h in (4, 2))
+        data[s] = (q, k, torch.randn(n, 2, v_head_size, generator=gen).to(dtype))
+
+    def chunk(s, a, b):
+        return (s, *(t[a:b] for t in data[s]))
+
+    # A prompt; a decode row beside a whole prompt (varlen); decode only (the decode op), twice.
+    steps = [[chunk(0, 0, 20)], [chunk(0, 20, 21), chunk(1, 0, 14)], [chunk(0, 21, 22)],
+             [chunk(0, 22, 23)]]  # fmt: skip
+    done = {0: 0, 1: 0}
+    for step in steps:
+        outs = run_step(module, cache, manager, step)
+        for (s, q, _, _), out in zip(step, outs):
+            assert out.shape == (q.shape[0], 4, v_head_size)
+            positions = range(done[s], done[s] + q.shape[0])
+            want = oracle(module, data[s][0][list(positions)], data[s][1], data[s][2], positions)
+            torch.testing.assert_close(out.float(), want, **TOL[dtype])
+            done[s] += q.shape[0]
+    # A flat query [tokens, heads * head_size] gives a flat output of heads * v_head_size.
+    cache.copy_blocks(manager.append_slots(0, 1))
+    meta = cache.metadata(manager, [0], [1])
+    q, k, v = (t[23:24] for t in data[0])
+    flat = module(q.flatten(1), k.flatten(1), v.flatten(1), cache.layer(0), meta)
+    assert flat.shape == (1, 4 * v_head_size)
+    want = oracle(module, q, data[0][1][:24], data[0][2][:24], [23])
+    torch.testing.assert_close(flat.view(1, 4, v_head_size).float(), want, **TOL[dtype])
+
+
+def test_an_unsupported_value_head_size_is_refused_at_construction():
+    with pytest.raises(ValueError, match="v_head_size 48 is not supported"):
+        PagedAttention(4, 64, 2, v_head_size=48)
+
+
 @pytest.mark.parametrize("option", ["plain", "alibi", "window", "softcap", "chunk", "chunk+all"])
 def test_decode_matches_reference_paged_attention(option):
     gen = torch.Generator().manual_seed(1)

@@ -89,7 +89,7 @@ def test_layers_of_different_shapes_each_get_their_own():
     cache = PagedKVCache(
         3, [2, 1, 2], [32, 64, 32], BLOCK, 6, dtype=torch.float32, num_host_blocks=3
     )
-    assert cache.layer_shapes == ((2, 32), (1, 64), (2, 32))
+    assert cache.layer_shapes == ((2, 32, 32), (1, 64, 64), (2, 32, 32))
     assert cache.num_kv_heads == (2, 1, 2) and cache.head_size == (32, 64, 32)
     assert [tuple(k.shape) for k in cache.key_caches] == [
         (6, 2, 8, BLOCK, 4),
@@ -118,6 +118,46 @@ def test_layers_of_different_shapes_each_get_their_own():
         PagedKVCache(3, [2, 1], 32, BLOCK, 4)
     with pytest.raises(ValueError, match="head_size 48 is not supported"):
         PagedKVCache(2, 1, [32, 48], BLOCK, 4)
+
+
+def test_values_of_their_own_head_size():
+    """Multi-head latent attention through the attention interface: keys of 192 dims (128 +
+    the rotary 64), values of 128, per layer; copy-on-write and swaps move both."""
+    cache = PagedKVCache(
+        3, 4, [192, 192, 64], BLOCK, 6, dtype=torch.bfloat16, num_host_blocks=3,
+        v_head_size=[128, 128, 64],
+    )  # fmt: skip
+    assert cache.layer_shapes == ((4, 192, 128), (4, 192, 128), (4, 64, 64))
+    assert cache.head_size == (192, 192, 64) and cache.v_head_size == (128, 128, 64)
+    assert cache.key_caches[0].shape == (6, 4, 24, BLOCK, 8)
+    assert cache.value_caches[0].shape == (6, 4, 128, BLOCK)
+    assert cache.value_caches[2].shape == (6, 4, 64, BLOCK)
+    assert len(cache._value_groups) == 2
+    # KV bytes per token: (192 + 128) x 4 heads x 2 bytes in each latent layer.
+    per_token = 2 * 4 * (192 + 128) * 2 + 4 * (64 + 64) * 2
+    assert cache.bytes_per_block == per_token * BLOCK
+    assert cache.bytes_per_block == bytes_per_block(
+        3, 4, [192, 192, 64], BLOCK, torch.bfloat16, v_head_size=[128, 128, 64]
+    )
+    fill_random(cache, 4)
+    expected = [t[2].clone() for t in (*cache.key_caches, *cache.value_caches)]
+    cache.copy_blocks([(2, 5)])
+    both = (*cache.key_caches, *cache.value_caches)
+    assert all(torch.equal(t[5], want) for t, want in zip(both, expected))
+    cache.swap_out([(5, 1)])
+    for t in both:
+        t[0] = 0
+    cache.swap_in([(1, 0)])
+    assert all(torch.equal(t[0], want) for t, want in zip(both, expected))
+    one = PagedKVCache(1, 2, 192, BLOCK, 4, v_head_size=128)
+    assert one.v_head_size == 128 and one.value_caches[0].shape == (4, 2, 128, BLOCK)
+    assert PagedKVCache(1, 2, 64, BLOCK, 4).v_head_size == 64  # default: the keys' size
+    with pytest.raises(ValueError, match="v_head_size 48 is not supported"):
+        PagedKVCache(1, 1, 192, BLOCK, 4, v_head_size=48)
+    with pytest.raises(ValueError, match="needs a v_head_size divisible by 16, got 120"):
+        PagedKVCache(1, 1, 192, BLOCK, 4, kv_cache_dtype="fp8", v_head_size=120)
+    with pytest.raises(ValueError, match="v_head_size must be one value or one per layer"):
+        PagedKVCache(2, 1, 192, BLOCK, 4, v_head_size=[128])
 
 
 def vma_flags(address: int) -> list[str]:

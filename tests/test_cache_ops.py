@@ -18,13 +18,17 @@ CACHE_DTYPES = [
 ]
 
 
-def _caches(num_blocks, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, seed=0):
+def _caches(
+    num_blocks, num_kv_heads, head_size, block_size, dtype, kv_cache_dtype, seed=0, v_head_size=None
+):
+    """Random key and value caches; values of ``v_head_size`` dims where given."""
+    v_head_size = v_head_size or head_size
     cache_dtype = dtype if kv_cache_dtype == "auto" else torch.uint8
     x = 16 // torch.empty((), dtype=cache_dtype).element_size()
     gen = torch.Generator().manual_seed(seed)
     key_cache = torch.randint(0, 100, (num_blocks, num_kv_heads, head_size // x, block_size, x),
                               generator=gen).to(cache_dtype)  # fmt: skip
-    value_cache = torch.randint(0, 100, (num_blocks, num_kv_heads, head_size, block_size),
+    value_cache = torch.randint(0, 100, (num_blocks, num_kv_heads, v_head_size, block_size),
                                 generator=gen).to(cache_dtype)  # fmt: skip
     return key_cache, value_cache
 
@@ -58,6 +62,59 @@ def test_reshape_and_cache_matches_reference(block_size, dtype, kv_cache_dtype, 
                           v_scale)  # fmt: skip
     _assert_same_bits(key_cache, expected_k)
     _assert_same_bits(value_cache, expected_v)
+
+
+@pytest.mark.parametrize(
+    "head_size, v_head_size", [(192, 128), (128, 192), (64, 128), (128, 64), (192, 64)], ids=str
+)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", CACHE_DTYPES[1:5])
+def test_reshape_and_cache_of_values_of_their_own_head_size(
+    head_size, v_head_size, block_size, dtype, kv_cache_dtype
+):
+    """Multi-head latent attention stores keys and values of different head sizes (192 and 128
+    in DeepSeek-V3), each in its own layout, as the reference does, bit for bit."""
+    key_cache, value_cache = _caches(12, 2, head_size, block_size, dtype, kv_cache_dtype,
+                                     v_head_size=v_head_size)  # fmt: skip
+    key = (torch.randn(40, 2, head_size) * 30).to(dtype)
+    value = (torch.randn(40, 2, v_head_size) * 30).to(dtype)
+    slots = torch.randperm(12 * block_size)[:40]
+    slots[::5] = -1
+    k_scale, v_scale = torch.tensor([0.7]), torch.tensor([1.3])
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(
+        key, value, expected_k, expected_v, slots, kv_cache_dtype, k_scale, v_scale
+    )
+    paged_attention.reshape_and_cache(
+        key, value, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale
+    )
+    _assert_same_bits(key_cache, expected_k)
+    _assert_same_bits(value_cache, expected_v)
+
+
+def test_values_of_their_own_head_size_round_trip_and_copy_and_swap():
+    key_cache, value_cache = _caches(8, 2, 192, 16, torch.bfloat16, "auto", v_head_size=128)
+    key = torch.randn(20, 2, 192, dtype=torch.bfloat16)
+    value = torch.randn(20, 2, 128, dtype=torch.bfloat16)
+    block_table = torch.tensor([5, 2], dtype=torch.int32)
+    positions = torch.arange(20)
+    slots = block_table[positions // 16].long() * 16 + positions % 16
+    paged_attention.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    keys, values = reference.gather_kv(key_cache, value_cache, block_table, 20, start=3)
+    assert torch.equal(keys[3:], key[3:].float()) and torch.equal(values[3:], value[3:].float())
+    assert values.shape == (20, 2, 128) and not values[:3].any()
+    # copy_blocks: every layer's keys and values, of their own sizes, in one call.
+    layers = [_caches(8, 2, 192, 16, torch.bfloat16, "auto", i, 128) for i in range(2)]
+    expected = [[t.clone() for t in layer] for layer in layers]
+    mapping = torch.tensor([[5, 0], [5, 1], [2, 7]])
+    reference.copy_blocks(*zip(*expected), mapping)
+    paged_attention.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+    for layer, wanted in zip(layers, expected):
+        for actual, want in zip(layer, wanted):
+            _assert_same_bits(actual, want)
+    host = torch.zeros(3, 2, 128, 16, dtype=torch.bfloat16)
+    paged_attention.swap_blocks(value_cache, host, torch.tensor([[5, 2]]))
+    assert torch.equal(host[2], value_cache[5])
 
 
 def test_reshape_and_cache_then_gather_returns_the_tokens():
@@ -131,6 +188,14 @@ def test_opcheck_cache_ops(kv_cache_dtype):
     mapping = torch.tensor([[1, 2], [1, 3]])
     torch.library.opcheck(ops.copy_blocks, ([key_cache], [value_cache], mapping))
     torch.library.opcheck(ops.swap_blocks, (key_cache, key_cache.clone(), mapping))
+    key_cache, value_cache = _caches(8, 2, 192, 16, torch.float16, kv_cache_dtype, v_head_size=128)
+    value = torch.randn(5, 2, 128, dtype=torch.float16)
+    key = torch.randn(5, 2, 192, dtype=torch.float16)
+    torch.library.opcheck(
+        ops.reshape_and_cache,
+        (key, value, key_cache, value_cache, slots, kv_cache_dtype, scale, scale),
+    )
+    torch.library.opcheck(ops.copy_blocks, ([key_cache], [value_cache], mapping))
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +224,14 @@ def _reshape_args(**overrides):
         ({"key": torch.randn(3, 2, 64)}, "value must have the dtype of key"),
         ({"key": torch.randn(3, 128, dtype=torch.float16)}, "key must be 3-D"),
         ({"key": torch.randint(0, 3, (3, 2, 64))}, "key must be float32, float16 or bfloat16"),
-        ({"value": torch.randn(3, 2, 32, dtype=torch.float16)}, "value must have the shape"),
+        ({"value": torch.randn(3, 2, 32, dtype=torch.float16)},
+         r"value_cache must have shape \[num_blocks, num_kv_heads, v_head_size, block_size\] = "
+         r"\[4, 2, 32, 16\]"),
+        ({"value": torch.randn(2, 2, 64, dtype=torch.float16)},
+         "value must have key's tokens and heads"),
+        ({"value": torch.randn(3, 2, 36, dtype=torch.float16),
+          "value_cache": torch.zeros(4, 2, 36, 16, dtype=torch.float16)},
+         r"v_head_size \(value_cache.size\(2\) = 36\) must be a multiple of x"),
         ({"slot_mapping": torch.tensor([0, 1, 64])}, r"slot_mapping\[2\] = 64 is out of range"),
         ({"slot_mapping": torch.tensor([5, -1, 5])}, r"slot_mapping\[2\] = 5 repeats"),
         ({"slot_mapping": torch.tensor([0, 1], dtype=torch.int64)}, "slot_mapping must have"),

@@ -758,3 +758,30 @@ def test_out_of_range_host_mapping_is_rejected_without_debug_switch():
                 ops.swap_blocks(cache, host, mapping)
             with pytest.raises(ValueError, match="out of range"):
                 ops.swap_blocks(host, cache, mapping)
+
+
+def test_values_of_their_own_head_size_are_refused_naming_v_head_size():
+    """The CUDA kernels read values of the keys' head size: a value cache of another head size
+    (multi-head latent attention, docs/models.md) raises before any launch, out untouched."""
+    device = _device()
+    query = torch.randn(2, 4, 192, device=device, dtype=torch.bfloat16)
+    key_cache = torch.zeros(4, 4, 24, 16, 8, device=device, dtype=torch.bfloat16)
+    value_cache = torch.zeros(4, 4, 128, 16, device=device, dtype=torch.bfloat16)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    unit = torch.ones(1, device=device)
+    message = r"v_head_size \(value_cache.size\(2\) = 128\) must equal head_size \(192\) on CUDA"
+    out = torch.full((2, 4, 128), 7.0, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        ops.paged_attention_v1(out, query, key_cache, value_cache, 4, 0.1, tables, lens, 16, 1,
+                               None, "auto", unit, unit)  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        ops.paged_attention_varlen(out, query, key_cache, value_cache, 4, 0.1, tables, lens,
+                                   starts, 1, 1, None, "auto", unit, unit)  # fmt: skip
+    assert (out == 7.0).all()
+    key, value = query, torch.randn(2, 4, 128, device=device, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1], device=device)
+    with pytest.raises(ValueError, match=message):
+        ops.reshape_and_cache(key, value, key_cache, value_cache, slots, "auto", unit, unit)
+    assert not value_cache.any()

@@ -74,6 +74,25 @@ def test_layers_of_different_shapes_get_a_cache_of_each_shape():
     assert kv.value_caches[1].shape == (8, 2, 64, BLOCK)
 
 
+@pytest.mark.parametrize(
+    "model_type, sizes", [("deepseek_v3", (192, 128)), ("deepseek_v2", (128, 64)),
+                          ("longcat_flash", (192, 128))],
+)  # fmt: skip
+def test_latent_attention_is_read_with_keys_and_values_of_their_own_head_sizes(model_type, sizes):
+    """Multi-head latent attention reaches the attention interface as one key head (nope +
+    rope dims) and one value head (v_head_dim) per query head; the cache stores them so."""
+    head_size, v_head_size = sizes
+    geometry = ModelGeometry.of(build(model_type))
+    assert {(layer.num_heads, layer.num_kv_heads) for layer in geometry.layers} == {(4, 4)}
+    assert geometry.head_size == head_size and geometry.v_head_size == v_head_size
+    kv = geometry.kv_cache(BLOCK, 8, None)
+    assert kv.key_caches[0].shape == (8, 4, head_size // 4, BLOCK, 4)  # float32: x = 4
+    assert kv.value_caches[0].shape == (8, 4, v_head_size, BLOCK)
+    # KV bytes per token of this form: every head's key and value, in every layer.
+    assert kv.bytes_per_block == 2 * 4 * (head_size + v_head_size) * 4 * BLOCK
+    assert LayerGeometry(4, 2, 64).v_head_size == 64  # default: the keys' head size
+
+
 def test_layer_types_that_do_not_match_the_layers_are_refused():
     model = build("llama")
     model.config.layer_types = ["sliding_attention", "full_attention"]

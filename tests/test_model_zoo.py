@@ -28,6 +28,7 @@ from paged_attention.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION,
     PagedCache,
 )
+from paged_attention.integrations.transformers_backend import cache_argument_name  # noqa: E402
 
 VOCAB = 128
 BLOCK = 8
@@ -50,6 +51,19 @@ COMMON = dict(
 )
 MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# Multi-head latent attention: the cache gets the compressed latents, the attention interface
+# keys of qk_nope + qk_rope dims and values of v_head_dim (DeepSeek-V3's 128 + 64 and 128), one
+# head each per query head; rotary embeddings on the rope part only (head_dim is its size).
+LATENT = dict(
+    head_dim=64,
+    num_key_value_heads=4,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    n_routed_experts=4,
+)
 # Per model type: what its tiny config sets besides COMMON (the keys its class knows).
 ZOO = {
     "llama": {},
@@ -127,14 +141,38 @@ ZOO = {
         no_rope_layers=[1, 0],
         intermediate_size_mlp=128,
     ),
+    "deepseek_v3": dict(
+        LATENT,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=64,
+    ),
+    # DeepSeek-V2-Lite's form: no query compression; keys of 64 + 64, values of 64
+    "deepseek_v2": dict(
+        LATENT,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        q_lora_rank=None,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        moe_intermediate_size=64,
+    ),
+    # one decoder layer of two latent attention sublayers (layer indices 0 and 1), zero experts
+    "longcat_flash": dict(
+        LATENT,
+        num_layers=1,
+        zero_expert_num=2,
+        moe_topk=2,
+        ffn_hidden_size=128,
+        expert_ffn_hidden_size=64,
+    ),
 }
 # Per refused family: its tiny config and the reason the refusal must name.
 REFUSED = {
     "bloom": ({}, "computes attention in its own code"),
     "mpt": ({}, "computes attention in its own code"),
-    "deepseek_v2": ({}, "multi-head latent attention"),
-    "deepseek_v3": ({}, "multi-head latent attention"),
-    "longcat_flash": ({}, "multi-head latent attention"),
     "deepseek_v32": ({}, "sparse attention: a lightning indexer"),
     "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2), "hybrid model"),
     "granitemoehybrid": ({}, "hybrid model"),
@@ -364,3 +402,19 @@ def test_a_model_of_chunked_layers_only_releases_what_no_chunk_reads():
     released = cache.block_manager.block_table(cache._rows[2])[: 32 // BLOCK]
     assert released == [RELEASED] * (32 // BLOCK)
     test_engine_matches_the_default_cache(zoo)  # releasing blocks there too
+
+
+def test_a_latent_model_of_other_value_heads_than_its_cache_is_refused():
+    """The attention function checks each layer's value heads against what the cache was built
+    for, so a cache used by another model raises rather than storing values in the wrong shape."""
+    built_for = build("deepseek_v3")
+    other = build("deepseek_v3", v_head_dim=64)
+    cache = PagedCache(built_for, block_size=BLOCK, num_blocks=8)
+    for model in (built_for, other):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match="128 in layer 0; the model using it has 4 of size 64"),
+    ):
+        other(input_ids=ids, use_cache=True, **{cache_argument_name(other): cache})

@@ -13,8 +13,9 @@ def _paged_from_dense(keys, values, block_size, num_blocks, x, seed):
     """Scatter per-sequence dense K/V into a paged cache with a random, scattered block table."""
     gen = torch.Generator().manual_seed(seed)
     num_kv_heads, head_size = keys[0].shape[1:]
+    v_head_size = values[0].shape[2]  # the keys' but for multi-head latent attention
     key_cache = torch.full((num_blocks, num_kv_heads, head_size // x, block_size, x), math.nan)
-    value_cache = torch.full((num_blocks, num_kv_heads, head_size, block_size), math.nan)
+    value_cache = torch.full((num_blocks, num_kv_heads, v_head_size, block_size), math.nan)
     max_blocks = max(math.ceil(k.shape[0] / block_size) for k in keys) + 2  # unused trailing
     pool = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros(len(keys), max_blocks, dtype=torch.int32)
@@ -33,7 +34,8 @@ def _paged_from_dense(keys, values, block_size, num_blocks, x, seed):
 
 
 def _dense_attention(q, k, v, scale, slopes, window, soft_cap, chunk=0):
-    """q [H, D], k/v [L, Hkv, D] -> [H, D] with plain SDPA (or explicit math for soft-cap)."""
+    """q [H, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [H, Dv] with plain SDPA (or explicit math for
+    soft-cap)."""
     seq_len = k.shape[0]
     positions = torch.arange(seq_len)
     bias = torch.zeros(q.shape[0], 1, seq_len)
@@ -71,13 +73,15 @@ def _dense_attention(q, k, v, scale, slopes, window, soft_cap, chunk=0):
         (4, 1, 64, 32, False, 0, 0.0, 5000),  # one chunk longer than every context
     ],
 )
+@pytest.mark.parametrize("v_head_size", [None, 192])  # 192: values of their own size (MLA)
 def test_reference_matches_dense_attention(
-    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, chunk
+    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, chunk, v_head_size
 ):
     torch.manual_seed(0)
     seq_lens = [1, block_size, 3 * block_size + 5, 700, 1200]
+    v_head_size = v_head_size or head_size
     keys = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
-    values = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, v_head_size) for n in seq_lens]
     key_cache, value_cache, block_tables = _paged_from_dense(
         keys, values, block_size, num_blocks=256, x=4, seed=1
     )
@@ -103,13 +107,13 @@ def test_reference_matches_dense_attention(
         soft_cap,
         chunk,
     )
-    out_v1 = torch.empty_like(query)
+    out_v1 = query.new_empty(len(seq_lens), num_heads, v_head_size)
     reference.paged_attention_v1(out_v1, *args)
     partitions = math.ceil(max(seq_lens) / reference.PARTITION_SIZE)
     exp_sums = torch.empty(len(seq_lens), num_heads, partitions)
     max_logits = torch.empty_like(exp_sums)
-    tmp_out = torch.empty(len(seq_lens), num_heads, partitions, head_size)
-    out_v2 = torch.empty_like(query)
+    tmp_out = torch.empty(len(seq_lens), num_heads, partitions, v_head_size)
+    out_v2 = torch.empty_like(out_v1)
     reference.paged_attention_v2(out_v2, exp_sums, max_logits, tmp_out, *args)
 
     for s, seq_len in enumerate(seq_lens):
@@ -167,9 +171,10 @@ def test_unknown_kv_cache_dtype_is_rejected():
 
 
 def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks, chunk=0):
-    """One query row [H, D] at `position` over dense k/v [L, Hkv, D], written out per head."""
+    """One query row [H, D] at `position` over dense k [L, Hkv, D] and v [L, Hkv, Dv], written
+    out per head."""
     group = q.shape[0] // k.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], v.shape[2])
     for h in range(q.shape[0]):
         kh, vh = k[: position + 1, h // group], v[: position + 1, h // group]
         logits = scale * (kh @ q[h])
@@ -206,14 +211,17 @@ def _dense_varlen_row(q, k, v, position, scale, slopes, window, soft_cap, sinks,
         (4, 1, 64, 32, False, 0, 0.0, False, 1000),  # one chunk longer than every context
     ],
 )
+@pytest.mark.parametrize("v_head_size", [None, 192])  # 192: values of their own size (MLA)
 def test_varlen_reference_matches_dense_attention(
-    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, with_sinks, chunk
-):
+    num_heads, num_kv_heads, head_size, block_size, alibi, window, soft_cap, with_sinks, chunk,
+    v_head_size,
+):  # fmt: skip
     torch.manual_seed(0)
     seq_lens = [1, block_size, 3 * block_size + 5, 130, 200, 9]
     query_lens = [1, 3, 3 * block_size + 5, 0, 40, 1]  # a whole prompt, none, a chunk
+    v_head_size = v_head_size or head_size
     keys = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
-    values = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, v_head_size) for n in seq_lens]
     key_cache, value_cache, block_tables = _paged_from_dense(
         keys, values, block_size, num_blocks=64, x=4, seed=2
     )
@@ -224,7 +232,7 @@ def test_varlen_reference_matches_dense_attention(
     slopes = torch.rand(num_heads) if alibi else None
     sinks = torch.randn(num_heads) * 2 if with_sinks else None
     scale = head_size**-0.5
-    out = torch.full_like(query, 5.0)
+    out = torch.full((query.shape[0], num_heads, v_head_size), 5.0)
     unit = torch.ones(1)
     reference.paged_attention_varlen(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_paged_kv
+from conftest import make_paged_kv, make_paged_kv_of_value_size
 
 import paged_attention
 from paged_attention import reference
@@ -46,11 +46,18 @@ def make_case(
     fused_qkv=False,
     spare_rows=2,
     seed=0,
+    v_head_size=None,
 ):
     """A paged cache holding the sequences and a query of their new rows (the last q_len tokens
-    of each), plus `spare_rows` rows that belong to no sequence."""
-    kv = make_paged_kv(len(seq_lens), seq_lens, num_kv_heads, head_size, block_size, dtype,
-                       kv_cache_dtype, seed=seed)  # fmt: skip
+    of each), plus `spare_rows` rows that belong to no sequence; values of `v_head_size` dims
+    (multi-head latent attention) where given."""
+    if v_head_size is None:
+        kv = make_paged_kv(len(seq_lens), seq_lens, num_kv_heads, head_size, block_size, dtype,
+                           kv_cache_dtype, seed=seed)  # fmt: skip
+    else:
+        kv = make_paged_kv_of_value_size(len(seq_lens), seq_lens, num_kv_heads, head_size,
+                                         v_head_size, block_size, dtype, kv_cache_dtype,
+                                         seed=seed)  # fmt: skip
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -90,14 +97,19 @@ def op_args(kv, options):
     )  # fmt: skip
 
 
+def out_shape(kv):
+    """Query's rows and heads, the values' head size (the keys' but for latent attention)."""
+    return (*kv.query.shape[:2], kv.value_cache.shape[2])
+
+
 def run_op(kv, options):
-    out = torch.full(kv.query.shape, UNTOUCHED, dtype=kv.query.dtype)
+    out = torch.full(out_shape(kv), UNTOUCHED, dtype=kv.query.dtype)
     ops.paged_attention_varlen(out, *op_args(kv, options))
     return out
 
 
 def run_reference(kv, options):
-    out = torch.full(kv.query.shape, UNTOUCHED, dtype=kv.query.dtype)
+    out = torch.full(out_shape(kv), UNTOUCHED, dtype=kv.query.dtype)
     reference.paged_attention_varlen(out, *op_args(kv, options))
     return out
 
@@ -198,6 +210,34 @@ def test_chunked_prompts(chunk, block_size):
     kv = make_case(seq_lens, query_lens, 8, 2, 64, block_size, seed=chunk)
     check(kv, chunk=chunk, alibi=True)
     check(kv, chunk=chunk, sliding_window=90)
+
+
+VALUE_HEAD_SIZES = [(192, 128), (128, 192), (64, 128), (128, 64), (192, 64), (64, 192)]
+
+
+@pytest.mark.parametrize("head_size, v_head_size", VALUE_HEAD_SIZES, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_of_their_own_head_size(head_size, v_head_size, block_size, dtype):
+    """Multi-head latent attention's keys and values of different head sizes (DeepSeek-V3: 192
+    and 128), GQA, decode rows and prompts of several key tiles in one batch."""
+    kv = make_case([1, 70, 300, 9, 600], [1, 5, 300, 0, 40], 8, 2, head_size, block_size, dtype,
+                   seed=head_size, v_head_size=v_head_size)  # fmt: skip
+    assert check(kv).shape[2] == v_head_size
+
+
+@pytest.mark.parametrize("variant", ["none", "reference", "avx512bf16", "amx"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_values_of_their_own_head_size_with_features(variant, kv_cache_dtype, monkeypatch):
+    """Every bf16 product variant of the tiled kernel (bf16 cache), fp8 caches, sinks, windows,
+    chunks, soft-cap and ALiBi, with MHA as DeepSeek's expanded heads are."""
+    if variant != "none" and variant not in ops._cpu_bf16_matmuls():
+        pytest.skip(f"this CPU does not run the {variant} products")
+    monkeypatch.setenv(BF16_MATMUL, variant)
+    kv = make_case([300, 70, 9], [300, 40, 9], 4, 4, 192, 16, torch.bfloat16, kv_cache_dtype,
+                   v_head_size=128)  # fmt: skip
+    check(kv, sinks=True, sliding_window=200, soft_cap=30.0, scale=0.1)
+    check(kv, alibi=True, chunk=64)
 
 
 def test_a_query_group_larger_than_a_tile():
@@ -411,6 +451,24 @@ def test_wrapper_passes_a_cuda_query_to_the_op():
         assert out.shape == query.shape and out.device.type == "cuda"
 
 
+def test_wrapper_returns_the_value_head_size():
+    kv = make_case(*MIXED, 8, 2, 192, v_head_size=128)
+    out = paged_attention.paged_attention_varlen(
+        kv.query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, kv.query_start_loc
+    )
+    rows = int(kv.query_start_loc[-1])
+    assert out.shape == (kv.query.shape[0], 8, 128) and (out[rows:] == 0).all()
+    expected = run_reference(kv, features(kv))
+    torch.testing.assert_close(out[:rows], expected[:rows], **TOLERANCES[torch.float32])
+
+
+def test_opcheck_with_values_of_their_own_head_size():
+    kv = make_case([20, 600, 9], [1, 40, 9], 4, 2, 192, 16, torch.bfloat16, v_head_size=128)
+    out = torch.empty(out_shape(kv), dtype=kv.query.dtype)
+    options = features(kv, sinks=True, sliding_window=30, chunk=16)
+    torch.library.opcheck(ops.paged_attention_varlen, (out, *op_args(kv, options)))
+
+
 @pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
 def test_opcheck(chunk, kv_cache_dtype):
@@ -490,7 +548,15 @@ def _starts(*values):
         (dict(block_tables=lambda t: t.index_fill(1, torch.tensor([1]), 10**6)), "out of range"),
         (dict(query=lambda q: q[:, :, :48].contiguous()), "head_size 48 is not supported"),
         (dict(query=lambda q: q[0]), "query must be 3-D"),
-        (dict(out=lambda o: o[:-1]), "out must have the shape of query"),
+        (dict(out=lambda o: o[:-1]), r"out must have shape \[query.size\(0\), num_heads, v_head"),
+        (
+            dict(value_cache=lambda v: torch.zeros(v.shape[0], 2, 128, 16)),
+            r"out must have shape \[query.size\(0\), num_heads, v_head_size\] = \[45, 4, 128\]",
+        ),
+        (
+            dict(value_cache=lambda v: torch.zeros(v.shape[0], 2, 40, 16)),
+            r"v_head_size 40 is not supported \(value_cache.size\(2\)",
+        ),
         (dict(kv_cache_dtype=lambda d: "fp8"), "key_cache must be Byte"),
         (dict(logits_soft_cap=lambda c: 1e-50), "underflows to 0 in float32"),
         (dict(num_kv_heads=lambda n: 3), "positive multiple of num_kv_heads"),

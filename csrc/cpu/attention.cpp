@@ -138,6 +138,7 @@ void fill_params_and_run(AttentionParams& p, const AttentionDims& dims, const At
   p.num_heads = dims.num_heads;
   p.num_kv_heads = dims.num_kv_heads;
   p.head_size = dims.head_size;
+  p.v_head_size = dims.v_head_size;
   p.block_size = dims.block_size;
   p.max_unit_tokens = std::min(dims.max_seq_len, p.partition_size);
   if (sliding_window > 0) {

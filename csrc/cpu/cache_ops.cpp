@@ -13,7 +13,8 @@ namespace paged_attention::cpu {
 
 namespace {
 
-// Scatters key/value rows into the x-tiled key layout and the transposed value layout.
+// Scatters key/value rows into the x-tiled key layout and the transposed value layout (the
+// values of their own head size).
 // `encode(value, scale)` turns one input element into one cache element.
 template <typename scalar_t, typename cache_t, typename Encode>
 void scatter_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -40,6 +41,8 @@ void scatter_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                          h * value_cache.stride(1) + offset;
         for (int64_t d = 0; d < dims.head_size; ++d) {
           k_dst[(d / x) * block_size * x + d % x] = encode(k_row[d * key.stride(2)], k_scale);
+        }
+        for (int64_t d = 0; d < dims.v_head_size; ++d) {
           v_dst[d * block_size] = encode(v_row[d * value.stride(2)], v_scale);
         }
       }

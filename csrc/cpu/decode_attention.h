@@ -18,7 +18,8 @@
 //
 // Tile layouts (docs/design.md), per block and KV head, both contiguous:
 //   keys   [head_size / x][block_size][x]   x = 16 bytes / element size
-//   values [head_size][block_size]
+//   values [v_head_size][block_size]   (v_head_size: the values' own head size, = head_size but
+//                                       for multi-head latent attention)
 // Tiles are read in 64-byte chunks, in storage order, each converted to fp32 vectors in a
 // de-interleaved lane order (see load_chunk). The query and the probabilities are laid out once
 // per unit/block in the matching order ("patterns"), the multiply-adds accumulate lane-wise, and
@@ -65,12 +66,13 @@ struct AttentionParams {
   int64_t num_seqs;
   int64_t num_heads;
   int64_t num_kv_heads;
-  int64_t head_size;
+  int64_t head_size;    // of the query and keys
+  int64_t v_head_size;  // of the values and out
   int64_t block_size;
   float key_scale;  // fp8 caches: dequantisation scales (1 otherwise)
   float value_scale;
-  // v1: out [num_seqs, num_heads, head_size]. v2: tmp_out [num_seqs, num_heads, partitions,
-  // head_size] plus max_logits/exp_sums [num_seqs, num_heads, partitions].
+  // v1: out [num_seqs, num_heads, v_head_size]. v2: tmp_out [num_seqs, num_heads, partitions,
+  // v_head_size] plus max_logits/exp_sums [num_seqs, num_heads, partitions].
   void* out;
   float* max_logits;
   float* exp_sums;
@@ -136,16 +138,16 @@ struct Scratch {
   AlignedFloats accumulators;    // [kv_heads][rows_pad][value chunks per tile] vectors
   int64_t logit_stride;
 
-  void resize(int64_t kv_heads, int64_t rows, int64_t head_size, int64_t block_size,
-              int64_t max_tokens) {
+  void resize(int64_t kv_heads, int64_t rows, int64_t head_size, int64_t v_head_size,
+              int64_t block_size, int64_t max_tokens) {
     const int64_t rows_pad = round_up(rows, kHeadTile);
     logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
     query_patterns.resize(kv_heads * rows_pad * head_size);
     logits.resize(kv_heads * rows * logit_stride);
     block_logits.resize(rows_pad * block_size);
     prob_patterns.resize(kValueBlocks * rows_pad * kMaxPatterns * kLanes);
-    // A value tile of 4-byte elements has head_size * block_size / 16 chunks (the most).
-    accumulators.resize(kv_heads * rows_pad * head_size * block_size);
+    // A value tile of 4-byte elements has v_head_size * block_size / 16 chunks (the most).
+    accumulators.resize(kv_heads * rows_pad * v_head_size * block_size);
   }
 };
 
@@ -201,6 +203,7 @@ struct DecodeUnit {
   int64_t end;
   int64_t n;  // end - begin
   int64_t head_size;
+  int64_t v_head_size;
   int64_t block_size;
   int64_t queries_per_kv;
   int64_t q_len;
@@ -233,6 +236,7 @@ struct DecodeUnit {
       : p(params), seq(seq_), kv_head(kv_head_), kv_heads(kv_heads_), begin(begin_), end(end_) {
     n = end - begin;
     head_size = p.head_size;
+    v_head_size = p.v_head_size;
     block_size = p.block_size;
     queries_per_kv = p.num_heads / p.num_kv_heads;
     q_len = query_len(p, seq);
@@ -253,7 +257,7 @@ struct DecodeUnit {
     tile_lines = dim_rows * row_lines;
     chunks_per_row = std::max<int64_t>(1, block_size / chunk_elems);
     patterns = k * chunks_per_row;
-    value_chunks = head_size * block_size / chunk_elems;
+    value_chunks = v_head_size * block_size / chunk_elems;
     head_acc_floats = rows_pad * value_chunks * kLanes;
   }
 
@@ -788,7 +792,7 @@ inline void value_pass(const DecodeUnit<cache_t, kSplit>& u, Scratch& s) {
 
 // Step: store. Folds the lane-wise sums into head dims (a chunk covers rows_per_chunk rows of
 // lanes_per_row lanes each, or, when chunks_per_row > 1, part of one row) and normalises each
-// row by its exp sum, into out [rows][head_size].
+// row by its exp sum, into out [rows][v_head_size].
 template <typename cache_t, bool kSplit>
 inline void store_rows(const DecodeUnit<cache_t, kSplit>& u, Scratch& s, const float* exp_sum,
                        float* out) {
@@ -796,11 +800,11 @@ inline void store_rows(const DecodeUnit<cache_t, kSplit>& u, Scratch& s, const f
   const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_elems / u.block_size);
   const int64_t lanes_per_row = kLanes / rows_per_chunk;
   const float* acc_mem = s.accumulators.data();
-  std::fill(out, out + u.rows * u.head_size, 0.0f);
+  std::fill(out, out + u.rows * u.v_head_size, 0.0f);
   for (int64_t hh = 0; hh < u.kv_heads; ++hh) {
     for (int64_t g = 0; g < u.head_rows; ++g) {
       const float* lanes = acc_mem + hh * u.head_acc_floats + g * u.value_chunks * kLanes;
-      float* row_out = out + (hh * u.head_rows + g) * u.head_size;
+      float* row_out = out + (hh * u.head_rows + g) * u.v_head_size;
       for (int64_t m = 0; m < u.value_chunks; ++m) {
         const f32x16 sums = group_sum(load_vector<f32x16>(lanes + m * kLanes), lanes_per_row);
         const int64_t first_row = m / u.chunks_per_row * rows_per_chunk;
@@ -809,7 +813,7 @@ inline void store_rows(const DecodeUnit<cache_t, kSplit>& u, Scratch& s, const f
         }
       }
       const float inv_sum = 1.0f / exp_sum[hh * u.head_rows + g];
-      for (int64_t d = 0; d < u.head_size; ++d) row_out[d] *= inv_sum;
+      for (int64_t d = 0; d < u.v_head_size; ++d) row_out[d] *= inv_sum;
     }
   }
 }
@@ -852,8 +856,9 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
   const int64_t units = unit_count(p);
   const int64_t max_head_rows = p.max_query_len * queries_per_kv;
   Scratch s;
-  s.resize(p.unit_kv_heads, max_head_rows, p.head_size, p.block_size, p.max_unit_tokens);
-  std::vector<float> result(p.unit_kv_heads * max_head_rows * p.head_size);
+  s.resize(p.unit_kv_heads, max_head_rows, p.head_size, p.v_head_size, p.block_size,
+           p.max_unit_tokens);
+  std::vector<float> result(p.unit_kv_heads * max_head_rows * p.v_head_size);
   std::vector<float> max_logit(p.unit_kv_heads * max_head_rows);
   std::vector<float> exp_sum(p.unit_kv_heads * max_head_rows);
 
@@ -885,9 +890,9 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
       const int64_t token = first_query_row(p, seq) + r % head_rows / queries_per_kv;
       const int64_t head = (kv_head + r / head_rows) * queries_per_kv + r % queries_per_kv;
       const int64_t row = (token * p.num_heads + head) * p.num_partitions + partition;
-      scalar_t* dst = static_cast<scalar_t*>(p.out) + row * p.head_size;
-      for (int64_t d = 0; d < p.head_size; ++d) {
-        dst[d] = static_cast<scalar_t>(result[r * p.head_size + d]);
+      scalar_t* dst = static_cast<scalar_t*>(p.out) + row * p.v_head_size;
+      for (int64_t d = 0; d < p.v_head_size; ++d) {
+        dst[d] = static_cast<scalar_t>(result[r * p.v_head_size + d]);
       }
       if (p.max_logits != nullptr) {
         p.max_logits[row] = max_logit[r];

@@ -17,7 +17,7 @@
 // dtype; fp8 dequantised as it is gathered):
 //   query_t  [head_size][rows_pad]  query rows times scale, transposed (padding rows zero)
 //   keys     [tokens][head_size]    so that logits_t = keys x query_t is [tokens][rows_pad]
-//   values_t [head_size][tokens]    so that out_t += values_t x probs_t is [head_size][rows_pad]
+//   values_t [v_head_size][tokens]  so that out_t += values_t x probs_t is [v_head_size][rows_pad]
 // bf16 products (bf16 query and cache; bf16_dot.h's operand form, sums in float32): keys and
 // values_t hold the cache's bf16 values as they are, the query rows and the probabilities are
 // packed into pairs along the products' depth (query_pairs, prob_pairs), and the scale multiplies
@@ -103,8 +103,8 @@ constexpr bool kBf16Operands =
 
 // Per-thread buffers for units of up to max_rows rows. The float32 products use query_t, keys and
 // values_t; the bf16 ones the *_bf16 buffers, whose head dimension is padded to head_pad (a
-// multiple of the products' depth, 32; zeros past head_size) and whose values rows to a multiple
-// of 16 (value_rows).
+// multiple of the products' depth, 32; zeros past head_size) and whose values rows (v_head_size)
+// to a multiple of 16 (value_rows).
 struct PrefillScratch {
   AlignedFloats query_t;
   AlignedFloats keys;
@@ -116,7 +116,7 @@ struct PrefillScratch {
   AlignedArray<uint16_t> prob_pairs_low;  // and what they leave, also bf16
   AlignedFloats logits_t;  // logits, then probabilities
   AlignedFloats out_t;     // [value_rows][rows_pad]
-  AlignedArray<uint16_t> out_bits;  // bf16 outputs: [head_size][rows_pad], rounded
+  AlignedArray<uint16_t> out_bits;  // bf16 outputs: [v_head_size][rows_pad], rounded
   AlignedFloats row_max;
   AlignedFloats row_sum;
   AlignedFloats row_slope;
@@ -126,10 +126,10 @@ struct PrefillScratch {
   int64_t head_pad = 0;
   int64_t value_rows = 0;
 
-  void resize(int64_t head_size, int64_t max_rows, bool bf16) {
+  void resize(int64_t head_size, int64_t v_head_size, int64_t max_rows, bool bf16) {
     const int64_t rows_pad = round_up(max_rows, kLanes);
     head_pad = round_up(head_size, kBf16MatmulDepth);
-    value_rows = round_up(head_size, kBf16MatmulRows);
+    value_rows = round_up(v_head_size, kBf16MatmulRows);
     if (bf16) {
       query_pairs.resize(head_pad * rows_pad);
       keys_bf16.resize(kPrefillTokens * head_pad);
@@ -139,11 +139,11 @@ struct PrefillScratch {
     } else {
       query_t.resize(head_size * rows_pad);
       keys.resize(kPrefillTokens * head_size);
-      values_t.resize(head_size * kPrefillTokens);
+      values_t.resize(v_head_size * kPrefillTokens);
     }
     logits_t.resize(kPrefillTokens * rows_pad);
     out_t.resize(value_rows * rows_pad);
-    out_bits.resize(head_size * rows_pad);
+    out_bits.resize(v_head_size * rows_pad);
     for (AlignedFloats* row :
          {&row_max, &row_sum, &row_slope, &row_position, &row_chunk_start, &row_rescale}) {
       row->resize(rows_pad);
@@ -201,7 +201,7 @@ inline void copy_key_square(const c10::BFloat16* src, int64_t row_stride, uint16
 constexpr int64_t kGatherAheadBlocks = 8;
 
 // Gathers tokens [t0, t1) of one KV head into keys [t1 - t0][ldk] and values_t
-// [head_size][kPrefillTokens], as the products' operand type. The blocks are scattered, so the
+// [v_head_size][kPrefillTokens], as the products' operand type. The blocks are scattered, so the
 // hardware prefetchers cannot run ahead across them: while it gathers a block, it requests the
 // tiles of the block kGatherAheadBlocks further on (up to the unit's last token, kv_end), a few
 // lines per dim-row of keys copied rather than all at once (a burst of requests stalls once the
@@ -219,6 +219,8 @@ inline void gather_tile(const AttentionParams& p, const int32_t* block_table,
   const int64_t block_size = p.block_size;
   const int64_t dim_rows = head_size / x;
   const int64_t tile_lines = head_size * block_size * static_cast<int64_t>(sizeof(cache_t)) / 64;
+  const int64_t value_tile_lines =
+      p.v_head_size * block_size * static_cast<int64_t>(sizeof(cache_t)) / 64;
   const int64_t last_block = (kv_end - 1) / block_size;
   for (int64_t j = t0; j < t1;) {
     const int64_t b = j / block_size;
@@ -239,7 +241,7 @@ inline void gather_tile(const AttentionParams& p, const int32_t* block_table,
       if (ahead_keys != nullptr) {  // those dim-rows' share of the next requests
         for (const int64_t end = (c + rows) * tile_lines / dim_rows; line < end; ++line) {
           __builtin_prefetch(ahead_keys + 64 * line, 0, kToL2);
-          __builtin_prefetch(ahead_values + 64 * line, 0, kToL2);
+          if (line < value_tile_lines) __builtin_prefetch(ahead_values + 64 * line, 0, kToL2);
         }
       }
       int64_t t = 0;
@@ -259,8 +261,12 @@ inline void gather_tile(const AttentionParams& p, const int32_t* block_table,
       }
       c += rows;
     }
+    // The value tile's lines past the key tile's (values of a larger head size than the keys').
+    for (int64_t line = tile_lines; ahead_values != nullptr && line < value_tile_lines; ++line) {
+      __builtin_prefetch(ahead_values + 64 * line, 0, kToL2);
+    }
     const cache_t* value_tile = value_base + block * p.value_block_stride;
-    for (int64_t d = 0; d < head_size; ++d) {
+    for (int64_t d = 0; d < p.v_head_size; ++d) {
       load_operand_row(value_tile + d * block_size + offset, run, p.value_scale,
                        values_t + d * kPrefillTokens + (j - t0));
     }
@@ -490,12 +496,12 @@ inline void store_rows(const AttentionParams& p, const PrefillRows& r, int64_t f
   }
   const auto row_out = [&](int64_t m) {
     const int64_t token = first_row + m / r.queries_per_kv;
-    return static_cast<scalar_t*>(p.out) + (token * p.num_heads + r.head(m)) * p.head_size;
+    return static_cast<scalar_t*>(p.out) + (token * p.num_heads + r.head(m)) * p.v_head_size;
   };
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     // Scaled and rounded to bf16 a vector of rows at a time, then moved to the rows as bits.
     uint16_t* bits = s.out_bits.data();
-    for (int64_t d = 0; d < p.head_size; ++d) {
+    for (int64_t d = 0; d < p.v_head_size; ++d) {
       for (int64_t m0 = 0; m0 < r.rows_pad; m0 += kLanes) {
         const f32x16 v = load_vector<f32x16>(s.out_t.data() + d * r.rows_pad + m0) *
                          load_vector<f32x16>(row_rescale + m0);
@@ -505,12 +511,12 @@ inline void store_rows(const AttentionParams& p, const PrefillRows& r, int64_t f
     }
     for (int64_t m = 0; m < r.rows; ++m) {
       uint16_t* dst = reinterpret_cast<uint16_t*>(row_out(m));
-      for (int64_t d = 0; d < p.head_size; ++d) dst[d] = bits[d * r.rows_pad + m];
+      for (int64_t d = 0; d < p.v_head_size; ++d) dst[d] = bits[d * r.rows_pad + m];
     }
   } else {
     for (int64_t m = 0; m < r.rows; ++m) {
       scalar_t* dst = row_out(m);
-      for (int64_t d = 0; d < p.head_size; ++d) {
+      for (int64_t d = 0; d < p.v_head_size; ++d) {
         dst[d] = static_cast<scalar_t>(s.out_t.data()[d * r.rows_pad + m] * row_rescale[m]);
       }
     }
@@ -523,6 +529,7 @@ template <typename scalar_t, typename cache_t, typename V, bool kBf16>
 inline void attend_prefill_unit(const AttentionParams& p, const PrefillProducts& products,
                                 PrefillScratch& s, const PrefillUnit& unit) {
   const int64_t head_size = p.head_size;
+  const int64_t v_head_size = p.v_head_size;
   const int64_t q_len = query_len(p, unit.seq);
   PrefillRows r;
   r.seq = unit.seq;
@@ -552,7 +559,7 @@ inline void attend_prefill_unit(const AttentionParams& p, const PrefillProducts&
       uint16_t* values_t = s.values_t_bf16.data();
       gather_tile(p, block_table, key_base, value_base, t0, t1, kv_end, s.head_pad,
                   s.keys_bf16.data(), values_t);
-      for (int64_t d = 0; d < head_size && tokens < tokens_pad; ++d) {
+      for (int64_t d = 0; d < v_head_size && tokens < tokens_pad; ++d) {
         // padding tokens: finite values, times probability 0
         uint16_t* row = values_t + d * kPrefillTokens;
         std::fill(row + tokens, row + tokens_pad, uint16_t{0});
@@ -570,7 +577,7 @@ inline void attend_prefill_unit(const AttentionParams& p, const PrefillProducts&
     const float logit_scale = kBf16 ? p.scale : 1.0f;
     const bool rewritten = mask_and_max<V>(p, r, t0, tokens, logit_scale, s);
     exponentials<V, kBf16>(r, tokens, tokens_pad, rewritten ? 1.0f : logit_scale, s);
-    if (t0 > kv_begin) rescale_output<V>(r, head_size, s);
+    if (t0 > kv_begin) rescale_output<V>(r, v_head_size, s);
     // Step: the value product (out_t += values_t x probabilities).
     if constexpr (kBf16) {
       for (const uint16_t* probs : {s.prob_pairs.data(), s.prob_pairs_low.data()}) {
@@ -578,7 +585,7 @@ inline void attend_prefill_unit(const AttentionParams& p, const PrefillProducts&
                       kPrefillTokens, probs, 2 * r.rows_pad, s.out_t.data(), r.rows_pad, true);
       }
     } else {
-      products.f32(head_size, r.rows_pad, tokens, kPrefillTokens, r.rows_pad, r.rows_pad, true,
+      products.f32(v_head_size, r.rows_pad, tokens, kPrefillTokens, r.rows_pad, r.rows_pad, true,
                    s.values_t.data(), s.logits_t.data(), s.out_t.data());
     }
   }
@@ -593,7 +600,8 @@ inline void run_prefill_units(const AttentionParams& p, const PrefillProducts& p
   const bool bf16 = kBf16Operands<scalar_t, cache_t> && products.bf16 != nullptr;
   PrefillScratch s;
   // A unit holds up to kPrefillRows rows, or one query position's whole group if that is more.
-  s.resize(p.head_size, std::max(kPrefillRows, p.num_heads / p.num_kv_heads), bf16);
+  s.resize(p.head_size, p.v_head_size, std::max(kPrefillRows, p.num_heads / p.num_kv_heads),
+           bf16);
   const int64_t count = static_cast<int64_t>(units.size());
   for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < count;
        u = next_unit.fetch_add(1, std::memory_order_relaxed)) {

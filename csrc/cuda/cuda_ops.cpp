@@ -108,6 +108,15 @@ AttentionParams attention_params(const AttentionArgs& args, const AttentionDims&
   return p;
 }
 
+// The CUDA kernels read values of the keys' head size: a value cache of its own head size
+// (multi-head latent attention) runs on the CPU backend only.
+void check_same_value_head_size(int64_t head_size, int64_t v_head_size) {
+  TORCH_CHECK_VALUE(v_head_size == head_size, "v_head_size (value_cache.size(2) = ", v_head_size,
+                    ") must equal head_size (", head_size,
+                    ") on CUDA: values of their own head size (multi-head latent attention) run "
+                    "on the CPU backend only");
+}
+
 // The checks every attention launch shares: 16-byte vectors of the caches, the int32 values
 // of the kernels' parameters.
 void check_attention_launch(const AttentionArgs& args, const AttentionDims& dims) {
@@ -122,6 +131,7 @@ void check_attention_launch(const AttentionArgs& args, const AttentionDims& dims
   check_fits_int32(dims.max_blocks_per_seq, "block_tables.size(1)");
   TORCH_CHECK_VALUE(dims.num_heads <= 65535, "num_heads (", dims.num_heads,
                     ") must be at most 65535");
+  check_same_value_head_size(dims.head_size, dims.v_head_size);
 }
 
 // Plans, allocates the plan's scratch from the caching allocator (no host synchronisation;
@@ -262,6 +272,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                                                       slot_mapping, kv_cache_dtype, k_scale,
                                                       v_scale);
   TORCH_CHECK(key.is_cuda(), "reshape_and_cache: key must be a CUDA tensor, got ", key.device());
+  check_same_value_head_size(dims.head_size, dims.v_head_size);
   if (debug_checks_enabled()) check_slot_mapping(slot_mapping, dims);
   check_fits_int32(dims.num_tokens, "num_tokens");
   const c10::cuda::CUDAGuard guard(key.device());

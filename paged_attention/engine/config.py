@@ -108,6 +108,7 @@ class CacheConfig:
             self.block_size,
             geometry.dtype,
             self.kv_cache_dtype,
+            v_head_size=geometry.v_head_size,
         )
 
     def sizes(self, geometry) -> tuple[int, int]:

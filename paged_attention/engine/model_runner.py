@@ -55,7 +55,7 @@ class StepCache(PagedCacheBase):
         return int(query_length), 0
 
     def _attend_layer(self, layer_idx, query, key, value, padding, scale, sinks):
-        batch, num_heads, q_len, head_size = query.shape
+        batch, num_heads, q_len, _ = query.shape
         metadata = self.metadata
         if metadata is None:
             raise ValueError("StepCache.metadata must describe the step before the forward pass")
@@ -64,11 +64,11 @@ class StepCache(PagedCacheBase):
                 f"the step packs {metadata.num_tokens} tokens in one row; the forward got input "
                 f"of shape [{batch}, {q_len}]"
             )
-        packed = [
-            t[0].transpose(0, 1).reshape(q_len, t.shape[1], head_size) for t in (query, key, value)
+        packed = [  # values may have a head size of their own (multi-head latent attention)
+            t[0].transpose(0, 1).reshape(q_len, t.shape[1], t.shape[3]) for t in (query, key, value)
         ]
         out = self._packed_attention(layer_idx, *packed, metadata, scale, sinks)
-        return out.view(1, q_len, num_heads, head_size)
+        return out.view(1, q_len, num_heads, value.shape[3])
 
 
 class ModelRunner:

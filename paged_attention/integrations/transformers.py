@@ -190,22 +190,23 @@ class PagedCache(PagedCacheBase):
     # ------------------------------------------------------------------ attention
 
     def _attend_layer(self, layer_idx, query, key, value, padding, scale, sinks):
-        batch, num_heads, q_len, head_size = query.shape
+        batch, num_heads, q_len, _ = query.shape
+        v_head_size = value.shape[3]  # the keys' but for multi-head latent attention
         if self._step_open:
             self._begin_step(batch, q_len, key, value, padding)
             self._step_open = False
         packed = [
-            t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_size)
+            t.transpose(1, 2).reshape(batch * q_len, t.shape[1], t.shape[3])
             for t in (query, key, value)
         ]
         if self._token_index is not None:
             packed = [t[self._token_index] for t in packed]
         out = self._packed_attention(layer_idx, *packed, self._metadata, scale, sinks)
         if self._token_index is not None:
-            full = out.new_zeros(batch * q_len, num_heads, head_size)
+            full = out.new_zeros(batch * q_len, num_heads, v_head_size)
             full[self._token_index] = out
             out = full
-        return out.view(batch, q_len, num_heads, head_size)
+        return out.view(batch, q_len, num_heads, v_head_size)
 
     def _begin_step(self, batch, q_len, key, value, attention_mask) -> None:
         """Bookkeeping once per forward pass, before the first layer stores anything."""

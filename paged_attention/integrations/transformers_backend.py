@@ -9,9 +9,13 @@ building a dense ``[batch, 1, q, kv]`` mask). Two caches attend through it: ``Pa
 (``paged_attention.engine.model_runner.StepCache``).
 
 How it fits transformers' call order: every attention layer calls ``cache.update(key, value,
-layer_idx)`` and then the attention function. ``update`` only hands the new keys and values on;
-the attention function stores them in the paged cache (``reshape_and_cache``, pad tokens
-skipped) and attends over each sequence's paged context.
+layer_idx)`` and then the attention function. ``update`` only hands the new keys and values on; the
+attention function stores them in the paged cache (``reshape_and_cache``, pad tokens skipped) and
+attends over each sequence's paged context. Multi-head latent attention (DeepSeek-V2/V3,
+LongCat-Flash) hands ``update`` its compressed latents instead, and expands them into keys and
+values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``update`` returns
+this step's latents only, so the attention function receives this step's expanded keys and values,
+which the paged cache stores as any other layer's.
 
 Every call is checked against the :class:`~paged_attention.geometry.ModelGeometry` the cache was
 built from: the layer's head counts and sizes, its logit soft-cap, its attention sinks, and
@@ -110,7 +114,7 @@ def paged_attention_forward(
     value ``[batch, kv_heads, q, dim]`` (this step's only); returns ``([batch, q, heads, dim],
     None)``."""
     state = getattr(_active, "value", None)
-    if state is None or state[1] is not key:
+    if state is None or not (state[1] is key or _expanded(module, state[1], key)):
         raise RuntimeError(
             f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a PagedCache as the model\'s '
             "cache (generate(..., cache=PagedCache(model, ...))) and use_cache=True: the keys "
@@ -139,6 +143,18 @@ def paged_attention_forward(
     )
     cache: PagedCacheBase = state[0]
     return cache.attend(module, query, key, value, padding, call), None
+
+
+def _expanded(module: torch.nn.Module, latent: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether ``key`` is what a multi-head latent attention module (one with transformers'
+    ``expand_kv``) made of the ``latent`` its cache's ``update`` returned: the same batch rows
+    and tokens."""
+    return (
+        callable(getattr(module, "expand_kv", None))
+        and key.dim() == latent.dim() == 4
+        and key.shape[0] == latent.shape[0]
+        and key.shape[2] == latent.shape[2]
+    )
 
 
 @dataclass(frozen=True)
@@ -302,11 +318,12 @@ class PagedCacheBase(Cache):
                 f"the model using it has {query.shape[1]} over {key.shape[1]} KV heads of size "
                 f"{key.shape[-1]}: build a PagedCache for the model it serves"
             )
-        if value.shape[-1] != key.shape[-1]:
+        if value.shape[1] != key.shape[1] or value.shape[-1] != layer.v_head_size:
             raise ValueError(
-                f"layer {layer_idx}'s key heads hold {key.shape[-1]} values and its value heads "
-                f"{value.shape[-1]} (multi-head latent attention); a paged cache stores keys "
-                "and values of one head size"
+                f"PagedCache was built for {layer.num_kv_heads} value heads of size "
+                f"{layer.v_head_size} in layer {layer_idx}; the model using it has "
+                f"{value.shape[1]} of size {value.shape[-1]}: build a PagedCache for the model "
+                "it serves"
             )
         seen = self._attended(layer_idx, call)
         if seen is not None and seen != (layer.sliding_window, layer.attention_chunk_size):
@@ -365,6 +382,7 @@ class PagedCacheBase(Cache):
                 logits_soft_cap=layer.logits_soft_cap,
                 kv_cache_dtype=self.kv_cache.kv_cache_dtype,
                 sinks=None if sinks is None else sinks.detach(),
+                v_head_size=layer.v_head_size,
             )
             self._modules[layer_idx] = module
         elif sinks is not None:  # the learned sinks, as they are now
