@@ -65,12 +65,25 @@ def chat_questions(count: int) -> list[str]:
     ]
 
 
+def model_loader():
+    """``load_model`` of the tree being measured: the trees compared keep it in different
+    modules (a flat package, then the layered one)."""
+    import importlib
+
+    for module in ("modeling.models", "models"):
+        try:
+            return importlib.import_module(f"paged_attention.{module}").load_model
+        except ModuleNotFoundError:
+            continue
+    raise SystemExit("this tree has no load_model")
+
+
 def run_chat(quick: bool) -> dict:
     import torch
 
     from paged_attention.engine import Engine, SamplingParams
-    from paged_attention.models import load_model
 
+    load_model = model_loader()
     count, new_tokens = (4, 8) if quick else (32, 64)
     model, tokenizer = load_model("tiny" if quick else "smollm2", dtype=torch.bfloat16)
     # No end tokens (the older trees have no ignore_eos): every request makes all its tokens.
