@@ -20,6 +20,7 @@
 // arithmetic; "auto" picks. Output rows are split over torch's intra-op threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -62,25 +63,34 @@ struct QuantizedActivations {
   std::vector<float> s;    // rows x blocks
 };
 
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k, Format format) {
+// Fills `a` with the activations of x (rows x k, contiguous, float or bfloat16), quantized per
+// block; blocks split over torch's threads when there are many (a prefill).
+template <typename scalar_t>
+void quantize_activations(const scalar_t* x, int64_t rows, int64_t k, Format format,
+                          QuantizedActivations& a) {
   const int64_t blocks = k / kGroup;
-  QuantizedActivations a{std::vector<uint8_t>(rows * k), std::vector<float>(rows * blocks),
-                         std::vector<float>(rows * blocks)};
-  for (int64_t i = 0; i < rows * blocks; ++i) {
-    const float* xb = x + i * kGroup;
-    float amax = 0.0f;
-    for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < kGroup; ++j) {
-      const int q = static_cast<int>(std::nearbyint(xb[j] * inverse));
-      sum += q;
-      a.q[i * kGroup + j] = static_cast<uint8_t>(format == Format::kQ8_0 ? q + 128 : q);
+  a.q.resize(rows * k);
+  a.dx.resize(rows * blocks);
+  a.s.resize(rows * blocks);
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    float xb[kGroup];
+    for (int64_t i = begin; i < end; ++i) {
+      float amax = 0.0f;
+      for (int j = 0; j < kGroup; ++j) {
+        xb[j] = static_cast<float>(x[i * kGroup + j]);
+        amax = std::max(amax, std::fabs(xb[j]));
+      }
+      const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int sum = 0;
+      for (int j = 0; j < kGroup; ++j) {
+        const int q = static_cast<int>(std::nearbyint(xb[j] * inverse));
+        sum += q;
+        a.q[i * kGroup + j] = static_cast<uint8_t>(format == Format::kQ8_0 ? q + 128 : q);
+      }
+      a.dx[i] = dx;
+      a.s[i] = format == Format::kQ8_0 ? dx : dx * static_cast<float>(sum);
     }
-    a.dx[i] = dx;
-    a.s[i] = format == Format::kQ8_0 ? dx : dx * static_cast<float>(sum);
-  }
-  return a;
+  });
 }
 
 // The quant of input j (0..31) of row r in one block of `qs`.
@@ -97,7 +107,17 @@ struct Problem {
   const float* scales;
   int64_t k, n;
   const QuantizedActivations* a;
-  float* y;  // rows x n
+  void* y;  // rows x n, float or bfloat16
+  bool bf16;
+
+  void store(int64_t index, const float* values, int count) const {
+    if (bf16) {
+      auto* out = static_cast<c10::BFloat16*>(y) + index;
+      for (int i = 0; i < count; ++i) out[i] = c10::BFloat16(values[i]);
+    } else {
+      std::memcpy(static_cast<float*>(y) + index, values, count * sizeof(float));
+    }
+  }
 };
 
 // Output groups [begin, end) of activation rows [row0, row0 + rows).
@@ -119,7 +139,7 @@ void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begi
           const float dx = p.a->dx[row * blocks + b], s = p.a->s[row * blocks + b];
           sum += scales[r] * dx * static_cast<float>(dot) + scales[kRows + r] * s;
         }
-        p.y[row * p.n + g * kRows + r] = sum;
+        p.store(row * p.n + g * kRows + r, &sum, 1);
       }
     }
   }
@@ -179,7 +199,9 @@ PA_GGUF_VNNI_TARGET void groups_vnni(const Problem& p, int64_t row0, int64_t beg
       }
     }
     for (int r = 0; r < kTileRows; ++r) {
-      _mm512_storeu_ps(p.y + (row0 + r) * p.n + g * kRows, _mm512_add_ps(acc[r][0], acc[r][1]));
+      alignas(64) float sums[kRows];
+      _mm512_store_ps(sums, _mm512_add_ps(acc[r][0], acc[r][1]));
+      p.store((row0 + r) * p.n + g * kRows, sums, kRows);
     }
   }
 }
@@ -266,12 +288,20 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   check_arguments(x, qs, scales, format);
   const bool vnni = use_vnni(variant);
   const int64_t m = x.size(0), k = x.size(1), groups = qs.size(0), n = groups * kRows;
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m > 0 && n > 0 && k > 0) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const QuantizedActivations a = quantize_activations(xf.const_data_ptr<float>(), m, k, format);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (k == 0) return y.zero_();  // a weight of no blocks
+  if (m > 0 && n > 0) {
+    const at::Tensor xc = x.contiguous();
+    // Reused by the calls of this thread: a decode step makes hundreds of small calls.
+    thread_local QuantizedActivations a;
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (bf16) {
+      quantize_activations(xc.const_data_ptr<c10::BFloat16>(), m, k, format, a);
+    } else {
+      quantize_activations(xc.const_data_ptr<float>(), m, k, format, a);
+    }
     const Problem p{format, qs.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), k, n, &a,
-                    y.data_ptr<float>()};
+                    y.data_ptr(), bf16};
     // 4 groups (64 output rows) per task at least: fewer cost more to schedule than they share.
     at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
       for (int64_t row = 0; row < m; row += kTile) {
@@ -286,7 +316,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
       }
     });
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace
