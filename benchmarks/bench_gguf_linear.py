@@ -1,7 +1,8 @@
 """One quantized linear layer at SmolLM2-135M's shapes, per kernel and batch: torch's int4pack
 kernel (the int4pack ``QuantizedLinear``), the gguf op (the gguf ``QuantizedLinear``: int8
-activations, AVX512-VNNI), and for scale torch's ``_weight_int8pack_mm`` (int8 weights, one
-scale per output row: not the GGUF format, a bound on what an int8-weight kernel of torch does).
+activations, AVX512-VNNI), both through the layer's Python ``forward``, and for scale torch's
+``_weight_int8pack_mm`` called bare (int8 weights, one scale per output row: not the GGUF
+format, and without a layer's Python around it).
 
 Shapes (out, in): the attention's query and output projections 576 x 576, its key and value
 projections 192 x 576, the MLP's gate and up 1536 x 576 and down 576 x 1536 (all Q4_1 in the
