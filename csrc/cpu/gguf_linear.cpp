@@ -63,6 +63,14 @@ struct QuantizedActivations {
   std::vector<float> s;    // rows x blocks
 };
 
+// v rounded to the nearest integer, ties to even, for |v| <= 2^22: adding 1.5 * 2^23 leaves no
+// fraction bits, so float addition rounds (in the default rounding mode, as nearbyint would);
+// std::nearbyint is a library call on baseline x86-64, a fixed cost of microseconds per call here.
+inline float round_to_nearest_even(float v) {
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  return (v + kShift) - kShift;  // kept as written: the build does not allow reassociation
+}
+
 // Fills `a` with the activations of x (rows x k, contiguous, float or bfloat16), quantized per
 // block; blocks split over torch's threads when there are many (a prefill).
 template <typename scalar_t>
@@ -83,7 +91,7 @@ void quantize_activations(const scalar_t* x, int64_t rows, int64_t k, Format for
       const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
       int sum = 0;
       for (int j = 0; j < kGroup; ++j) {
-        const int q = static_cast<int>(std::nearbyint(xb[j] * inverse));
+        const int q = static_cast<int>(round_to_nearest_even(xb[j] * inverse));
         sum += q;
         a.q[i * kGroup + j] = static_cast<uint8_t>(format == Format::kQ8_0 ? q + 128 : q);
       }
