@@ -1,5 +1,7 @@
 """Offline generation speed and resident memory of SmolLM2 with ``--weights bf16`` against
-``--weights auto`` (the GGUF's Q4_1 blocks as quantized layers), alternating A B A B.
+``--weights auto`` (the GGUF's Q4_1 blocks as quantized layers) through each quantized kernel
+(``PAGED_ATTENTION_QUANTIZED_KERNEL=int4pack``, torch's, and ``gguf``, the VNNI op; on a CPU
+without AVX512-VNNI the gguf rows run its slow portable loop), alternating A B C A B C.
 
 Each measurement runs in a fresh process (so its resident memory is that model's alone): it
 loads the model, records its resident set size, then generates 64 greedy tokens for 1 request
@@ -7,7 +9,7 @@ and for 32 requests (the demo's questions through the chat template; the end-of-
 is replaced by one the answers never produce, so every answer runs all 64 tokens) and reports
 generated tokens per second, prefill included.
 
-    python benchmarks/bench_quantized.py --rounds 2
+    python benchmarks/bench_quantized.py --rounds 2 --json docs/results/bench_quantized.json
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 TOKENS = 64
 BATCHES = (1, 32)
+CONFIGS = {"bf16": ("bf16", None), "int4pack": ("auto", "int4pack"), "gguf": ("auto", "gguf")}
+"""A configuration's name: its ``--weights`` and its quantized kernel."""
 
 
 def resident_mb() -> float:
@@ -31,17 +35,21 @@ def resident_mb() -> float:
     return float("nan")
 
 
-def measure(weights: str, threads: int) -> dict:
+def measure(config: str, threads: int) -> dict:
     import torch
 
     from paged_attention.demo import QUESTIONS
     from paged_attention.engine import Engine, SamplingParams
     from paged_attention.models import load_model
 
+    weights, kernel = CONFIGS[config]
+    if kernel is not None:
+        os.environ["PAGED_ATTENTION_QUANTIZED_KERNEL"] = kernel
     torch.set_num_threads(threads)
     started = time.perf_counter()
     model, tokenizer = load_model("smollm2", weights=weights)
-    result = {"weights": weights, "load_s": time.perf_counter() - started, "rss_mb": resident_mb()}
+    result = {"config": config, "weights": weights, "load_s": time.perf_counter() - started}
+    result["rss_mb"] = resident_mb()
     never = model.config.vocab_size - 1
     for batch in BATCHES:
         prompts = [
@@ -62,15 +70,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--child", choices=("bf16", "auto"), help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
+    parser.add_argument("--json", type=Path, help="write the rows and the machine here")
+    parser.add_argument("--child", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.threads)))
         return
     rows = []
+    load_before = Path("/proc/loadavg").read_text().strip()
     for _ in range(args.rounds):
-        for weights in ("bf16", "auto"):
-            command = [sys.executable, __file__, "--child", weights, "--threads", str(args.threads)]
+        for config in args.configs.split(","):
+            command = [sys.executable, __file__, "--child", config, "--threads", str(args.threads)]
             out = subprocess.run(
                 command, check=True, capture_output=True, text=True, env=os.environ
             )
@@ -80,7 +91,25 @@ def main() -> None:
                     {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
                 )
             )
-    print("loadavg", Path("/proc/loadavg").read_text().strip())
+    load_after = Path("/proc/loadavg").read_text().strip()
+    print("loadavg", load_before, "->", load_after)
+    if args.json:
+        machine = {
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "threads": args.threads,
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+        }
+        report = {"tokens": TOKENS, "machine": machine, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 if __name__ == "__main__":

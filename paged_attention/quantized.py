@@ -9,25 +9,26 @@ A GGUF file stores a weight row by row in blocks of 32 weights. The formats read
 (In a 4-bit block byte ``j`` holds weight ``j`` in its low nibble and weight ``j + 16`` in its
 high nibble.)
 
-:class:`QuantizedLinear` computes with torch's CPU int4 kernel
-``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit weights packed by
-``_convert_weight_to_int4pack_for_cpu``, and per group of 32 weights of a row a scale and a
-zero, the kernel computing ``w = (q - 8) * scale + zero``. So
+Two kernels compute :class:`QuantizedLinear` (``PAGED_ATTENTION_QUANTIZED_KERNEL``, read when a
+layer is built: ``auto``, the default, ``gguf`` or ``int4pack``):
 
-* ``Q4_0`` is ``scale = d, zero = 0``;
-* ``Q4_1`` is ``scale = d, zero = m + 8 d``;
-* ``Q8_0`` is two 4-bit planes of the same row, ``q = 16 h + l`` with ``h = q >> 4`` in
-  -8..7 and ``l = q & 15`` in 0..15: the high plane is ``q' = h + 8, scale = 16 d, zero = 0``,
-  the low plane ``q' = l, scale = d, zero = 8 d``, laid side by side as one weight twice as
-  wide that multiplies the input laid twice side by side. Every block keeps its own scale, so
-  this is exact, where ``_weight_int8pack_mm`` (one scale per output channel) would need the
-  blocks re-quantized to a scale per row. It reads 9 bits per weight, as int8 weights with
-  their scales would.
+* ``gguf``, where the CPU has AVX512-VNNI (``auto`` picks it there): the op of
+  :mod:`paged_attention.gguf_linear`, llama.cpp's arithmetic: the activations rounded to int8
+  per block of 32, integer dot products with the blocks' quants, scaled in float32. On a CPU
+  without VNNI it runs a portable scalar loop (correct, slow): ``auto`` does not pick it there.
+* ``int4pack``: torch's CPU int4 kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit
+  weights packed by ``_convert_weight_to_int4pack_for_cpu``, and per group of 32 weights of a
+  row a scale and a zero, the kernel computing ``w = (q - 8) * scale + zero``. So ``Q4_0`` is
+  ``scale = d, zero = 0``; ``Q4_1`` is ``scale = d, zero = m + 8 d``; ``Q8_0`` is two 4-bit
+  planes of the same row, ``q = 16 h + l`` with ``h = q >> 4`` in -8..7 and ``l = q & 15`` in
+  0..15: the high plane is ``q' = h + 8, scale = 16 d, zero = 0``, the low plane ``q' = l,
+  scale = d, zero = 8 d``, laid side by side as one weight twice as wide that multiplies the
+  input laid twice side by side (exact: every block keeps its own scale). The kernel computes
+  in bfloat16 (its float32 path is about 20 times slower): the input and the scales and zeros
+  are rounded to bfloat16 (a relative error of at most 2^-9), the products accumulate in
+  float32.
 
-The kernel computes in bfloat16 (its float32 path is about 20 times slower here): the input and
-the scales and zeros are rounded to bfloat16 (8 significant bits, a relative error of at most
-2^-9, where the file's float16 scales have 11), the products accumulate in float32, and the
-output returns in the input's dtype. The weights themselves (the 4-bit ``q``) are exact.
+Either way the 4-bit (or 8-bit) ``q`` are exact; the output returns in the input's dtype.
 
 :func:`quantize_model` puts these layers in place of a Llama-family model's attention and MLP
 projections (and of its LM head when the GGUF file quantizes it in one of these formats).
@@ -35,11 +36,14 @@ projections (and of its LM head when the GGUF file quantizes it in one of these 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from paged_attention import gguf_linear
 
 GROUP_SIZE = 32
 """Weights per GGUF block, and per scale and zero of the int4 kernel."""
@@ -49,6 +53,9 @@ ROWS_MULTIPLE = 16
 """The int4 packing takes a number of output rows that is a multiple of 16."""
 FLOAT_TYPES = ("F32", "F16", "BF16")
 KERNEL_DTYPE = torch.bfloat16
+"""The int4pack kernel's dtype."""
+KERNELS = ("auto", "gguf", "int4pack")
+KERNEL_VARIABLE = "PAGED_ATTENTION_QUANTIZED_KERNEL"
 
 LLAMA_PROJECTIONS = {
     "attn_q": "self_attn.q_proj",
@@ -65,35 +72,38 @@ GGUF_ARCHITECTURES = ("llama",)
 
 
 class QuantizedLinear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W`` held as GGUF blocks (``Q4_0``, ``Q4_1`` or ``Q8_0``)
-    through torch's CPU int4 kernel (see the module docstring for the mapping)."""
+    """``y = x @ W.T + bias`` with ``W`` held as GGUF blocks (``Q4_0``, ``Q4_1`` or ``Q8_0``),
+    through one of the two kernels of the module docstring (``kernel``)."""
 
     def __init__(
         self,
-        packed: torch.Tensor,
-        scales_and_zeros: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
         in_features: int,
         out_features: int,
         fmt: str,
+        kernel: str,
         bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.format = fmt
+        self.kernel = kernel
         self.planes = 2 if fmt == "Q8_0" else 1
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_blocks(
-        cls, blocks, fmt: str, shape: tuple[int, int], name: str = "weight", bias=None
+        cls, blocks, fmt: str, shape: tuple[int, int], name: str = "weight", bias=None, kernel=None
     ) -> QuantizedLinear:
         """The layer of a weight of ``shape`` (out features, in features) given as GGUF's raw
         blocks of format ``fmt``: a uint8 array of one row of blocks per output feature.
+        ``kernel``: one of :data:`KERNELS`, None for ``PAGED_ATTENTION_QUANTIZED_KERNEL``'s.
         Raises ValueError naming ``name`` for a format, a shape or blocks it cannot take."""
         rows, columns = _checked_shape(name, fmt, shape)
+        kernel = selected_kernel(kernel)
         blocks = np.asarray(blocks)
         expected = (rows, columns // GROUP_SIZE * BLOCK_BYTES[fmt])
         if blocks.dtype != np.uint8 or tuple(blocks.shape) != expected:
@@ -102,21 +112,21 @@ class QuantizedLinear(nn.Module):
                 f"{blocks.dtype} of shape {tuple(blocks.shape)}"
             )
         blocks = blocks.reshape(rows, columns // GROUP_SIZE, BLOCK_BYTES[fmt])
+        if kernel == "gguf":
+            qs, scales = gguf_linear.kernel_layout(blocks, fmt)
+            return cls({"qs": qs, "scales": scales}, columns, rows, fmt, kernel, bias)
         nibbles, scales, zeros = _int4_planes(blocks, fmt)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(nibbles), 1)
         scales_and_zeros = np.ascontiguousarray(np.stack([scales, zeros], -1).transpose(1, 0, 2))
-        return cls(
-            packed,
-            torch.from_numpy(scales_and_zeros).to(KERNEL_DTYPE),
-            columns,
-            rows,
-            fmt,
-            bias,
-        )
+        tensors = {
+            "packed": packed,
+            "scales_and_zeros": torch.from_numpy(scales_and_zeros).to(KERNEL_DTYPE),
+        }
+        return cls(tensors, columns, rows, fmt, kernel, bias)
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, fmt: str, name: str = "weight", bias=None
+        cls, weight: torch.Tensor, fmt: str, name: str = "weight", bias=None, kernel=None
     ) -> QuantizedLinear:
         """``weight`` (out features, in features) quantized to ``fmt`` by the ``gguf``
         package's quantizer (the same blocks llama.cpp's converter writes)."""
@@ -125,15 +135,21 @@ class QuantizedLinear(nn.Module):
 
         array = weight.detach().to("cpu", torch.float32).numpy()
         blocks = quants.quantize(array, GGMLQuantizationType[fmt])
-        return cls.from_blocks(blocks, fmt, tuple(weight.shape), name, bias)
+        return cls.from_blocks(blocks, fmt, tuple(weight.shape), name, bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        if self.planes == 2:
-            rows = torch.cat([rows, rows], dim=-1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, self.packed, GROUP_SIZE, self.scales_and_zeros
-        )
+        rows = x.reshape(-1, self.in_features)
+        if self.kernel == "gguf":
+            if rows.dtype not in (torch.float32, torch.bfloat16):
+                rows = rows.float()
+            y = torch.ops.paged_attention.gguf_linear(rows, self.qs, self.scales, self.format)
+        else:
+            rows = rows.to(KERNEL_DTYPE)
+            if self.planes == 2:
+                rows = torch.cat([rows, rows], dim=-1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed, GROUP_SIZE, self.scales_and_zeros
+            )
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -142,18 +158,31 @@ class QuantizedLinear(nn.Module):
         """The de-quantized weight (out features, in features) in bfloat16, computed at each
         access (the layer itself never reads it): for code that inspects a linear layer's
         weight, such as its shape or device."""
-        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)
+        eye = torch.eye(self.in_features)
         bias, self.bias = self.bias, None
         try:
-            return self.forward(eye).T.contiguous()
+            return self.forward(eye).T.to(KERNEL_DTYPE).contiguous()
         finally:
             self.bias = bias
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}, bias={self.bias is not None}"
+            f"format={self.format}, kernel={self.kernel}, bias={self.bias is not None}"
         )
+
+
+def selected_kernel(kernel: str | None = None) -> str:
+    """``"gguf"`` or ``"int4pack"``: ``kernel`` (one of :data:`KERNELS`), or when None the
+    environment's ``PAGED_ATTENTION_QUANTIZED_KERNEL`` (unset: ``auto``); ``auto`` is ``gguf``
+    where the CPU has AVX512-VNNI, else ``int4pack``."""
+    source = "kernel" if kernel is not None else KERNEL_VARIABLE
+    name = kernel if kernel is not None else os.environ.get(KERNEL_VARIABLE) or "auto"
+    if name not in KERNELS:
+        raise ValueError(f"{source}: expected one of {', '.join(KERNELS)}, got {name!r}")
+    if name == "auto":
+        return "gguf" if gguf_linear.vnni_usable() else "int4pack"
+    return name
 
 
 def _checked_shape(name: str, fmt: str, shape: tuple) -> tuple[int, int]:

@@ -1,7 +1,7 @@
-"""paged_attention.quantized and paged_attention.gguf_file: each quantized layer against the
-de-quantized weights (the gguf package's own dequantizer) times the input, the shapes and
-formats refused, a model's projections replaced, torch.compile, and a GGUF file's tensors
-read as the gguf package reads them."""
+"""paged_attention.quantized and paged_attention.gguf_file: each quantized layer, through each
+kernel, against the de-quantized weights (the gguf package's own dequantizer) times the input,
+the shapes and formats refused, the kernel's choice, a model's projections replaced,
+torch.compile, and a GGUF file's tensors read as the gguf package reads them."""
 
 import numpy as np
 import pytest
@@ -11,10 +11,17 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
+from paged_attention import gguf_linear  # noqa: E402
 from paged_attention.gguf_file import GGUFFile  # noqa: E402
-from paged_attention.quantized import FORMATS, QuantizedLinear, quantize_model  # noqa: E402
+from paged_attention.quantized import (  # noqa: E402
+    FORMATS,
+    QuantizedLinear,
+    quantize_model,
+    selected_kernel,
+)
 
 SHAPES = [(16, 32), (48, 96), (192, 576), (64, 1536)]
+KERNELS = ["gguf", "int4pack"]
 
 
 def blocks_of(weight: torch.Tensor, fmt: str) -> np.ndarray:
@@ -39,28 +46,54 @@ def bf16_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return 4 * 2.0**-8 * (x.abs().float() @ weight.abs().T) + 1e-6
 
 
+def kernel_bound(kernel: str, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor):
+    """int4pack: :func:`bf16_bound`; gguf: the op's bound for its int8 activations, plus the
+    output's rounding to ``y``'s dtype."""
+    if kernel == "int4pack":
+        return bf16_bound(x, weight)
+    rounding = 2.0**-8 * y.abs().float() if y.dtype == torch.bfloat16 else 0
+    return gguf_linear.error_bound(x.float(), weight).float() + rounding
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_is_the_dequantized_weight_times_the_input(fmt, shape, dtype):
+def test_layer_is_the_dequantized_weight_times_the_input(kernel, fmt, shape, dtype):
     weight = random_weight(shape)
     blocks = blocks_of(weight, fmt)
     reference = dequantized(blocks, fmt)
-    layer = QuantizedLinear.from_blocks(blocks, fmt, shape)
+    layer = QuantizedLinear.from_blocks(blocks, fmt, shape, kernel=kernel)
+    assert layer.kernel == kernel
     x = torch.randn(5, 3, shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
     y = layer(x)
     assert y.shape == (5, 3, shape[0]) and y.dtype == dtype
-    expected = x.float() @ reference.T
-    error = (y.float() - expected).abs()
-    assert (error <= bf16_bound(x, reference)).all(), error.max()
+    expected = x.double() @ reference.double().T
+    error = (y.double() - expected).abs()
+    assert (error <= kernel_bound(kernel, x, reference, y)).all(), error.max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_weight_is_the_formats_value_through_gguf(fmt):
+    """One-hot float32 inputs round to int8 exactly (127 steps of 1/127), so they read the
+    weights one column at a time: every weight equals the format's ``d * q + m`` (Q4_1),
+    ``d * (q - 8)`` (Q4_0), ``d * q`` (Q8_0) up to float32's rounding (for Q8_0, that of
+    cancelling the unsigned activations' offset, 128 d |sum q|: under 1e-6 at these scales);
+    a wrong zero-point, nibble order or row order would be off by whole steps."""
+    shape = (32, 64)
+    blocks = blocks_of(random_weight(shape, seed=2), fmt)
+    layer = QuantizedLinear.from_blocks(blocks, fmt, shape, kernel="gguf")
+    columns = layer(torch.eye(shape[1])).T
+    atol = 1e-6 if fmt == "Q8_0" else 1e-7
+    torch.testing.assert_close(columns, dequantized(blocks, fmt), rtol=1e-6, atol=atol)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_weight_is_the_formats_value(fmt):
-    """With scales (and minimums) that bfloat16 holds exactly, one-hot inputs read the weights
-    one column at a time: every weight equals the format's ``d * q + m`` (Q4_1),
-    ``d * (q - 8)`` (Q4_0), ``d * q`` (Q8_0) up to the output's rounding to bfloat16; a wrong
-    zero-point or nibble order would be off by whole steps."""
+    """int4pack: with scales (and minimums) that bfloat16 holds exactly, one-hot inputs read
+    the weights one column at a time: every weight equals the format's value up to the
+    output's rounding to bfloat16; a wrong zero-point or nibble order would be off by whole
+    steps."""
     shape = (32, 64)
     blocks = blocks_of(random_weight(shape, seed=2), fmt).copy()
     per_block = blocks.reshape(shape[0], -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt])
@@ -70,7 +103,7 @@ def test_each_weight_is_the_formats_value(fmt):
         rounded = torch.from_numpy(field.astype(np.float32)).bfloat16().float().numpy()
         per_block[..., 2 * half : 2 * half + 2] = rounded.astype(np.float16).view(np.uint8)
     reference = dequantized(blocks, fmt)
-    layer = QuantizedLinear.from_blocks(blocks, fmt, shape)
+    layer = QuantizedLinear.from_blocks(blocks, fmt, shape, kernel="int4pack")
     columns = layer(torch.eye(shape[1], dtype=torch.bfloat16)).float().T
     torch.testing.assert_close(columns, reference.bfloat16().float(), rtol=2**-8, atol=1e-7)
 
@@ -84,13 +117,30 @@ def test_bias_is_added():
     torch.testing.assert_close(layer(x), x @ reference.T + bias, rtol=0.02, atol=0.02)
 
 
-def test_from_float_is_the_gguf_quantizer():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_from_float_is_the_gguf_quantizer(kernel):
     weight = random_weight((48, 64))
     for fmt in FORMATS:
-        ours = QuantizedLinear.from_float(weight, fmt)
-        theirs = QuantizedLinear.from_blocks(blocks_of(weight, fmt), fmt, (48, 64))
-        assert torch.equal(ours.packed, theirs.packed)
-        assert torch.equal(ours.scales_and_zeros, theirs.scales_and_zeros)
+        ours = QuantizedLinear.from_float(weight, fmt, kernel=kernel)
+        theirs = QuantizedLinear.from_blocks(blocks_of(weight, fmt), fmt, (48, 64), kernel=kernel)
+        buffers = dict(theirs.named_buffers())
+        assert len(buffers) == 2
+        for name, buffer in ours.named_buffers():
+            assert torch.equal(buffer, buffers[name])
+
+
+def test_kernel_is_chosen_by_argument_then_environment(monkeypatch):
+    monkeypatch.delenv("PAGED_ATTENTION_QUANTIZED_KERNEL", raising=False)
+    auto = "gguf" if gguf_linear.vnni_usable() else "int4pack"
+    assert selected_kernel() == auto == selected_kernel("auto")
+    monkeypatch.setenv("PAGED_ATTENTION_QUANTIZED_KERNEL", "int4pack")
+    assert selected_kernel() == "int4pack" and selected_kernel("gguf") == "gguf"
+    assert QuantizedLinear.from_float(random_weight((16, 32)), "Q4_1").kernel == "int4pack"
+    monkeypatch.setenv("PAGED_ATTENTION_QUANTIZED_KERNEL", "fast")
+    with pytest.raises(ValueError, match="PAGED_ATTENTION_QUANTIZED_KERNEL: expected one of"):
+        selected_kernel()
+    with pytest.raises(ValueError, match="kernel: expected one of auto, gguf, int4pack, got 'x'"):
+        selected_kernel("x")
 
 
 @pytest.mark.parametrize(
@@ -159,8 +209,9 @@ def test_quantize_model_without_a_file_leaves_auto_alone_and_names_a_layer_it_ca
         quantize_model(small_llama(), "bf16")
 
 
-def test_compiles():
-    layer = QuantizedLinear.from_float(random_weight((64, 96)), "Q4_1")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_compiles(kernel):
+    layer = QuantizedLinear.from_float(random_weight((64, 96)), "Q4_1", kernel=kernel)
     x = torch.randn(4, 96)
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     with torch.no_grad():
@@ -202,9 +253,10 @@ def test_gguf_file_refuses_what_is_not_one(tmp_path):
         GGUFFile(path)
 
 
-def test_weight_is_the_dequantized_weight():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weight_is_the_dequantized_weight(kernel):
     weight = random_weight((32, 64))
-    layer = QuantizedLinear.from_float(weight, "Q4_0", bias=torch.ones(32))
+    layer = QuantizedLinear.from_float(weight, "Q4_0", bias=torch.ones(32), kernel=kernel)
     reference = dequantized(blocks_of(weight, "Q4_0"), "Q4_0")
     assert layer.weight.shape == (32, 64) and layer.bias is not None
     torch.testing.assert_close(layer.weight.float(), reference, rtol=2**-7, atol=1e-3)

@@ -1,0 +1,342 @@
+// y = x @ W.T with W held as GGUF blocks (Q4_0, Q4_1, Q8_0) for the CPU, llama.cpp's way: each
+// block of 32 activations is rounded to int8 with its own float32 scale (dx = max|x| / 127, as
+// llama.cpp's Q8_0/Q8_1 activations are), and each block's product is an integer dot product
+// (AVX512-VNNI's vpdpbusd), scaled in float32.
+//
+// The weights are laid out for it at load (paged_attention/quantized.py, GGUFLinearWeights): per
+// group of 16 output rows and per block of 32 inputs, `qs` holds the 32 x 16 quants, four
+// consecutive inputs of one row per 32-bit lane (so one vector is four inputs of 16 rows):
+//   Q4_0, Q4_1  256 bytes: byte 64 i + 4 r + t holds input 4 i + t of row r in its low nibble and
+//               input 16 + 4 i + t in its high nibble (i in 0..3), the q in 0..15;
+//   Q8_0        512 bytes: byte 64 i + 4 r + t is input 4 i + t of row r (i in 0..7), int8.
+// and `scales` (float32) the 16 rows' d, then their e, where a block's product is
+//   d * dx * dot(q, qx) + e * s
+// with qx the int8 activations and s: Q4_1: e = m, s = dx * sum(qx); Q4_0 (w = d (q - 8)):
+// e = -8 d, s = dx * sum(qx); Q8_0: the activations enter vpdpbusd unsigned, as qx + 128, so
+// e = -128 d * sum(q), s = dx.
+//
+// Variants: "vnni" (AVX-512 with VNNI, picked when torch's capability and the CPU say AVX-512
+// and the CPU has VNNI, see variants.h) and "reference", the portable scalar loop of the same
+// arithmetic; "auto" picks. Output rows are split over torch's intra-op threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu/variants.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define PA_HAVE_GGUF_VNNI 1
+#define PA_GGUF_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#endif
+
+namespace paged_attention::cpu {
+namespace {
+
+constexpr int64_t kGroup = 32;  // inputs per block
+constexpr int64_t kRows = 16;   // output rows per group
+constexpr int64_t kTile = 4;    // activation rows that share one read of the weights
+
+enum class Format { kQ4_0, kQ4_1, kQ8_0 };
+
+Format parse_format(const std::string& name) {
+  if (name == "Q4_0") return Format::kQ4_0;
+  if (name == "Q4_1") return Format::kQ4_1;
+  TORCH_CHECK_VALUE(name == "Q8_0", "gguf_linear: format must be Q4_0, Q4_1 or Q8_0, got ", name);
+  return Format::kQ8_0;
+}
+
+int64_t quant_bytes(Format format) { return format == Format::kQ8_0 ? 512 : 256; }
+
+// The activations of `rows` rows, per block: int8 quants (unsigned, +128, for Q8_0), dx and s.
+struct QuantizedActivations {
+  std::vector<uint8_t> q;  // rows x k
+  std::vector<float> dx;   // rows x blocks
+  std::vector<float> s;    // rows x blocks
+};
+
+// v rounded to the nearest integer, ties to even, for |v| <= 2^22: adding 1.5 * 2^23 leaves no
+// fraction bits, so float addition rounds (in the default rounding mode, as nearbyint would);
+// std::nearbyint is a library call on baseline x86-64, a fixed cost of microseconds per call here.
+inline float round_to_nearest_even(float v) {
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  return (v + kShift) - kShift;  // kept as written: the build does not allow reassociation
+}
+
+// Fills `a` with the activations of x (rows x k, contiguous, float or bfloat16), quantized per
+// block; blocks split over torch's threads when there are many (a prefill).
+template <typename scalar_t>
+void quantize_activations(const scalar_t* x, int64_t rows, int64_t k, Format format,
+                          QuantizedActivations& a) {
+  const int64_t blocks = k / kGroup;
+  a.q.resize(rows * k);
+  a.dx.resize(rows * blocks);
+  a.s.resize(rows * blocks);
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    float xb[kGroup];
+    for (int64_t i = begin; i < end; ++i) {
+      float amax = 0.0f;
+      for (int j = 0; j < kGroup; ++j) {
+        xb[j] = static_cast<float>(x[i * kGroup + j]);
+        amax = std::max(amax, std::fabs(xb[j]));
+      }
+      const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int sum = 0;
+      for (int j = 0; j < kGroup; ++j) {
+        const int q = static_cast<int>(round_to_nearest_even(xb[j] * inverse));
+        sum += q;
+        a.q[i * kGroup + j] = static_cast<uint8_t>(format == Format::kQ8_0 ? q + 128 : q);
+      }
+      a.dx[i] = dx;
+      a.s[i] = format == Format::kQ8_0 ? dx : dx * static_cast<float>(sum);
+    }
+  });
+}
+
+// The quant of input j (0..31) of row r in one block of `qs`.
+int weight_quant(Format format, const uint8_t* qs, int r, int j) {
+  if (format == Format::kQ8_0) return static_cast<int8_t>(qs[64 * (j / 4) + 4 * r + j % 4]);
+  const int low = j % 16;
+  const uint8_t byte = qs[64 * (low / 4) + 4 * r + low % 4];
+  return j < 16 ? byte & 15 : byte >> 4;
+}
+
+struct Problem {
+  Format format;
+  const uint8_t* qs;
+  const float* scales;
+  int64_t k, n;
+  const QuantizedActivations* a;
+  void* y;  // rows x n, float or bfloat16
+  bool bf16;
+
+  void store(int64_t index, const float* values, int count) const {
+    if (bf16) {
+      auto* out = static_cast<c10::BFloat16*>(y) + index;
+      for (int i = 0; i < count; ++i) out[i] = c10::BFloat16(values[i]);
+    } else {
+      std::memcpy(static_cast<float*>(y) + index, values, count * sizeof(float));
+    }
+  }
+};
+
+// Output groups [begin, end) of activation rows [row0, row0 + rows).
+void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end) {
+  const int64_t blocks = p.k / kGroup, bytes = quant_bytes(p.format);
+  for (int64_t g = begin; g < end; ++g) {
+    for (int64_t row = row0; row < row0 + rows; ++row) {
+      for (int r = 0; r < kRows; ++r) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* qs = p.qs + (g * blocks + b) * bytes;
+          const float* scales = p.scales + (g * blocks + b) * 2 * kRows;
+          const uint8_t* qx = p.a->q.data() + row * p.k + b * kGroup;
+          int32_t dot = 0;
+          for (int j = 0; j < kGroup; ++j) {
+            const int x = p.format == Format::kQ8_0 ? qx[j] : static_cast<int8_t>(qx[j]);
+            dot += weight_quant(p.format, qs, r, j) * x;
+          }
+          const float dx = p.a->dx[row * blocks + b], s = p.a->s[row * blocks + b];
+          sum += scales[r] * dx * static_cast<float>(dot) + scales[kRows + r] * s;
+        }
+        p.store(row * p.n + g * kRows + r, &sum, 1);
+      }
+    }
+  }
+}
+
+#ifdef PA_HAVE_GGUF_VNNI
+
+// One block's int32 dot products of 16 rows with one activation row: four independent chains.
+template <Format kFormat>
+PA_GGUF_VNNI_TARGET inline __m512i block_dot(const __m512i* w, const uint8_t* qx) {
+  __m512i chains[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                       _mm512_setzero_si512()};
+  for (int i = 0; i < 8; ++i) {
+    // Vector i holds inputs 4 i .. 4 i + 3 of the 16 rows (Q4: i >= 4 are the high nibbles,
+    // inputs 16 + 4 (i - 4) .., which is 4 i again).
+    int32_t quad;
+    std::memcpy(&quad, qx + 4 * i, sizeof(quad));
+    const __m512i x = _mm512_set1_epi32(quad);
+    if constexpr (kFormat == Format::kQ8_0) {
+      chains[i % 4] = _mm512_dpbusd_epi32(chains[i % 4], x, w[i]);  // x unsigned, w signed
+    } else {
+      chains[i % 4] = _mm512_dpbusd_epi32(chains[i % 4], w[i], x);  // w unsigned, x signed
+    }
+  }
+  return _mm512_add_epi32(_mm512_add_epi32(chains[0], chains[1]),
+                          _mm512_add_epi32(chains[2], chains[3]));
+}
+
+template <Format kFormat, int kTileRows>
+PA_GGUF_VNNI_TARGET void groups_vnni(const Problem& p, int64_t row0, int64_t begin, int64_t end) {
+  constexpr int64_t kBytes = kFormat == Format::kQ8_0 ? 512 : 256;
+  const int64_t blocks = p.k / kGroup;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int64_t g = begin; g < end; ++g) {
+    __m512 acc[kTileRows][2];
+    for (auto& pair : acc) pair[0] = pair[1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* qs = p.qs + (g * blocks + b) * kBytes;
+      const float* scales = p.scales + (g * blocks + b) * 2 * kRows;
+      __m512i w[8];
+      if constexpr (kFormat == Format::kQ8_0) {
+        for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(qs + 64 * i);
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          const __m512i bytes = _mm512_loadu_si512(qs + 64 * i);
+          w[i] = _mm512_and_si512(bytes, nibble);
+          w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(scales), e = _mm512_loadu_ps(scales + kRows);
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t row = row0 + r;
+        const __m512i dot = block_dot<kFormat>(w, p.a->q.data() + row * p.k + b * kGroup);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(p.a->dx[row * blocks + b]));
+        acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(e, _mm512_set1_ps(p.a->s[row * blocks + b]), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < kTileRows; ++r) {
+      alignas(64) float sums[kRows];
+      _mm512_store_ps(sums, _mm512_add_ps(acc[r][0], acc[r][1]));
+      p.store((row0 + r) * p.n + g * kRows, sums, kRows);
+    }
+  }
+}
+
+using GroupsFn = void (*)(const Problem&, int64_t, int64_t, int64_t);
+
+template <Format kFormat>
+GroupsFn groups_vnni_for(int64_t tile_rows) {
+  switch (tile_rows) {
+    case 1:
+      return &groups_vnni<kFormat, 1>;
+    case 2:
+      return &groups_vnni<kFormat, 2>;
+    case 3:
+      return &groups_vnni<kFormat, 3>;
+    default:
+      return &groups_vnni<kFormat, 4>;
+  }
+}
+
+GroupsFn groups_vnni_for(Format format, int64_t tile_rows) {
+  switch (format) {
+    case Format::kQ4_0:
+      return groups_vnni_for<Format::kQ4_0>(tile_rows);
+    case Format::kQ4_1:
+      return groups_vnni_for<Format::kQ4_1>(tile_rows);
+    default:
+      return groups_vnni_for<Format::kQ8_0>(tile_rows);
+  }
+}
+
+#endif  // PA_HAVE_GGUF_VNNI
+
+}  // namespace
+
+// Whether "auto" runs the VNNI variant here (also read by Python, to pick the layers' kernel).
+bool vnni_usable() {
+#ifdef PA_HAVE_GGUF_VNNI
+  return selected_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+bool use_vnni(const std::string& variant) {
+  if (variant == "auto") return vnni_usable();
+  if (variant == "reference") return false;
+  TORCH_CHECK_VALUE(variant == "vnni", "gguf_linear: variant must be auto, vnni or reference, got ",
+                    variant);
+  TORCH_CHECK(vnni_usable(), "gguf_linear: variant vnni needs AVX-512 with VNNI (avx512_vnni) ",
+              "and torch's AVX-512 kernels");
+  return true;
+}
+
+void check_arguments(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                     Format format) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && qs.device().is_cpu() && scales.device().is_cpu(),
+                    "gguf_linear: x, qs and scales must be CPU tensors");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "gguf_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(qs.scalar_type() == at::kByte, "gguf_linear: qs must be uint8, got ",
+                   qs.scalar_type());
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "gguf_linear: scales must be float32, got ",
+                   scales.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, "gguf_linear: x must be 2-d (rows, in features), got ", x.dim(),
+                    " dimensions");
+  TORCH_CHECK_VALUE(qs.dim() == 3 && qs.is_contiguous() && qs.size(2) == quant_bytes(format),
+                    "gguf_linear: qs must be a contiguous (groups, blocks, ", quant_bytes(format),
+                    ") tensor, got shape ", qs.sizes());
+  TORCH_CHECK_VALUE(scales.dim() == 4 && scales.is_contiguous() && scales.size(0) == qs.size(0) &&
+                        scales.size(1) == qs.size(1) && scales.size(2) == 2 &&
+                        scales.size(3) == kRows,
+                    "gguf_linear: scales must be a contiguous (groups, blocks, 2, 16) tensor ",
+                    "matching qs, got shape ", scales.sizes());
+  TORCH_CHECK_VALUE(x.size(1) == qs.size(1) * kGroup, "gguf_linear: x has ", x.size(1),
+                    " input features, the weight ", qs.size(1) * kGroup);
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const std::string& format_name, const std::string& variant) {
+  const Format format = parse_format(format_name);
+  check_arguments(x, qs, scales, format);
+  const bool vnni = use_vnni(variant);
+  const int64_t m = x.size(0), k = x.size(1), groups = qs.size(0), n = groups * kRows;
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (k == 0) return y.zero_();  // a weight of no blocks
+  if (m > 0 && n > 0) {
+    const at::Tensor xc = x.contiguous();
+    // Reused by the calls of this thread: a decode step makes hundreds of small calls.
+    thread_local QuantizedActivations a;
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (bf16) {
+      quantize_activations(xc.const_data_ptr<c10::BFloat16>(), m, k, format, a);
+    } else {
+      quantize_activations(xc.const_data_ptr<float>(), m, k, format, a);
+    }
+    const Problem p{format, qs.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), k, n, &a,
+                    y.data_ptr(), bf16};
+    // 4 groups (64 output rows) per task at least: fewer cost more to schedule than they share.
+    at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t row = 0; row < m; row += kTile) {
+        const int64_t tile = std::min<int64_t>(kTile, m - row);
+#ifdef PA_HAVE_GGUF_VNNI
+        if (vnni) {
+          groups_vnni_for(format, tile)(p, row, begin, end);
+          continue;
+        }
+#endif
+        groups_reference(p, row, tile, begin, end);
+      }
+    });
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace paged_attention::cpu
+
+TORCH_LIBRARY_FRAGMENT(paged_attention, m) {
+  m.def("_gguf_linear_vnni_usable() -> bool", &paged_attention::cpu::vnni_usable);
+  m.def(
+      "gguf_linear(Tensor x, Tensor qs, Tensor scales, str format, str variant=\"auto\") -> "
+      "Tensor");
+}
+
+TORCH_LIBRARY_IMPL(paged_attention, CPU, m) {
+  m.impl("gguf_linear", &paged_attention::cpu::gguf_linear);
+}

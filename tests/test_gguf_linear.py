@@ -1,0 +1,138 @@
+"""paged_attention.gguf_linear: the op against the de-quantized weight times the input (float64)
+over a grid of shapes and row counts, for each format and variant; exact where the activations
+are already int8 steps; the variants against each other; bad arguments refused; opcheck."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+
+from paged_attention.gguf_linear import (  # noqa: E402
+    error_bound,
+    gguf_linear,
+    kernel_layout,
+    vnni_usable,
+)
+
+FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+VARIANTS = ["reference"] + (["vnni"] if vnni_usable() else [])
+
+
+def weight_blocks(shape, fmt, seed=0):
+    """(blocks as (rows, blocks, bytes), the de-quantized float64 weight)."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.rand(shape[0], 1, generator=generator) * 0.2 + 0.01
+    offset = torch.randn(shape[0], 1, generator=generator) * 0.05
+    weight = torch.randn(shape, generator=generator) * scale + offset
+    blocks = quants.quantize(weight.numpy(), GGMLQuantizationType[fmt])
+    exact = quants.dequantize(blocks, GGMLQuantizationType[fmt])
+    return blocks.reshape(shape[0], -1, BYTES[fmt]), torch.from_numpy(exact).double()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (192, 576), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 33])
+def test_op_is_the_weight_times_the_input_within_the_int8_bound(variant, fmt, shape, rows):
+    blocks, weight = weight_blocks(shape, fmt)
+    qs, scales = kernel_layout(blocks, fmt)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)) * 2
+    y = gguf_linear(x, qs, scales, fmt, variant)
+    assert y.shape == (rows, shape[0]) and y.dtype == torch.float32
+    error = (y.double() - x.double() @ weight.T).abs()
+    assert (error <= error_bound(x, weight)).all(), error.max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inputs_on_int8_steps_are_exact(fmt):
+    """Activations that are already int8 steps of their block's max / 127 round to themselves:
+    the product is then the exact one up to float32's rounding."""
+    blocks, weight = weight_blocks((32, 128), fmt, seed=3)
+    qs, scales = kernel_layout(blocks, fmt)
+    generator = torch.Generator().manual_seed(4)
+    steps = torch.randint(-127, 128, (3, 128), generator=generator).double()
+    steps[:, ::32] = 127  # every block's max is 127 steps
+    x = (steps * 2.0**-6).float()
+    expected = x.double() @ weight.T
+    for variant in VARIANTS:
+        y = gguf_linear(x, qs, scales, fmt, variant).double()
+        margin = 2.0**-20 * (x.double().abs() @ weight.abs().T) * (130 if fmt == "Q8_0" else 9)
+        assert ((y - expected).abs() <= margin + 1e-7).all(), variant
+
+
+@pytest.mark.skipif(not vnni_usable(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vnni_is_the_reference(fmt):
+    blocks, _ = weight_blocks((64, 160), fmt, seed=5)
+    qs, scales = kernel_layout(blocks, fmt)
+    x = torch.randn(6, 160, generator=torch.Generator().manual_seed(6)).bfloat16()
+    vnni = gguf_linear(x, qs, scales, fmt, "vnni").float()
+    reference = gguf_linear(x, qs, scales, fmt, "reference").float()
+    torch.testing.assert_close(vnni, reference, rtol=2**-7, atol=1e-3)  # bf16 outputs
+    assert gguf_linear(x, qs, scales, fmt).dtype == torch.bfloat16
+
+
+def test_zero_rows_and_zero_inputs():
+    blocks, _ = weight_blocks((16, 64), "Q4_1")
+    qs, scales = kernel_layout(blocks, "Q4_1")
+    assert gguf_linear(torch.zeros(0, 64), qs, scales, "Q4_1").shape == (0, 16)
+    assert torch.equal(gguf_linear(torch.zeros(2, 64), qs, scales, "Q4_1"), torch.zeros(2, 16))
+
+
+def test_bad_arguments_are_refused():
+    blocks, _ = weight_blocks((16, 64), "Q4_1")
+    qs, scales = kernel_layout(blocks, "Q4_1")
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="format must be Q4_0, Q4_1 or Q8_0, got Q4_K"):
+        gguf_linear(x, qs, scales, "Q4_K")
+    with pytest.raises(ValueError, match="qs must be a contiguous \\(groups, blocks, 512\\)"):
+        gguf_linear(x, qs, scales, "Q8_0")
+    with pytest.raises(TypeError, match="x must be float32 or bfloat16, got Half"):
+        gguf_linear(x.half(), qs, scales, "Q4_1")
+    with pytest.raises(TypeError, match="scales must be float32"):
+        gguf_linear(x, qs, scales.double(), "Q4_1")
+    with pytest.raises(TypeError, match="qs must be uint8"):
+        gguf_linear(x, qs.to(torch.int8), scales, "Q4_1")
+    with pytest.raises(ValueError, match="x has 96 input features, the weight 64"):
+        gguf_linear(torch.randn(2, 96), qs, scales, "Q4_1")
+    with pytest.raises(ValueError, match="x must be 2-d"):
+        gguf_linear(torch.randn(64), qs, scales, "Q4_1")
+    with pytest.raises(ValueError, match="variant must be auto, vnni or reference, got fast"):
+        gguf_linear(x, qs, scales, "Q4_1", "fast")
+    with pytest.raises(ValueError, match="scales must be a contiguous"):
+        gguf_linear(x, qs, scales[:, :1].contiguous(), "Q4_1")
+
+
+def test_layout_refuses_what_it_cannot_lay_out():
+    blocks, _ = weight_blocks((16, 64), "Q4_1")
+    with pytest.raises(ValueError, match="blocks: 8 rows is not a multiple of 16"):
+        kernel_layout(blocks[:8], "Q4_1")
+    with pytest.raises(ValueError, match="fmt: expected Q4_0, Q4_1 or Q8_0, got 'Q5_0'"):
+        kernel_layout(blocks, "Q5_0")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck(fmt):
+    blocks, _ = weight_blocks((32, 64), fmt)
+    qs, scales = kernel_layout(blocks, fmt)
+    for x in (torch.randn(3, 64), torch.randn(1, 64).bfloat16()):
+        torch.library.opcheck(torch.ops.paged_attention.gguf_linear, (x, qs, scales, fmt, "auto"))
+
+
+def test_layout_matches_the_op_documented_bytes():
+    """Byte 64 i + 4 r + t of a Q4 block's layout holds input 4 i + t of row r (low nibble)
+    and input 16 + 4 i + t (high nibble)."""
+    blocks, _ = weight_blocks((16, 32), "Q4_1", seed=7)
+    qs, _ = kernel_layout(blocks, "Q4_1")
+    nibbles = blocks[..., 4:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)[:, 0]  # (rows, 32)
+    laid = qs.numpy()[0, 0]
+    for i in range(4):
+        for r in range(16):
+            for t in range(4):
+                assert laid[64 * i + 4 * r + t] & 15 == q[r, 4 * i + t]
+                assert laid[64 * i + 4 * r + t] >> 4 == q[r, 16 + 4 * i + t]
