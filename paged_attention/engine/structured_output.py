@@ -21,6 +21,7 @@ so a constrained sequence ends as ``"eos"`` once its output is complete.
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -123,6 +124,10 @@ def tokenizer_info(tokenizer, vocab_size: int):
     return per_size[vocab_size]
 
 
+# xgrammar's messages start with a time and its source location, which tell a client nothing.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
 class GrammarCompiler:
     """Compiles requests' grammars for one engine's ``tokenizer`` and ``vocab_size`` (the
     model's logits' width); xgrammar's cache keeps each compiled grammar, so a schema many
@@ -156,7 +161,7 @@ class GrammarCompiler:
                 return compiler.compile_regex(params.regex)
             return compiler.compile_structural_tag(params.structural_tag)
         except (RuntimeError, ValueError, TypeError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            reason = _XGRAMMAR_PREFIX.sub("", str(error).strip().split("\n")[0])
             raise RequestError(
                 f"{ARGUMENT}.{kind} could not be compiled into a grammar: "
                 f"{reason or type(error).__name__}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import threading
 import uuid
@@ -21,10 +22,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from paged_attention.engine import RequestError, RequestOutput, SamplingParams
 from paged_attention.engine.request import MAX_LOGPROBS
+from paged_attention.engine.structured_output import StructuredOutputParams
+from paged_attention.server.tool_calls import tool_call_grammar
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "tool_calls": "tool_calls",
+}
 """The engine's finish reasons as OpenAI names them (``abort``: the server ended the request,
-when it shut down or the engine failed)."""
+when it shut down or the engine failed; ``tool_calls``: the server's, for a chat answer whose
+text held tool calls)."""
 
 
 class APIError(Exception):
@@ -62,10 +72,6 @@ class APIError(Exception):
 # Fields OpenAI defines that the server does not carry out, with the values that ask for
 # nothing: those are accepted (a client library may send them), any other is refused.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # without tools there are no calls to parallelise
     "functions": ([],),
     "function_call": ("none",),
     "store": (False,),
@@ -213,6 +219,73 @@ class ChatMessage(StrictModel):
         return message
 
 
+class JSONSchemaFormat(StrictModel):
+    _where: ClassVar[str] = "response_format.json_schema"
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(StrictModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``."""
+
+    _where: ClassVar[str] = "response_format"
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        missing = self.json_schema is None or self.json_schema.schema_ is None
+        if self.type == "json_schema" and missing:
+            raise FieldError("json_schema", 'type "json_schema" needs json_schema.schema')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise FieldError("json_schema", 'json_schema is only allowed with type "json_schema"')
+        return self
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        if self.type == "json_object":
+            return StructuredOutputParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputParams(json=self.json_schema.schema_)
+        return None
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(StrictModel):
+    _where: ClassVar[str] = "tool's function"
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # the parameters are always enforced when a call is forced
+
+    @model_validator(mode="after")
+    def _check_name(self):
+        if not _FUNCTION_NAME.fullmatch(self.name):
+            raise FieldError("name", "a function's name is 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        return self
+
+
+class Tool(StrictModel):
+    _where: ClassVar[str] = "tool"
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    _where: ClassVar[str] = "tool_choice.function"
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    _where: ClassVar[str] = "tool_choice"
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class FieldError(ValueError):
     """A field refused by its object's validator; pydantic reports it at the object, and
     :func:`validation_error` names the field."""
@@ -248,6 +321,7 @@ class _Generation(StrictModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
@@ -283,10 +357,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     store: Any = None
@@ -314,7 +387,64 @@ class ChatCompletionRequest(_Generation):
             _check_logprob_count("top_logprobs", self.top_logprobs)
             if self.top_logprobs and not self.logprobs:  # 0 asks for nothing
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise APIError("tools holds two functions of the same name", param="tools")
+        if self.tool_choice not in (None, "none") and not names:
+            raise APIError("tool_choice needs tools to choose from", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise APIError(
+                    f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                    "which is not in tools",
+                    param="tool_choice",
+                )
+        format_given = self.response_format is not None and self.response_format.type != "text"
+        if format_given and self.tool_mode != "none":
+            raise APIError(
+                "response_format cannot be combined with tools unless tool_choice is "
+                '"none" (the answer is either tool calls or the formatted text)',
+                param="response_format",
+            )
+
+    @property
+    def tool_mode(self) -> str:
+        """``"none"`` (no tools, or tool_choice none), ``"auto"``, ``"required"`` or
+        ``"named"``."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates read them, or None when the model is not to see any."""
+        if self.tool_mode == "none":
+            return None
+        return [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar the answer must follow: calls of the named tool, or of any tool with
+        ``required``; the response format's; or None."""
+        mode = self.tool_mode
+        if mode in ("required", "named"):
+            tools = [tool.function for tool in self.tools]
+            if mode == "named":
+                tools = [f for f in tools if f.name == self.tool_choice.function.name]
+            functions = [(f.name, f.parameters) for f in tools]
+            parallel = self.parallel_tool_calls is not False
+            return StructuredOutputParams(structural_tag=tool_call_grammar(functions, parallel))
+        return None if self.response_format is None else self.response_format.structured_output()
+
+    @property
+    def structured_param(self) -> str:
+        """The field a grammar that fails to compile came from."""
+        return "tools" if self.tool_mode in ("required", "named") else "response_format"
 
     @property
     def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -391,6 +521,10 @@ class CompletionRequest(_Generation):
         return self.max_tokens
 
     max_tokens_param: ClassVar[str] = "max_tokens"
+    structured_param: ClassVar[str] = "response_format"
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        return None if self.response_format is None else self.response_format.structured_output()
 
 
 MAX_PROMPTS = 64
@@ -509,10 +643,14 @@ def sampling_params(
             stop=_stop_strings(request.stop),
             logprobs=request.logprob_counts[0],
             prompt_logprobs=request.logprob_counts[1],
+            structured_output=request.structured_output(),
             **_sampling_controls(request),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
-        raise APIError(str(error), param=error.argument) from None
+        param = error.argument
+        if param == "structured_output":
+            param = request.structured_param
+        raise APIError(str(error), param=param) from None
 
 
 def _max_tokens(request, prompt_len: int, n: int, limits: Limits, default: int | None) -> int:
