@@ -19,6 +19,7 @@ from paged_attention.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from paged_attention.engine.structured_output import StructuredOutputParams
 
 __all__ = [
     "Engine",
@@ -29,4 +30,5 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "StructuredOutputParams",
 ]

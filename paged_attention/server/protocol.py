@@ -437,7 +437,9 @@ class ChatCompletionRequest(_Generation):
             if mode == "named":
                 tools = [f for f in tools if f.name == self.tool_choice.function.name]
             functions = [(f.name, f.parameters) for f in tools]
-            parallel = self.parallel_tool_calls is not False
+            # a named function is called once (OpenAI's rule); required honours
+            # parallel_tool_calls
+            parallel = mode == "required" and self.parallel_tool_calls is not False
             return StructuredOutputParams(structural_tag=tool_call_grammar(functions, parallel))
         return None if self.response_format is None else self.response_format.structured_output()
 
