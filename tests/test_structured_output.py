@@ -18,6 +18,8 @@ pydantic = pytest.importorskip("pydantic")
 from paged_attention.engine import Engine, RequestError, SamplingParams  # noqa: E402
 from paged_attention.engine.structured_output import (  # noqa: E402
     StructuredOutputParams,
+    apply_grammars,
+    mask_backend,
     tokenizer_info,
 )
 from paged_attention.testing import tiny_chat_model  # noqa: E402
@@ -191,3 +193,33 @@ def test_sampling_params_with_a_grammar_pickle_and_hash():
     assert params.structured_output.json == json.dumps(SCHEMA, ensure_ascii=False)
     copy = pickle.loads(pickle.dumps(params))
     assert copy == params and hash(copy) == hash(params)
+
+
+def test_the_batched_mask_equals_each_matchers_own(tiny):
+    """apply_grammars on chosen rows of a batch, with xgrammar's CPU kernel and with its plain
+    PyTorch one (the CUDA fallback without Triton), against each matcher's bitmask unpacked
+    row by row in Python."""
+    _, tokenizer = tiny
+    info = tokenizer_info(tokenizer, 259)
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(2)]
+    assert matchers[1].accept_string('{"paid": t')
+    logits = torch.randn(4, 259, generator=torch.Generator().manual_seed(0))
+    expected = logits.clone()
+    for row, matcher in zip((1, 3), matchers):
+        bitmask = xgrammar.allocate_token_bitmask(1, 259)
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = [(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(259)]
+        expected[row, [t for t in range(259) if not allowed[t]]] = float("-inf")
+    assert mask_backend(torch.device("cpu")) == "cpu"
+    for backend in ("cpu", "torch_native"):
+        masked = logits.clone()
+        if backend == "cpu":
+            apply_grammars(masked, [(1, matchers[0]), (3, matchers[1])])
+        else:
+            bitmask = xgrammar.allocate_token_bitmask(4, 259)
+            for row, matcher in zip((1, 3), matchers):
+                matcher.fill_next_token_bitmask(bitmask, row)
+            xgrammar.apply_token_bitmask_inplace(masked, bitmask, indices=[1, 3], backend=backend)
+        assert torch.equal(masked, expected)
+    assert torch.isfinite(expected[1]).sum() == 1  # only '"' may follow '{'

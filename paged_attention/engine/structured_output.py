@@ -207,5 +207,23 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, object]]) -> 
         matcher.fill_next_token_bitmask(bitmask, row)
     indices = [row for row, _ in rows]
     xgrammar.apply_token_bitmask_inplace(
-        logits, bitmask.to(logits.device, non_blocking=True), indices=indices
+        logits,
+        bitmask.to(logits.device, non_blocking=True),
+        indices=indices,
+        backend=mask_backend(logits.device),
     )
+
+
+def mask_backend(device: torch.device) -> str:
+    """xgrammar's kernel for logits on ``device``: its C++ one on a CPU, its Triton one on a
+    CUDA device where Triton is installed, else its plain PyTorch one (xgrammar's own choice,
+    Triton, would fail to import without it)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch_native"
+        return "triton"
+    return "torch_native"
