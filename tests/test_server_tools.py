@@ -146,6 +146,15 @@ def test_tools_reach_the_prompt_unless_tool_choice_is_none(served):
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens
 
 
+def test_tokenize_renders_tools_as_a_chat_completion_does(served):
+    httpx = pytest.importorskip("httpx")
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS}
+    tokenized = httpx.post(f"{served.url}/tokenize", json=body).json()
+    assert tokenized["count"] == ask(served, max_tokens=1).usage.prompt_tokens
+    plain = httpx.post(f"{served.url}/tokenize", json={**body, "tools": None}).json()
+    assert plain["count"] < tokenized["count"]
+
+
 def test_a_template_that_renders_tools_renders_them_itself():
     tokenizer = byte_tokenizer()
     builder = PromptBuilder(tokenizer, "tiny")
