@@ -5,6 +5,7 @@ is the grammar's doing."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import pytest
@@ -95,6 +96,39 @@ def test_completions_take_a_response_format_too(served):
     Reading.model_validate_json(answer.choices[0].text)
 
 
+@pytest.mark.parametrize(
+    "fields, check",
+    [
+        (
+            {"structured_outputs": {"choice": ["yes", "no", "it depends"]}},
+            lambda t: t in ("yes", "no", "it depends"),
+        ),
+        (
+            {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+            lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t),
+        ),
+        (
+            {"structured_outputs": {"json": Reading.model_json_schema()}},
+            Reading.model_validate_json,
+        ),
+        ({"guided_json": json.dumps(Reading.model_json_schema())}, Reading.model_validate_json),
+        ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+        ({"guided_regex": "(ab)+c"}, lambda t: re.fullmatch("(ab)+c", t)),
+        ({"guided_grammar": 'root ::= "x" [0-9] [0-9]'}, lambda t: re.fullmatch("x[0-9][0-9]", t)),
+    ],
+)
+def test_vllms_structured_output_fields(served, fields, check):
+    for seed in range(2):
+        chat = served.client().chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=120, seed=seed, extra_body=fields
+        )
+        completion = served.client().completions.create(
+            model="tiny", prompt="?", max_tokens=120, seed=seed, extra_body=fields
+        )
+        for text in (chat.choices[0].message.content, completion.choices[0].text):
+            assert check(text), text
+
+
 def test_the_text_format_asks_for_nothing(served):
     answer = served.client().chat.completions.create(
         model="tiny", messages=MESSAGES, response_format={"type": "text"}, max_tokens=4, seed=1
@@ -121,6 +155,18 @@ def test_the_text_format_asks_for_nothing(served):
             "needs json_schema.schema",
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type", None),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+            "guided_regex",
+            "give one structured output field",
+        ),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "could not be compiled"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+        (
+            {"structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}},
+            "structured_outputs",
+            "exactly one of",
+        ),
         (
             {"response_format": {"type": "json_object"}, "min_tokens": 2},
             "min_tokens",

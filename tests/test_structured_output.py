@@ -105,19 +105,25 @@ def test_json_object_gives_a_json_object(engine):
         assert isinstance(json.loads(output.texts[0]), dict)
 
 
-def test_an_ebnf_grammar_and_a_regex(engine):
+CHOICES = ('say "hi"', "a\\b", "naïve", "two\nlines")
+
+
+def test_an_ebnf_grammar_a_regex_and_a_choice(engine):
     grammar = StructuredOutputParams(grammar='root ::= ("yes" | "no") "!" [0-9]')
     regex = StructuredOutputParams(regex=r"[a-c]{3}-\d\d")
+    choice = StructuredOutputParams(choice=list(CHOICES))
     params = [
         SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, structured_output=g)
-        for g in (grammar, regex)
+        for g in (grammar, regex, choice)
         for s in range(3)
     ]
     outputs = engine.generate(["?"] * len(params), params)
     for output in outputs[:3]:
         assert re.fullmatch(r"(yes|no)![0-9]", output.texts[0])
-    for output in outputs[3:]:
+    for output in outputs[3:6]:
         assert re.fullmatch(r"[a-c]{3}-\d\d", output.texts[0])
+    for output in outputs[6:]:
+        assert output.texts[0] in CHOICES and output.finish_reasons == ["eos"]
 
 
 def test_a_constrained_request_leaves_the_others_of_its_batch_alone(engine):
@@ -171,6 +177,8 @@ def test_an_engine_without_a_tokenizer_refuses_structured_output(tiny):
         ({"json_object": "yes"}, r"json_object must be True or False"),
         ({"grammar": ""}, r"structured_output\.grammar must be a non-empty string"),
         ({"structural_tag": 3}, r"structural_tag must be a dict"),
+        ({"choice": "ab"}, r"choice must be a non-empty list of strings"),
+        ({"choice": ["a", ""]}, r"choice entries must be non-empty strings"),
     ],
 )
 def test_structured_output_params_are_checked_when_built(arguments, match):

@@ -32,7 +32,7 @@ from paged_attention.engine.request import RequestError
 
 ARGUMENT = "structured_output"
 
-KINDS = ("json", "json_object", "grammar", "regex", "structural_tag")
+KINDS = ("json", "json_object", "grammar", "regex", "choice", "structural_tag")
 
 
 def _json_text(name: str, value, kinds: tuple[type, ...]) -> str:
@@ -59,8 +59,9 @@ def _json_text(name: str, value, kinds: tuple[type, ...]) -> str:
 class StructuredOutputParams:
     """The grammar a request's output must follow: exactly one of ``json`` (a JSON schema, as
     a dict, a bool or JSON text), ``json_object=True`` (any JSON object), ``grammar`` (EBNF
-    text, xgrammar's dialect, root rule ``root``), ``regex`` or ``structural_tag`` (xgrammar's
-    structural tag, as a dict or JSON text). JSON is generated without free whitespace unless
+    text, xgrammar's dialect, root rule ``root``), ``regex``, ``choice`` (a list of strings:
+    the output is exactly one of them) or ``structural_tag`` (xgrammar's structural tag, as a
+    dict or JSON text). JSON is generated without free whitespace unless
     ``any_whitespace`` (a model may otherwise fill its budget with blanks): schemas get
     ``", "`` and ``": "`` separators. Schemas are strict: no property or item the schema does
     not name. ``json`` and ``structural_tag`` are kept as JSON text (the object stays hashable
@@ -70,6 +71,7 @@ class StructuredOutputParams:
     json_object: bool = False
     grammar: str | None = None
     regex: str | None = None
+    choice: tuple[str, ...] | None = None
     structural_tag: str | dict | None = None
     any_whitespace: bool = False
 
@@ -86,6 +88,19 @@ class StructuredOutputParams:
                 raise RequestError(
                     f"{ARGUMENT}.{name} must be a non-empty string, got {value!r}", ARGUMENT
                 )
+        if self.choice is not None:
+            choices = self.choice
+            if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
+                raise RequestError(
+                    f"{ARGUMENT}.choice must be a non-empty list of strings, got {choices!r}",
+                    ARGUMENT,
+                )
+            if not all(isinstance(c, str) and c for c in choices):
+                raise RequestError(
+                    f"{ARGUMENT}.choice entries must be non-empty strings, got {choices!r}",
+                    ARGUMENT,
+                )
+            object.__setattr__(self, "choice", tuple(choices))
         given = [name for name in KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             shown = ", ".join(given) if given else "none"
@@ -159,6 +174,9 @@ class GrammarCompiler:
                 return compiler.compile_grammar(params.grammar)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
+            if kind == "choice":  # EBNF string literals take JSON's escapes
+                alternatives = (json.dumps(c, ensure_ascii=False) for c in params.choice)
+                return compiler.compile_grammar("root ::= " + " | ".join(alternatives))
             return compiler.compile_structural_tag(params.structural_tag)
         except (RuntimeError, ValueError, TypeError) as error:
             reason = _XGRAMMAR_PREFIX.sub("", str(error).strip().split("\n")[0])

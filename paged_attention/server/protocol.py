@@ -9,6 +9,7 @@ client libraries add fields of their own).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -252,6 +253,38 @@ class ResponseFormat(StrictModel):
         return None
 
 
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``json_object``,
+    ``regex``, ``grammar`` (EBNF), ``choice`` or ``structural_tag``."""
+
+    _where: ClassVar[str] = "structured_outputs"
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    structural_tag: dict | str | None = None
+
+    def structured_output(self) -> StructuredOutputParams:
+        return StructuredOutputParams(
+            json=self.json_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            grammar=self.grammar,
+            choice=self.choice,
+            structural_tag=self.structural_tag,
+        )
+
+
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older fields for structured output, and the kind each one gives."""
+
+
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -322,6 +355,12 @@ class _Generation(StrictModel):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's structured output fields (sent by the openai client in extra_body)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
@@ -349,7 +388,38 @@ class _Generation(StrictModel):
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        formats = [name for name, _ in self._formats()]
+        if len(formats) > 1:
+            raise APIError(
+                f"give one structured output field, not {' and '.join(formats)}",
+                param=formats[1],
+            )
         return self
+
+    def _formats(self) -> list[tuple[str, Any]]:
+        """The fields that ask for structured output: ``(name, a function giving its
+        StructuredOutputParams)``."""
+        formats = []
+        if self.response_format is not None and self.response_format.type != "text":
+            formats.append(("response_format", self.response_format.structured_output))
+        if self.structured_outputs is not None:
+            formats.append(("structured_outputs", self.structured_outputs.structured_output))
+        for name, kind in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                formats.append((name, functools.partial(StructuredOutputParams, **{kind: value})))
+        return formats
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar the answer must follow, or None."""
+        formats = self._formats()
+        return formats[0][1]() if formats else None
+
+    @property
+    def structured_param(self) -> str:
+        """The field a grammar that fails to compile came from."""
+        formats = self._formats()
+        return formats[0][0] if formats else "response_format"
 
 
 class ChatCompletionRequest(_Generation):
@@ -403,12 +473,12 @@ class ChatCompletionRequest(_Generation):
                     "which is not in tools",
                     param="tool_choice",
                 )
-        format_given = self.response_format is not None and self.response_format.type != "text"
-        if format_given and self.tool_mode != "none":
+        formats = [name for name, _ in self._formats()]
+        if formats and self.tool_mode != "none":
             raise APIError(
-                "response_format cannot be combined with tools unless tool_choice is "
+                f"{formats[0]} cannot be combined with tools unless tool_choice is "
                 '"none" (the answer is either tool calls or the formatted text)',
-                param="response_format",
+                param=formats[0],
             )
 
     @property
@@ -441,12 +511,12 @@ class ChatCompletionRequest(_Generation):
             # parallel_tool_calls
             parallel = mode == "required" and self.parallel_tool_calls is not False
             return StructuredOutputParams(structural_tag=tool_call_grammar(functions, parallel))
-        return None if self.response_format is None else self.response_format.structured_output()
+        return super().structured_output()
 
     @property
     def structured_param(self) -> str:
         """The field a grammar that fails to compile came from."""
-        return "tools" if self.tool_mode in ("required", "named") else "response_format"
+        return "tools" if self.tool_mode in ("required", "named") else super().structured_param
 
     @property
     def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -523,10 +593,6 @@ class CompletionRequest(_Generation):
         return self.max_tokens
 
     max_tokens_param: ClassVar[str] = "max_tokens"
-    structured_param: ClassVar[str] = "response_format"
-
-    def structured_output(self) -> StructuredOutputParams | None:
-        return None if self.response_format is None else self.response_format.structured_output()
 
 
 MAX_PROMPTS = 64
