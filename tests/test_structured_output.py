@@ -231,3 +231,27 @@ def test_the_batched_mask_equals_each_matchers_own(tiny):
             xgrammar.apply_token_bitmask_inplace(masked, bitmask, indices=[1, 3], backend=backend)
         assert torch.equal(masked, expected)
     assert torch.isfinite(expected[1]).sum() == 1  # only '"' may follow '{'
+
+
+def test_preemption_and_chunked_prefill_leave_the_matchers_right(tiny, engine):
+    """A pool too small for the batch preempts requests (recomputed later) and prompts are
+    prefilled in chunks: each matcher must still consume exactly its sequence's tokens, so the
+    outputs equal those of the roomy engine."""
+    model, tokenizer = tiny
+    small = Engine(
+        model,
+        tokenizer=tokenizer,
+        num_blocks=24,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+    )
+    prompts = [f"Order number {i}: " for i in range(4)]
+    params = [constrained(temperature=1.0, seed=seed, n=2) for seed in range(4)]
+    expected = engine.generate(prompts, params)
+    outputs = small.generate(prompts, params)
+    assert small.stats.preemptions_by_recompute > 0
+    assert [o.outputs for o in outputs] == [o.outputs for o in expected]
+    for output in outputs:
+        for text in output.texts:
+            Order.model_validate_json(text)
