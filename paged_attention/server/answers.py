@@ -4,7 +4,10 @@ of a whole answer, or those of each chunk of a stream.
 Choice ``prompt_index * n + sample`` answers sample ``sample`` of prompt ``prompt_index`` (a
 completion request may hold several prompts; a chat request has one). ``echo`` puts the prompt
 (and its logprobs, the first token's ``None``) before the completion; with ``max_tokens: 0`` the
-one token the engine generated is left out and the choice ends as ``"length"``.
+one token the engine generated is left out and the choice ends as ``"length"``. A chat answer
+to a request with tools (``tool_choice`` other than ``"none"``) has its Hermes tool calls read
+out of its text (:mod:`~paged_attention.server.tool_calls`): ``message.tool_calls``, or one
+``delta.tool_calls`` per call in a stream, and ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
