@@ -553,7 +553,7 @@ ERRORS = [  # (route, body, the param the error names)
     (CHAT, chat(ignore_eos=1), "ignore_eos"),
     (CHAT, chat(max_tokens=4, min_tokens=5), "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    (CHAT, chat(tools=[{"type": "function"}]), "tools"),
+    (CHAT, chat(tools=[{"type": "function"}]), "tools[0].function"),
     (CHAT, chat(reasoning_effort="low"), "reasoning_effort"),
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),

@@ -25,6 +25,7 @@ from paged_attention.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from paged_attention.engine.structured_output import StructuredOutputParams
 
 __all__ = [
     "CacheConfig",
@@ -38,4 +39,5 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutputParams",
 ]

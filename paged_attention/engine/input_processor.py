@@ -42,6 +42,7 @@ class InputProcessor:
         self.scheduler = scheduler
         self.device = device
         self._request_ids = itertools.count()
+        self._grammar_compiler = None
 
     def process(
         self, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
@@ -57,6 +58,7 @@ class InputProcessor:
                 "stop strings need an engine with a tokenizer (Engine(tokenizer=...))", "stop"
             )
         params.check_vocabulary(self.limits.vocab_size)
+        grammar = self._grammar(params)
         tokens = self.prompt_ids(prompt)
         if not tokens:
             raise RequestError("prompt must hold at least one token", "prompt")
@@ -88,6 +90,7 @@ class InputProcessor:
             generator=torch.Generator(device=self.device).manual_seed(params.seed),
             metrics=RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
         )
+        request.grammar = grammar
         reason = self.scheduler.rejection_reason(request)
         if reason is not None:
             prompt_blocks = -(-(len(tokens) + 1) // self.scheduler.block_manager.block_size)
@@ -99,6 +102,22 @@ class InputProcessor:
                 limit="kv_cache",
             )
         return request
+
+    def _grammar(self, params: SamplingParams):
+        """The request's compiled grammar (``structured_output``), or None; the compiler is
+        built at the first request that needs it."""
+        if params.structured_output is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError(
+                "structured_output needs an engine with a tokenizer (Engine(tokenizer=...))",
+                "structured_output",
+            )
+        from paged_attention.engine.structured_output import GrammarCompiler, RequestGrammar
+
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
+        return RequestGrammar(self._grammar_compiler.compile(params.structured_output))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt given as ids, text or chat messages."""

@@ -8,10 +8,14 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from paged_attention.engine.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from paged_attention.engine.structured_output import RequestGrammar, StructuredOutputParams
 
 
 class RequestError(ValueError):
@@ -114,6 +118,14 @@ class SamplingParams:
     every prompt token after the first (such a request computes its whole prompt: the prefix
     cache is not read for it). Both come from the model's float32 log-softmax, before any control
     or temperature (vLLM's ``raw_logprobs``). ``logprobs`` is refused with beam search.
+
+    ``structured_output`` (:class:`~paged_attention.engine.structured_output.
+    StructuredOutputParams`: a JSON schema, any JSON object, an EBNF grammar, a regex or a
+    structural tag) masks, at every step, the tokens its grammar does not allow next (after
+    the raw logprobs, before every other control); the sequence ends as ``"eos"`` once the
+    grammar is complete. Compiled when the request is added (an engine with a tokenizer; a
+    grammar that does not compile is refused there); refused with beam search, ``min_tokens``
+    and ``ignore_eos``.
     """
 
     max_new_tokens: int = 16
@@ -134,6 +146,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -171,6 +184,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", strings)
         self._check_controls()
         self._check_logprobs()
+        self._check_structured_output()
 
     def _check_controls(self) -> None:
         _check_int("top_k", self.top_k)
@@ -219,6 +233,26 @@ class SamplingParams:
                         f"{name} must be None or at most {MAX_LOGPROBS}, got {value}", name
                     )
                 object.__setattr__(self, name, int(value))
+
+    def _check_structured_output(self) -> None:
+        from paged_attention.engine.structured_output import StructuredOutputParams
+
+        if self.structured_output is None:
+            return
+        if not isinstance(self.structured_output, StructuredOutputParams):
+            raise RequestError(
+                "structured_output must be StructuredOutputParams, got "
+                f"{type(self.structured_output).__name__}",
+                "structured_output",
+            )
+        # A grammar whose end allows only the end-of-sequence tokens conflicts with both.
+        for name, off in (("beam_width", 1), ("min_tokens", 0), ("ignore_eos", False)):
+            if getattr(self, name) != off:
+                raise RequestError(
+                    f"{name} is not supported with structured_output (the grammar decides "
+                    "where the output ends)",
+                    name,
+                )
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raises RequestError if a ``logit_bias`` token id is outside ``[0, vocab_size)``."""
@@ -388,6 +422,8 @@ class Request:
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs: the entries recorded so far (None for the first token).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+    # With SamplingParams.structured_output: the compiled grammar and its sequences' matchers.
+    grammar: RequestGrammar | None = None
 
     def num_tokens(self, seq: Sequence) -> int:
         """Prompt and generated tokens of ``seq``."""

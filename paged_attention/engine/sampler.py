@@ -1,8 +1,9 @@
 """Turning a step's logits into tokens: sampling (greedy, temperature, top-k/top-p/min-p, the
-penalties and biases of :mod:`~paged_attention.engine.logits_processors`) and the beam search
-rule. Pure functions of float32 logits (on the model's device) and each request's own
-generator: every control is row by row, so a request's tokens depend only on its own logits,
-tokens and seed, never on the batch around it."""
+penalties and biases of :mod:`~paged_attention.engine.logits_processors`, the grammars of
+:mod:`~paged_attention.engine.structured_output`) and the beam search rule. Pure functions of
+float32 logits (on the model's device) and each request's own generator: every control is row
+by row, so a request's tokens depend only on its own logits, tokens and seed, never on the
+batch around it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from paged_attention.engine.logits_processors import RowState, StepControls, sampling_probabilities
 from paged_attention.engine.logprobs import token_logprobs
 from paged_attention.engine.request import Drawn, Request
+from paged_attention.engine.structured_output import apply_grammars
 
 
 def draw(
@@ -22,12 +24,15 @@ def draw(
 ) -> list[Drawn]:
     """The next token of every live sequence of each ``(request, its rows of logits)`` (no beam
     search): a request's first step has one prompt row, from which its ``n`` samples all draw.
-    The controls apply to all rows at once; greedy rows are decided by one ``argmax``, sampled
+    A row whose request has a grammar (``structured_output``) is first masked to the tokens
+    its sequence's matcher allows (one bitmask for the step). The controls apply to all rows
+    at once; greedy rows are decided by one ``argmax``, sampled
     ones per request with its own generator. ``end_tokens``: the engine's end-of-sequence ids
     (``min_tokens`` masks them). Only token ids (and requested logprobs) leave the device."""
     rows: list[int] = []
     states: list[RowState] = []
     spans: list[range] = []  # each group's rows of ``rows``
+    grammar_rows: list[tuple[int, object]] = []  # (row, its sequence's grammar matcher)
     for request, request_rows in groups:
         first = len(request.seqs) == 1 and not request.seqs[0].tokens
         seqs = request.seqs
@@ -35,13 +40,21 @@ def draw(
             request_rows, seqs = request_rows * request.params.n, seqs * request.params.n
         spans.append(range(len(rows), len(rows) + len(request_rows)))
         rows += request_rows
+        if request.grammar is not None:
+            grammar_rows += [
+                (len(states) + i, request.grammar.matcher(seq.seq_id, seq.tokens, end_tokens))
+                for i, seq in enumerate(seqs)
+            ]
         states += [RowState(request.params, request.prompt, seq.tokens) for seq in seqs]
     controls = StepControls(states, end_tokens, logits.shape[-1], logits.device)
-    # A copy where the controls change the logits in place (or rows repeat or reorder).
-    whole = not controls.active and rows == list(range(len(logits)))
+    # A copy where the controls or grammars change the logits in place (or rows repeat or
+    # reorder).
+    whole = not controls.active and not grammar_rows and rows == list(range(len(logits)))
     selected = logits if whole else logits[rows]
     want_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     raw = _rows(selected, want_logprobs).log_softmax(-1) if want_logprobs else None
+    if grammar_rows:
+        apply_grammars(selected, grammar_rows)
     controls.apply(selected)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(states) if s.params.is_greedy]

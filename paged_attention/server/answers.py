@@ -4,7 +4,10 @@ of a whole answer, or those of each chunk of a stream.
 Choice ``prompt_index * n + sample`` answers sample ``sample`` of prompt ``prompt_index`` (a
 completion request may hold several prompts; a chat request has one). ``echo`` puts the prompt
 (and its logprobs, the first token's ``None``) before the completion; with ``max_tokens: 0`` the
-one token the engine generated is left out and the choice ends as ``"length"``.
+one token the engine generated is left out and the choice ends as ``"length"``. A chat answer
+to a request with tools (``tool_choice`` other than ``"none"``) has its Hermes tool calls read
+out of its text (:mod:`~paged_attention.server.tool_calls`): ``message.tool_calls``, or one
+``delta.tool_calls`` per call in a stream, and ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from paged_attention.engine import RequestOutput, SamplingParams
 from paged_attention.server import protocol
 from paged_attention.server.logprobs import CompletionLogprobs, TokenPieces, chat_content, joined
+from paged_attention.server.tool_calls import ToolCallParser, stream_delta
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,10 @@ class Answer:
         self._offsets: dict[int, CompletionLogprobs] = {}  # per choice of a stream
         self._echoed: set[int] = set()
         self._reported: set[int] = set()
+        # Tool calls are read out of the text when the model was given tools to call.
+        self.reads_tool_calls = self.chat and body.tool_mode != "none"
+        self.parallel_tool_calls = getattr(body, "parallel_tool_calls", None) is not False
+        self._tool_parsers: dict[int, ToolCallParser] = {}  # per choice of a stream
 
     # ------------------------------------------------------------------ whole answers
 
@@ -68,6 +76,13 @@ class Answer:
         choice: dict = {"index": p * self.n + s}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": output.texts[s]}
+            if self.reads_tool_calls:
+                parser = ToolCallParser(self.parallel_tool_calls)
+                parser.feed(output.texts[s], final=True)
+                choice["message"]["content"] = parser.content
+                if parser.calls:
+                    choice["message"]["tool_calls"] = parser.calls
+                reason = _with_tool_calls(reason, parser)
             logprobs = None
             if self.wants_logprobs:
                 content = chat_content(self.pieces, output.outputs[s], output.logprobs[s], self.top)
@@ -104,10 +119,22 @@ class Answer:
             if self.prompt_only and reason is not None:
                 reason = "length"
             text, logprobs = self._delta(p, s, index, output, reason)
-            if text or logprobs or reason is not None:
+            calls = []
+            if self.reads_tool_calls:
+                parser = self._tool_parsers.setdefault(
+                    index, ToolCallParser(self.parallel_tool_calls)
+                )
+                first_call = len(parser.calls)
+                text, calls = parser.feed(text, final=reason is not None)
+                calls = stream_delta(calls, first_call)
+                reason = _with_tool_calls(reason, parser)
+            if text or calls or logprobs or reason is not None:
                 if reason is not None:
                     self._reported.add(index)
-                choices.append(protocol.chunk_choice(self.chat, index, text, reason, logprobs))
+                choice = protocol.chunk_choice(self.chat, index, text, reason, logprobs)
+                if calls:
+                    choice["delta"] = {"tool_calls": calls, **({"content": text} if text else {})}
+                choices.append(choice)
         return choices
 
     def _delta(self, p: int, s: int, index: int, output: RequestOutput, reason):
@@ -135,3 +162,9 @@ class Answer:
             parts.append(legacy.piece(tokens, entries))
         logprobs = joined(parts) if self.wants_logprobs and parts else None
         return text, logprobs
+
+
+def _with_tool_calls(reason: str | None, parser: ToolCallParser) -> str | None:
+    """A choice that ended by itself (not at its length limit) with tool calls ends as
+    ``"tool_calls"``."""
+    return "tool_calls" if reason in ("eos", "stop") and parser.calls else reason

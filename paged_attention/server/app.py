@@ -463,9 +463,12 @@ def _engine_refusal(error: ValueError, request) -> APIError:
     ``max_tokens`` or ``max_completion_tokens``, its ``prompt`` the ``messages`` or ``prompt``)."""
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     argument = getattr(error, "argument", "prompt")
-    param = {"max_new_tokens": request.max_tokens_param, "prompt": prompt_param}.get(
-        argument, argument
-    )
+    renamed = {
+        "max_new_tokens": request.max_tokens_param,
+        "prompt": prompt_param,
+        "structured_output": request.structured_param,  # a grammar that did not compile
+    }
+    param = renamed.get(argument, argument)
     code = {"context": "context_length_exceeded", "kv_cache": "kv_cache_exceeded"}.get(
         getattr(error, "limit", None)
     )

@@ -9,6 +9,7 @@ One worker: a tokenizer object is not meant to be used from several threads at o
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 from paged_attention.server.protocol import APIError, ChatCompletionRequest
@@ -37,27 +38,36 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The token ids of ``messages`` (template messages) rendered by the chat template
-        (``continue_final_message``: the last message left open, for the model to go on)."""
+        (``continue_final_message``: the last message left open, for the model to go on), with
+        ``tools`` (OpenAI's tool definitions) where the template renders them; a template that
+        does not gets them described in the system message instead (:func:`with_tools`)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(
                 f"the model {self.model_name!r} has no chat template; use /v1/completions",
                 param="messages",
             )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-            )
-        except Exception as error:  # the template's own checks (jinja raise_exception)
-            raise APIError(_template_refusal(error), param="messages") from None
+        options = dict(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        text = self._render(messages, **options)
+        if tools:
+            with_them = self._render(messages, tools=tools, **options)
+            text = with_them if with_them != text else self._render(with_tools(messages, tools))
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
+    def _render(self, messages: list[dict], **options) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except Exception as error:  # the template's own checks (jinja raise_exception)
+            raise APIError(_template_refusal(error), param="messages") from None
+
     def request_chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        return self.chat_ids([m.template_message() for m in body.messages])
+        messages = [m.template_message() for m in body.messages]
+        return self.chat_ids(messages, tools=body.template_tools)
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -73,6 +83,29 @@ class PromptBuilder:
                 param=param,
             )
         return self.tokenizer.decode(ids)
+
+
+TOOLS_PROMPT = """You may call functions to answer. Their signatures, one JSON object a line:
+<tools>
+{tools}
+</tools>
+To call one, write its name and arguments as a JSON object within <tool_call></tool_call> tags:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments as a JSON object>}}
+</tool_call>"""
+"""How tools are described to a model whose chat template does not render them (the Hermes
+format that :mod:`~paged_attention.server.tool_calls` reads)."""
+
+
+def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` with ``tools`` described at the end of the system message (a new one
+    first if there is none)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    prompt = TOOLS_PROMPT.format(tools=listed)
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 def _template_refusal(error: Exception) -> str:

@@ -9,8 +9,10 @@ client libraries add fields of their own).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import secrets
 import threading
 import uuid
@@ -21,10 +23,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from paged_attention.engine import RequestError, RequestOutput, SamplingParams
 from paged_attention.engine.request import MAX_LOGPROBS
+from paged_attention.engine.structured_output import StructuredOutputParams
+from paged_attention.server.tool_calls import tool_call_grammar
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "tool_calls": "tool_calls",
+}
 """The engine's finish reasons as OpenAI names them (``abort``: the server ended the request,
-when it shut down or the engine failed)."""
+when it shut down or the engine failed; ``tool_calls``: the server's, for a chat answer whose
+text held tool calls)."""
 
 
 class APIError(Exception):
@@ -62,10 +73,6 @@ class APIError(Exception):
 # Fields OpenAI defines that the server does not carry out, with the values that ask for
 # nothing: those are accepted (a client library may send them), any other is refused.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # without tools there are no calls to parallelise
     "functions": ([],),
     "function_call": ("none",),
     "store": (False,),
@@ -213,6 +220,105 @@ class ChatMessage(StrictModel):
         return message
 
 
+class JSONSchemaFormat(StrictModel):
+    _where: ClassVar[str] = "response_format.json_schema"
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(StrictModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``."""
+
+    _where: ClassVar[str] = "response_format"
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        missing = self.json_schema is None or self.json_schema.schema_ is None
+        if self.type == "json_schema" and missing:
+            raise FieldError("json_schema", 'type "json_schema" needs json_schema.schema')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise FieldError("json_schema", 'json_schema is only allowed with type "json_schema"')
+        return self
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        if self.type == "json_object":
+            return StructuredOutputParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputParams(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``json_object``,
+    ``regex``, ``grammar`` (EBNF), ``choice`` or ``structural_tag``."""
+
+    _where: ClassVar[str] = "structured_outputs"
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    structural_tag: dict | str | None = None
+
+    def structured_output(self) -> StructuredOutputParams:
+        return StructuredOutputParams(
+            json=self.json_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            grammar=self.grammar,
+            choice=self.choice,
+            structural_tag=self.structural_tag,
+        )
+
+
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older fields for structured output, and the kind each one gives."""
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(StrictModel):
+    _where: ClassVar[str] = "tool's function"
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # the parameters are always enforced when a call is forced
+
+    @model_validator(mode="after")
+    def _check_name(self):
+        if not _FUNCTION_NAME.fullmatch(self.name):
+            raise FieldError("name", "a function's name is 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        return self
+
+
+class Tool(StrictModel):
+    _where: ClassVar[str] = "tool"
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    _where: ClassVar[str] = "tool_choice.function"
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    _where: ClassVar[str] = "tool_choice"
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class FieldError(ValueError):
     """A field refused by its object's validator; pydantic reports it at the object, and
     :func:`validation_error` names the field."""
@@ -248,6 +354,13 @@ class _Generation(StrictModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's structured output fields (sent by the openai client in extra_body)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
@@ -275,7 +388,38 @@ class _Generation(StrictModel):
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        formats = [name for name, _ in self._formats()]
+        if len(formats) > 1:
+            raise APIError(
+                f"give one structured output field, not {' and '.join(formats)}",
+                param=formats[1],
+            )
         return self
+
+    def _formats(self) -> list[tuple[str, Any]]:
+        """The fields that ask for structured output: ``(name, a function giving its
+        StructuredOutputParams)``."""
+        formats = []
+        if self.response_format is not None and self.response_format.type != "text":
+            formats.append(("response_format", self.response_format.structured_output))
+        if self.structured_outputs is not None:
+            formats.append(("structured_outputs", self.structured_outputs.structured_output))
+        for name, kind in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                formats.append((name, functools.partial(StructuredOutputParams, **{kind: value})))
+        return formats
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar the answer must follow, or None."""
+        formats = self._formats()
+        return formats[0][1]() if formats else None
+
+    @property
+    def structured_param(self) -> str:
+        """The field a grammar that fails to compile came from."""
+        formats = self._formats()
+        return formats[0][0] if formats else "response_format"
 
 
 class ChatCompletionRequest(_Generation):
@@ -283,10 +427,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     store: Any = None
@@ -314,7 +457,66 @@ class ChatCompletionRequest(_Generation):
             _check_logprob_count("top_logprobs", self.top_logprobs)
             if self.top_logprobs and not self.logprobs:  # 0 asks for nothing
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise APIError("tools holds two functions of the same name", param="tools")
+        if self.tool_choice not in (None, "none") and not names:
+            raise APIError("tool_choice needs tools to choose from", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise APIError(
+                    f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                    "which is not in tools",
+                    param="tool_choice",
+                )
+        formats = [name for name, _ in self._formats()]
+        if formats and self.tool_mode != "none":
+            raise APIError(
+                f"{formats[0]} cannot be combined with tools unless tool_choice is "
+                '"none" (the answer is either tool calls or the formatted text)',
+                param=formats[0],
+            )
+
+    @property
+    def tool_mode(self) -> str:
+        """``"none"`` (no tools, or tool_choice none), ``"auto"``, ``"required"`` or
+        ``"named"``."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates read them, or None when the model is not to see any."""
+        if self.tool_mode == "none":
+            return None
+        return [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar the answer must follow: calls of the named tool, or of any tool with
+        ``required``; the response format's; or None."""
+        mode = self.tool_mode
+        if mode in ("required", "named"):
+            tools = [tool.function for tool in self.tools]
+            if mode == "named":
+                tools = [f for f in tools if f.name == self.tool_choice.function.name]
+            functions = [(f.name, f.parameters) for f in tools]
+            # a named function is called once (OpenAI's rule); required honours
+            # parallel_tool_calls
+            parallel = mode == "required" and self.parallel_tool_calls is not False
+            return StructuredOutputParams(structural_tag=tool_call_grammar(functions, parallel))
+        return super().structured_output()
+
+    @property
+    def structured_param(self) -> str:
+        """The field a grammar that fails to compile came from."""
+        return "tools" if self.tool_mode in ("required", "named") else super().structured_param
 
     @property
     def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -509,10 +711,14 @@ def sampling_params(
             stop=_stop_strings(request.stop),
             logprobs=request.logprob_counts[0],
             prompt_logprobs=request.logprob_counts[1],
+            structured_output=request.structured_output(),
             **_sampling_controls(request),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)
-        raise APIError(str(error), param=error.argument) from None
+        param = error.argument
+        if param == "structured_output":
+            param = request.structured_param
+        raise APIError(str(error), param=param) from None
 
 
 def _max_tokens(request, prompt_len: int, n: int, limits: Limits, default: int | None) -> int:

@@ -3,7 +3,8 @@ through the model's template) to token ids, and token ids back to text.
 
 Requests: ``{"prompt", "add_special_tokens" (true), "return_token_strs" (false)}`` or
 ``{"messages", "add_generation_prompt" (true), "continue_final_message" (false),
-"add_special_tokens" (false), "return_token_strs" (false)}``, both with an optional ``model``;
+"add_special_tokens" (false), "return_token_strs" (false), "tools" (rendered as in a chat
+completion)}``, both with an optional ``model``;
 ``{"tokens": [ids], "model"}``. Answers: ``{"count", "max_model_len", "tokens",
 "token_strs"}`` and ``{"prompt"}``.
 """
@@ -20,6 +21,7 @@ from paged_attention.server.protocol import (
     APIError,
     ChatMessage,
     StrictModel,
+    Tool,
     validation_error,
 )
 
@@ -38,14 +40,14 @@ class TokenizeChatRequest(StrictModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+    tools: list[Tool] | None = None  # rendered as a chat completion's tools are
     # vLLM's template overrides: refused unless null (a client-written template is code)
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    tools: Any = None
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("chat_template", "chat_template_kwargs", "tools"):
+        for name in ("chat_template", "chat_template_kwargs"):
             if getattr(self, name) is not None:
                 raise APIError(
                     f"{name} is not supported by this server",
@@ -98,6 +100,7 @@ def tokenize(prompts: PromptBuilder, raw: bytes, check_model, max_model_len: int
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             add_special_tokens=request.add_special_tokens,
+            tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
         )
     else:
         request = _parse(TokenizeCompletionRequest, data)

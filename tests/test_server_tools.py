@@ -1,0 +1,246 @@
+"""Tools on the OpenAI-compatible server, through the official client (and LangChain's
+``ChatOpenAI``): the tools reach the model's prompt, ``tool_choice`` ``required`` and a named
+function force calls whose arguments follow the function's schema (on the tiny random model,
+only the grammar can make them valid), and calls come back as ``tool_calls``, whole or
+streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("xgrammar")
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+
+from test_server import LiveServer, make_engine  # noqa: E402
+
+from paged_attention.models import load_model  # noqa: E402
+from paged_attention.server import create_app  # noqa: E402
+from paged_attention.server.prompts import PromptBuilder  # noqa: E402
+from paged_attention.testing import byte_tokenizer  # noqa: E402
+
+
+class Weather(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    city: Literal["Paris", "Oslo", "Lima"]
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+class Sum(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    a: int = pydantic.Field(ge=0, le=9)
+    b: int = pydantic.Field(ge=0, le=9)
+
+
+def tool(name: str, properties: dict) -> dict:
+    """A function of integer and enum parameters, all required (a compact schema: the tiny
+    model's byte tokenizer spends a token per character of the prompt)."""
+    parameters = {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def digit() -> dict:
+    return {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+TOOLS = [
+    tool(
+        "get_weather",
+        {
+            "city": {"enum": ["Paris", "Oslo", "Lima"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+    ),
+    tool("add", {"a": digit(), "b": digit()}),
+]
+VALIDATORS = {"get_weather": Weather, "add": Sum}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    model, tokenizer = load_model("tiny")
+    live = LiveServer(create_app(make_engine(model, tokenizer), tokenizer, "tiny", max_n=4))
+    yield live
+    live.stop()
+
+
+def ask(served, **fields):
+    options = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=0)
+    return served.client().chat.completions.create(**{**options, **fields})
+
+
+def check_calls(calls) -> list[tuple[str, dict]]:
+    """Each call's name and arguments, validated against its function's schema."""
+    found = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        VALIDATORS[call.function.name].model_validate(arguments)
+        found.append((call.function.name, arguments))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_named_tool_is_called_with_valid_arguments(served, seed):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = ask(served, tool_choice=choice, seed=seed, temperature=1.0, n=2)
+    for result in answer.choices:
+        assert result.finish_reason == "tool_calls"
+        assert result.message.content is None
+        names = [name for name, _ in check_calls(result.message.tool_calls)]
+        assert names == ["get_weather"]  # a named function is called once
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_calls_at_least_one_tool(served, seed):
+    answer = ask(served, tool_choice="required", seed=seed, temperature=1.0)
+    assert len(check_calls(answer.choices[0].message.tool_calls)) >= 1
+
+
+def test_parallel_tool_calls_false_makes_one_call(served):
+    for seed in range(3):
+        answer = ask(served, tool_choice="required", parallel_tool_calls=False, seed=seed)
+        assert answer.choices[0].finish_reason == "tool_calls"
+        assert len(check_calls(answer.choices[0].message.tool_calls)) == 1
+
+
+def test_streamed_tool_call_deltas_add_up_to_the_whole_answer(served):
+    fields = dict(tool_choice="required", seed=5, temperature=1.0)
+    whole = ask(served, **fields).choices[0]
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in ask(served, stream=True, **fields):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasons.append(chunk.choices[0].finish_reason)
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"name": "", "arguments": "", "ids": set()})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+            entry["ids"].add(call.id)
+    streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert streamed == expected and sorted(calls) == list(range(len(expected)))
+    assert all(len(entry["ids"]) == 1 for entry in calls.values())
+    assert reasons[-1] == whole.finish_reason
+
+
+def test_auto_answers_in_words_when_the_model_calls_nothing(served):
+    answer = ask(served, tool_choice="auto", max_tokens=12)
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.choices[0].message.content
+
+
+def test_tools_reach_the_prompt_unless_tool_choice_is_none(served):
+    plain = served.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    none = ask(served, tool_choice="none", max_tokens=1)
+    auto = ask(served, max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_tokenize_renders_tools_as_a_chat_completion_does(served):
+    httpx = pytest.importorskip("httpx")
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS}
+    tokenized = httpx.post(f"{served.url}/tokenize", json=body).json()
+    assert tokenized["count"] == ask(served, max_tokens=1).usage.prompt_tokens
+    plain = httpx.post(f"{served.url}/tokenize", json={**body, "tools": None}).json()
+    assert plain["count"] < tokenized["count"]
+
+
+def test_a_template_that_renders_tools_renders_them_itself():
+    tokenizer = byte_tokenizer()
+    builder = PromptBuilder(tokenizer, "tiny")
+    try:
+        described = tokenizer.decode(builder.chat_ids(list(MESSAGES), tools=TOOLS))
+        assert "<tools>" in described and '"get_weather"' in described  # the Hermes description
+        assert described.startswith("<|im_start|>system\n")
+        tokenizer.chat_template = (
+            "{% for tool in tools or [] %}TOOL {{ tool.function.name }};{% endfor %}"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        )
+        rendered = tokenizer.decode(builder.chat_ids(list(MESSAGES), tools=TOOLS))
+        assert rendered == "TOOL get_weather;TOOL add;user: Weather in Paris?\n"
+    finally:
+        builder.close()
+
+
+def test_a_conversation_with_earlier_calls_goes_on(served):
+    choice = {"type": "function", "function": {"name": "add"}}
+    first = ask(served, tool_choice=choice).choices[0].message
+    call = first.tool_calls[0]
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
+    again = ask(served, messages=messages, tool_choice=choice).choices[0].message
+    check_calls(again.tool_calls)
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        ({"tool_choice": "sometimes"}, "tool_choice", None),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "cannot be combined with tools",
+        ),
+        ({"tools": [*TOOLS, TOOLS[0]]}, "tools", "same name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools[0].function.name",
+            "1 to 64",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "could not be compiled",
+        ),
+    ],
+)
+def test_what_cannot_be_served_is_a_400_naming_the_field(served, fields, param, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(served, max_tokens=4, extra_body=fields)
+    error = caught.value.body
+    assert error["param"] == param
+    if message:
+        assert message in error["message"]
+
+
+def test_langchain_structured_output_and_bound_tools(served):
+    chat_openai = pytest.importorskip("langchain_openai")
+    llm = chat_openai.ChatOpenAI(
+        model="tiny",
+        base_url=f"{served.url}/v1",
+        api_key=served.api_key,
+        max_tokens=200,
+        temperature=1.0,
+        max_retries=0,
+        seed=1,
+    )
+    reading = llm.with_structured_output(Weather).invoke("Weather?")
+    assert isinstance(reading, Weather)
+    bound = llm.bind_tools([Sum], tool_choice="Sum")
+    message = bound.invoke("Add two digits.")
+    assert [call["name"] for call in message.tool_calls][:1] == ["Sum"]
+    Sum.model_validate(message.tool_calls[0]["args"])
