@@ -148,71 +148,31 @@ def make_paged_kv(
     ``kv_cache_dtype``, ``block_size``, ``num_kv_heads``, ``head_size``, ``num_blocks``.
     """
     device = torch.device(device)
-    lens = [seq_lens] * num_seqs if isinstance(seq_lens, int) else list(seq_lens)
-    if len(lens) != num_seqs:
-        raise ValueError(f"seq_lens has {len(lens)} entries for {num_seqs} sequences")
+    lens, num_blocks = _sizes(num_seqs, seq_lens, block_size, num_blocks, spares=tokens)
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
-    needed = sum(blocks_per_seq)
-    if num_blocks is None:
-        num_blocks = needed + (max(4, num_seqs) if tokens else 0)
-    if num_blocks < needed:
-        raise ValueError(f"num_blocks={num_blocks} is fewer than the {needed} blocks needed")
-
     fp8 = is_fp8(kv_cache_dtype)
     cache_dtype = torch.uint8 if fp8 else dtype
-    x = 16 // torch.empty((), dtype=cache_dtype).element_size()
-    if allocate is None:
-
-        def allocate(shape, dtype, device):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    key_cache = allocate(key_shape, cache_dtype, device)
-    value_cache = allocate((num_blocks, num_kv_heads, head_size, block_size), cache_dtype, device)
+    key_cache, value_cache = _allocate_caches(
+        num_blocks, num_kv_heads, head_size, block_size, cache_dtype, device, allocate or _empty
+    )
     # Scales that use most of the e4m3 range for standard-normal data.
     k_scale = torch.tensor([0.02 if fp8 else 1.0], dtype=torch.float32, device=device)
     v_scale = torch.tensor([0.015 if fp8 else 1.0], dtype=torch.float32, device=device)
-
-    pool = torch.randperm(num_blocks, generator=generator)
-    width = max(blocks_per_seq, default=0) + (1 if tokens else 0)
-    block_tables = torch.full((num_seqs, width), num_blocks + 1000, dtype=torch.int32)
-    slots = []
-    used = 0
-    for s, n_blocks in enumerate(blocks_per_seq):
-        blocks = pool[used : used + n_blocks]
-        used += n_blocks
-        block_tables[s, :n_blocks] = blocks.to(torch.int32)
-        positions = torch.arange(lens[s])
-        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
-
+    block_tables, slot_mapping = _scattered_tables(
+        lens, block_size, num_blocks, 1 if tokens else 0, generator
+    )
     if tokens:
-        empty = FP8_NAN_BITS if fp8 else math.nan
-        if not nan_fill:
-            empty = 0
-        key_cache.fill_(empty)
-        value_cache.fill_(empty)
-        slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
-        num_tokens = slot_mapping.numel()
-        key = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
-        value = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
-        reference.reshape_and_cache(
-            key.to(device),
-            value.to(device),
-            key_cache,
-            value_cache,
-            slot_mapping.to(device),
-            kv_cache_dtype,
-            k_scale,
-            v_scale,
-        )
-    elif not fp8:
-        key_cache.normal_()
-        value_cache.normal_()
+        empty = (FP8_NAN_BITS if fp8 else math.nan) if nan_fill else 0
+        for cache in (key_cache, value_cache):
+            cache.fill_(empty)
+        shape = (slot_mapping.numel(), num_kv_heads, head_size)
+        key, value = (torch.randn(shape, generator=generator).to(device, dtype) for _ in "kv")
+        scales = (kv_cache_dtype, k_scale, v_scale)
+        slots = slot_mapping.to(device)
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slots, *scales)
     else:
         for cache in (key_cache, value_cache):
-            values = torch.randn(cache.shape, device=device)
-            cache.copy_(reference.quantize(values, kv_cache_dtype, 1.0))
+            _fill_random(cache, kv_cache_dtype)
     return SimpleNamespace(
         key_cache=key_cache,
         value_cache=value_cache,
@@ -227,3 +187,64 @@ def make_paged_kv(
         head_size=head_size,
         num_blocks=num_blocks,
     )
+
+
+def _sizes(
+    num_seqs: int, seq_lens, block_size: int, num_blocks: int | None, spares: bool
+) -> tuple[list[int], int]:
+    """Each sequence's length, and the pool's blocks: ``num_blocks``, or by default the blocks
+    needed plus (with ``spares``) a few spare ones."""
+    lens = [seq_lens] * num_seqs if isinstance(seq_lens, int) else list(seq_lens)
+    if len(lens) != num_seqs:
+        raise ValueError(f"seq_lens has {len(lens)} entries for {num_seqs} sequences")
+    needed = sum(math.ceil(n / block_size) for n in lens)
+    if num_blocks is None:
+        num_blocks = needed + (max(4, num_seqs) if spares else 0)
+    if num_blocks < needed:
+        raise ValueError(f"num_blocks={num_blocks} is fewer than the {needed} blocks needed")
+    return lens, num_blocks
+
+
+def _allocate_caches(
+    num_blocks, num_kv_heads, head_size, block_size, cache_dtype, device, allocate
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key cache ``[blocks, kv_heads, head_size / x, block_size, x]`` (``x`` elements make 16
+    bytes) and the value cache ``[blocks, kv_heads, head_size, block_size]``, by ``allocate``."""
+    x = 16 // torch.empty((), dtype=cache_dtype).element_size()
+    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_shape = (num_blocks, num_kv_heads, head_size, block_size)
+    return allocate(key_shape, cache_dtype, device), allocate(value_shape, cache_dtype, device)
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _scattered_tables(
+    lens: list[int], block_size: int, num_blocks: int, spare_entries: int, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables (int32, ``spare_entries`` unused trailing entries per row holding an
+    out-of-range id) giving each sequence blocks drawn in turn from a random permutation of the
+    pool, and the int64 slot of every token of every sequence in order."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+    pool = torch.randperm(num_blocks, generator=generator)
+    width = max(blocks_per_seq, default=0) + spare_entries
+    block_tables = torch.full((len(lens), width), num_blocks + 1000, dtype=torch.int32)
+    slots = [torch.empty(0, dtype=torch.int64)]
+    used = 0
+    for s, n_blocks in enumerate(blocks_per_seq):
+        blocks = pool[used : used + n_blocks]
+        used += n_blocks
+        block_tables[s, :n_blocks] = blocks.to(torch.int32)
+        positions = torch.arange(lens[s])
+        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
+    return block_tables, torch.cat(slots)
+
+
+def _fill_random(cache: torch.Tensor, kv_cache_dtype: str) -> None:
+    """Fill every slot of a cache with standard-normal values (quantised at scale 1 for fp8)."""
+    if not is_fp8(kv_cache_dtype):
+        cache.normal_()
+    else:
+        values = torch.randn(cache.shape, device=cache.device)
+        cache.copy_(reference.quantize(values, kv_cache_dtype, 1.0))
