@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -61,7 +60,7 @@ from bench_decode import (
 )
 
 import paged_attention
-from paged_attention.machine import CUDA_CALLS_PER_SAMPLE, describe_machine, synchronize
+from paged_attention.machine import describe_machine, seconds_per_call, synchronize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,22 +263,6 @@ MAKERS = {
 # Timing
 
 
-def sample(fn, device) -> float:
-    """Seconds per call: one call by the wall clock on the CPU, CUDA_CALLS_PER_SAMPLE calls timed
-    with events on CUDA."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CUDA_CALLS_PER_SAMPLE):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / CUDA_CALLS_PER_SAMPLE
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def best_times_in_turns(fns: dict, device, reps: int) -> dict:
     """The best of `reps` samples of each callable, taken one of each per round, after a warm-up
     call of each."""
@@ -289,7 +272,7 @@ def best_times_in_turns(fns: dict, device, reps: int) -> dict:
     best = {name: math.inf for name in fns}
     for _ in range(max(reps, 1)):
         for name, fn in fns.items():
-            best[name] = min(best[name], sample(fn, device))
+            best[name] = min(best[name], seconds_per_call(fn, device))
     return best
 
 

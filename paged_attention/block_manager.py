@@ -56,9 +56,10 @@ host pool is a plain ``BlockPool``; the device pool, a ``CachingBlockPool``, add
 cache's hash map and LRU eviction); ``block_tables`` holds the per-sequence state (``BlockTables``:
 one preallocated numpy row per live sequence, so a decode step over a batch is a few vectorised
 operations, with Python loops only for releases and for recording token ids in the prefix
-cache; ``PrefixChains``: each sequence's place in the prefix cache); ``BlockManager``
-is the facade: it validates every call before anything changes (a call that raises leaves the
-manager exactly as it was), decides copy-on-write, releases and swaps, and reports stats.
+cache; ``PrefixChains``: each sequence's place in the prefix cache); ``block_swap``'s
+``SwapSpace`` moves whole sequences between the pools; ``BlockManager`` is the facade: it
+validates every call before anything changes (a call that raises leaves the manager exactly as it
+was), decides copy-on-write, releases and when a swap may happen, and reports stats.
 
 Sizes and counts (block counts, ``block_size``, ``sliding_window``, ``attention_chunk_size``,
 ``max_blocks_per_seq``,
@@ -87,6 +88,7 @@ from paged_attention.block_errors import (
     UnknownSequenceError,
 )
 from paged_attention.block_pool import BlockPool, CachingBlockPool
+from paged_attention.block_swap import SwapSpace
 from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains, Reach
 
 __all__ = [
@@ -170,6 +172,7 @@ class BlockManager:
         self._host = BlockPool(self.num_host_blocks)
         self._tables = BlockTables(self.block_size, self.max_blocks_per_seq)
         self._prefixes = PrefixChains(self._device, enable_prefix_caching)
+        self._swap = SwapSpace(self._tables, self._device, self._host, self._prefixes)
 
     # ------------------------------------------------------------------ queries
 
@@ -275,7 +278,7 @@ class BlockManager:
 
         if released.size:
             device.drop(tables.release(row, released))
-        pairs = self._copy_last(np.array([row]), np.array([last])) if copy else []
+        pairs = _copy_on_write(tables, device, np.array([row]), np.array([last])) if copy else []
         tables.extend(row, device.take(new_blocks), old_len + n)
         self._prefixes.record(seq_id, tables, row, old_len, tokens)
         return pairs
@@ -303,7 +306,7 @@ class BlockManager:
         if cached and not copy:
             device.uncache(last)  # written in place by the next append
         self._prefixes.cut(seq_id, num_tokens)
-        return self._copy_last(np.array([row]), np.array([last])) if copy else []
+        return _copy_on_write(tables, device, np.array([row]), np.array([last])) if copy else []
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; nothing is allocated."""
@@ -327,10 +330,7 @@ class BlockManager:
         """``free`` for several sequences at once."""
         seq_ids = list(seq_ids)
         rows = self._tables.rows_to_free(seq_ids)
-        on_host = self._tables.on_host[rows]
-        device_rows = rows[~on_host] if on_host.any() else rows
-        if device_rows.size < rows.size:
-            self._host.drop(self._tables.live_entries(rows[on_host]))
+        device_rows = self._swap.drop_host_rows(rows)
         self._device.drop(self._tables.live_entries(device_rows), cache=cache)
         self._tables.remove(seq_ids, rows)
         self._prefixes.forget(seq_ids)
@@ -338,36 +338,21 @@ class BlockManager:
     # ------------------------------------------------------------------ swapping
 
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
-        rows = self._tables.swap_rows(list(seq_ids), on_host=False)
-        return self._tables.num_distinct_blocks(rows) <= self._host.num_free()
+        return self._swap.blocks_to_move(list(seq_ids), on_host=False) <= self._host.num_free()
 
     def swap_out(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
         """Move sequences to host blocks; returns the ``(device, host)`` blocks to copy."""
-        seq_ids = list(seq_ids)
-        rows = self._tables.swap_rows(seq_ids, on_host=False)
-        needed, free = self._tables.num_distinct_blocks(rows), self._host.num_free()
-        if needed > free:
-            raise OutOfBlocksError(
-                f"swapping out {seq_ids} needs {needed} host blocks, {free} free"
-            )
-        self._prefixes.end(seq_ids)  # host copies never enter the prefix cache
-        return _move(self._tables, rows, self._device, self._host)
+        return self._swap.swap_out(list(seq_ids))
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
-        rows = self._tables.swap_rows(list(seq_ids), on_host=True)
-        needed = self._tables.num_distinct_blocks(rows)
+        needed = self._swap.blocks_to_move(list(seq_ids), on_host=True)
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
         return _status(self._device.num_free() - needed, self.watermark_blocks)
 
     def swap_in(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
         """Move swapped sequences back to the device; returns the ``(host, device)`` copies."""
-        seq_ids = list(seq_ids)
-        rows = self._tables.swap_rows(seq_ids, on_host=True)
-        self._device.check_room(
-            self._tables.num_distinct_blocks(rows), 0, "swapping in {}", seq_ids
-        )
-        return _move(self._tables, rows, self._host, self._device)
+        return self._swap.swap_in(list(seq_ids))
 
     # ------------------------------------------------------------------ step tensors, stats
 
@@ -428,7 +413,7 @@ class BlockManager:
 
         for row, blocks in zip(releasing, released):
             device.drop(tables.release(row, blocks))
-        pairs = self._copy_last(copy_rows, copied) if copy_rows.size else []
+        pairs = _copy_on_write(tables, device, copy_rows, copied) if copy_rows.size else []
         if open_rows.size:
             tables.extend_rows(open_rows, device.take(open_rows.size), int(num_blocks[widest]) + 1)
         tables.seq_lens[rows] = lens + 1
@@ -444,16 +429,6 @@ class BlockManager:
 
     def stats(self, bytes_per_block: int = 0) -> BlockManagerStats:
         return _stats(self._tables, self._device, self._host, bytes_per_block)
-
-    # ------------------------------------------------------------------ internals
-
-    def _copy_last(self, rows: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
-        """Copy-on-write: give ``rows`` fresh blocks for their last ones, ``blocks`` (shared, so
-        still referenced after); the ``(src, dst)`` pairs."""
-        copies = self._device.take(rows.size)
-        self._device.add_refs(blocks, -1)
-        self._tables.replace_last(rows, copies)
-        return list(zip(blocks.tolist(), copies))
 
 
 def reassign(
@@ -488,11 +463,15 @@ def reassign(
     return new
 
 
-def _move(tables: BlockTables, rows: np.ndarray, source: BlockPool, dest: BlockPool):
-    """Move ``rows``' blocks from pool ``source`` to pool ``dest``; the ``(from, to)`` pairs."""
-    mapping = source.transfer(tables.live_entries(rows), dest)
-    tables.move_rows(rows, mapping, on_host=not isinstance(dest, CachingBlockPool))
-    return list(mapping.items())
+def _copy_on_write(
+    tables: BlockTables, device: CachingBlockPool, rows: np.ndarray, blocks: np.ndarray
+) -> list[tuple[int, int]]:
+    """Give ``rows`` fresh blocks for their last ones, ``blocks`` (shared, so still referenced
+    after); the ``(src, dst)`` pairs to copy."""
+    copies = device.take(rows.size)
+    device.add_refs(blocks, -1)
+    tables.replace_last(rows, copies)
+    return list(zip(blocks.tolist(), copies))
 
 
 # ---------------------------------------------------------------------------- arguments

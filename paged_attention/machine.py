@@ -128,30 +128,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def calls_per_sample(device: torch.device) -> int:
+    """How many back-to-back calls one timed sample makes on ``device``."""
+    return CUDA_CALLS_PER_SAMPLE if device.type == "cuda" else 1
+
+
+def seconds_per_call(fn, device: torch.device) -> float:
+    """One timed sample of ``fn``, in seconds per call: one call by the wall clock on the CPU,
+    ``CUDA_CALLS_PER_SAMPLE`` calls timed with events on CUDA."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CUDA_CALLS_PER_SAMPLE):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / CUDA_CALLS_PER_SAMPLE
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def best_call_seconds(fn, device, reps: int, budget_s: float = 2.0) -> float:
     """Best time per call of ``fn`` in seconds over up to ``reps`` samples (at least 3, fewer once
-    ``budget_s`` is spent), after one warm-up run. CPU samples are one call timed by the wall
-    clock; CUDA samples are ``CUDA_CALLS_PER_SAMPLE`` calls timed with events."""
+    ``budget_s`` is spent), after one warm-up run; each sample is :func:`seconds_per_call`."""
     device = torch.device(device)
     fn()
     synchronize(device)
     best = float("inf")
     spent = 0.0
     for i in range(max(reps, 3)):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(CUDA_CALLS_PER_SAMPLE):
-                fn()
-            end.record()
-            end.synchronize()
-            sample_s, calls = start.elapsed_time(end) / 1e3, CUDA_CALLS_PER_SAMPLE
-        else:
-            t0 = time.perf_counter()
-            fn()
-            sample_s, calls = time.perf_counter() - t0, 1
-        best = min(best, sample_s / calls)
-        spent += sample_s
+        per_call = seconds_per_call(fn, device)
+        best = min(best, per_call)
+        spent += per_call * calls_per_sample(device)
         if i >= 2 and spent > budget_s:
             break
     return best

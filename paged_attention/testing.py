@@ -1,6 +1,6 @@
 """What the tests and the benchmarks share: random paged KV caches laid out the way a block
 manager leaves them (one builder for both), and the tiny random Llama with its byte-level
-tokenizer (``--model tiny``)."""
+tokenizer (``--model tiny``, from :mod:`paged_attention.tiny`)."""
 
 from __future__ import annotations
 
@@ -11,103 +11,18 @@ import torch
 
 from paged_attention import reference
 from paged_attention.supported import is_fp8
+from paged_attention.tiny import (  # noqa: F401  (re-exported: what the tests share)
+    BYTE_TOKENIZER_SPECIAL_TOKENS,
+    CHATML_TEMPLATE,
+    TINY_LLAMA,
+    byte_tokenizer,
+    tiny_chat_model,
+    tiny_llama,
+    tiny_llama_config,
+)
 
 # Bit pattern that is NaN in both fp8 formats (float8_e4m3fn and float8_e5m2).
 FP8_NAN_BITS = 0xFF
-
-TINY_LLAMA = dict(
-    vocab_size=1000,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-"""The config of the tiny Llama (2 layers, hidden 256, 8 query heads and 2 KV heads of size 32);
-tests and benchmarks derive theirs from it."""
-
-BYTE_TOKENIZER_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-"""Token ids 256, 257 and 258 of :func:`byte_tokenizer`, after the 256 bytes."""
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-"""The ChatML chat template (the format of SmolLM2's and Qwen2's templates)."""
-
-
-def tiny_llama_config(**overrides) -> dict:
-    """``LlamaConfig`` keyword arguments: :data:`TINY_LLAMA` with ``overrides``."""
-    return {**TINY_LLAMA, **overrides}
-
-
-def tiny_llama(seed: int = 0, **overrides) -> torch.nn.Module:
-    """The tiny Llama (``tiny_llama_config(**overrides)``) with random weights drawn from
-    ``seed``, in eval mode; the global random state is left as it was."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(LlamaConfig(**tiny_llama_config(**overrides))).eval()
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer built in code: token ``b`` is byte ``b`` (0-255) of the text's
-    UTF-8, then the special tokens ``<|endoftext|>`` (padding), ``<|im_start|>`` and
-    ``<|im_end|>`` (end of sequence), with a ChatML chat template. Any text round-trips; bytes
-    that are not UTF-8 decode as ``bytes.decode("utf-8", "replace")`` does. A
-    ``transformers.PreTrainedTokenizerFast`` over a ``tokenizers`` BPE model without merges on
-    GPT-2's byte-level alphabet (each byte spelled as a printable character)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {char: byte for byte, char in _byte_level_alphabet().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(BYTE_TOKENIZER_SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML_TEMPLATE,
-    )
-
-
-def _byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's printable spelling of each byte (the one ``tokenizers``' ByteLevel pre-tokenizer
-    and decoder use): printable Latin-1 bytes are themselves, the others are code points from
-    256 up, in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
-    printable |= set(range(ord("®"), ord("ÿ") + 1))
-    alphabet, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            alphabet[byte] = chr(byte)
-        else:
-            alphabet[byte] = chr(256 + extra)
-            extra += 1
-    return alphabet
-
-
-def tiny_chat_model(seed: int = 0) -> tuple[torch.nn.Module, object]:
-    """The tiny Llama sized for :func:`byte_tokenizer` (a vocabulary of 259 tokens; end of
-    sequence ``<|im_end|>``) and the tokenizer: text and chat through random weights."""
-    tokenizer = byte_tokenizer()
-    model = tiny_llama(
-        seed,
-        vocab_size=len(tokenizer),
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return model, tokenizer
 
 
 def make_paged_kv(
@@ -148,71 +63,31 @@ def make_paged_kv(
     ``kv_cache_dtype``, ``block_size``, ``num_kv_heads``, ``head_size``, ``num_blocks``.
     """
     device = torch.device(device)
-    lens = [seq_lens] * num_seqs if isinstance(seq_lens, int) else list(seq_lens)
-    if len(lens) != num_seqs:
-        raise ValueError(f"seq_lens has {len(lens)} entries for {num_seqs} sequences")
+    lens, num_blocks = _sizes(num_seqs, seq_lens, block_size, num_blocks, spares=tokens)
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
-    needed = sum(blocks_per_seq)
-    if num_blocks is None:
-        num_blocks = needed + (max(4, num_seqs) if tokens else 0)
-    if num_blocks < needed:
-        raise ValueError(f"num_blocks={num_blocks} is fewer than the {needed} blocks needed")
-
     fp8 = is_fp8(kv_cache_dtype)
     cache_dtype = torch.uint8 if fp8 else dtype
-    x = 16 // torch.empty((), dtype=cache_dtype).element_size()
-    if allocate is None:
-
-        def allocate(shape, dtype, device):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    key_cache = allocate(key_shape, cache_dtype, device)
-    value_cache = allocate((num_blocks, num_kv_heads, head_size, block_size), cache_dtype, device)
+    key_cache, value_cache = _allocate_caches(
+        num_blocks, num_kv_heads, head_size, block_size, cache_dtype, device, allocate or _empty
+    )
     # Scales that use most of the e4m3 range for standard-normal data.
     k_scale = torch.tensor([0.02 if fp8 else 1.0], dtype=torch.float32, device=device)
     v_scale = torch.tensor([0.015 if fp8 else 1.0], dtype=torch.float32, device=device)
-
-    pool = torch.randperm(num_blocks, generator=generator)
-    width = max(blocks_per_seq, default=0) + (1 if tokens else 0)
-    block_tables = torch.full((num_seqs, width), num_blocks + 1000, dtype=torch.int32)
-    slots = []
-    used = 0
-    for s, n_blocks in enumerate(blocks_per_seq):
-        blocks = pool[used : used + n_blocks]
-        used += n_blocks
-        block_tables[s, :n_blocks] = blocks.to(torch.int32)
-        positions = torch.arange(lens[s])
-        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
-
+    block_tables, slot_mapping = _scattered_tables(
+        lens, block_size, num_blocks, 1 if tokens else 0, generator
+    )
     if tokens:
-        empty = FP8_NAN_BITS if fp8 else math.nan
-        if not nan_fill:
-            empty = 0
-        key_cache.fill_(empty)
-        value_cache.fill_(empty)
-        slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
-        num_tokens = slot_mapping.numel()
-        key = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
-        value = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
-        reference.reshape_and_cache(
-            key.to(device),
-            value.to(device),
-            key_cache,
-            value_cache,
-            slot_mapping.to(device),
-            kv_cache_dtype,
-            k_scale,
-            v_scale,
-        )
-    elif not fp8:
-        key_cache.normal_()
-        value_cache.normal_()
+        empty = (FP8_NAN_BITS if fp8 else math.nan) if nan_fill else 0
+        for cache in (key_cache, value_cache):
+            cache.fill_(empty)
+        shape = (slot_mapping.numel(), num_kv_heads, head_size)
+        key, value = (torch.randn(shape, generator=generator).to(device, dtype) for _ in "kv")
+        scales = (kv_cache_dtype, k_scale, v_scale)
+        slots = slot_mapping.to(device)
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slots, *scales)
     else:
         for cache in (key_cache, value_cache):
-            values = torch.randn(cache.shape, device=device)
-            cache.copy_(reference.quantize(values, kv_cache_dtype, 1.0))
+            _fill_random(cache, kv_cache_dtype)
     return SimpleNamespace(
         key_cache=key_cache,
         value_cache=value_cache,
@@ -227,3 +102,64 @@ def make_paged_kv(
         head_size=head_size,
         num_blocks=num_blocks,
     )
+
+
+def _sizes(
+    num_seqs: int, seq_lens, block_size: int, num_blocks: int | None, spares: bool
+) -> tuple[list[int], int]:
+    """Each sequence's length, and the pool's blocks: ``num_blocks``, or by default the blocks
+    needed plus (with ``spares``) a few spare ones."""
+    lens = [seq_lens] * num_seqs if isinstance(seq_lens, int) else list(seq_lens)
+    if len(lens) != num_seqs:
+        raise ValueError(f"seq_lens has {len(lens)} entries for {num_seqs} sequences")
+    needed = sum(math.ceil(n / block_size) for n in lens)
+    if num_blocks is None:
+        num_blocks = needed + (max(4, num_seqs) if spares else 0)
+    if num_blocks < needed:
+        raise ValueError(f"num_blocks={num_blocks} is fewer than the {needed} blocks needed")
+    return lens, num_blocks
+
+
+def _allocate_caches(
+    num_blocks, num_kv_heads, head_size, block_size, cache_dtype, device, allocate
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key cache ``[blocks, kv_heads, head_size / x, block_size, x]`` (``x`` elements make 16
+    bytes) and the value cache ``[blocks, kv_heads, head_size, block_size]``, by ``allocate``."""
+    x = 16 // torch.empty((), dtype=cache_dtype).element_size()
+    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_shape = (num_blocks, num_kv_heads, head_size, block_size)
+    return allocate(key_shape, cache_dtype, device), allocate(value_shape, cache_dtype, device)
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _scattered_tables(
+    lens: list[int], block_size: int, num_blocks: int, spare_entries: int, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables (int32, ``spare_entries`` unused trailing entries per row holding an
+    out-of-range id) giving each sequence blocks drawn in turn from a random permutation of the
+    pool, and the int64 slot of every token of every sequence in order."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+    pool = torch.randperm(num_blocks, generator=generator)
+    width = max(blocks_per_seq, default=0) + spare_entries
+    block_tables = torch.full((len(lens), width), num_blocks + 1000, dtype=torch.int32)
+    slots = [torch.empty(0, dtype=torch.int64)]
+    used = 0
+    for s, n_blocks in enumerate(blocks_per_seq):
+        blocks = pool[used : used + n_blocks]
+        used += n_blocks
+        block_tables[s, :n_blocks] = blocks.to(torch.int32)
+        positions = torch.arange(lens[s])
+        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
+    return block_tables, torch.cat(slots)
+
+
+def _fill_random(cache: torch.Tensor, kv_cache_dtype: str) -> None:
+    """Fill every slot of a cache with standard-normal values (quantised at scale 1 for fp8)."""
+    if not is_fp8(kv_cache_dtype):
+        cache.normal_()
+    else:
+        values = torch.randn(cache.shape, device=cache.device)
+        cache.copy_(reference.quantize(values, kv_cache_dtype, 1.0))

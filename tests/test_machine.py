@@ -59,6 +59,32 @@ def test_the_read_limit_is_the_fastest_reader_with_all_threads():
     assert machine.ReadLimit(**limit.as_dict()) == limit
 
 
+def test_a_cpu_sample_is_one_call_timed_by_the_wall_clock(monkeypatch):
+    clock = iter([10.0, 10.25])
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert machine.seconds_per_call(lambda: calls.append(1), torch.device("cpu")) == 0.25
+    assert calls == [1] and machine.calls_per_sample(torch.device("cpu")) == 1
+    assert machine.calls_per_sample(torch.device("cuda")) == machine.CUDA_CALLS_PER_SAMPLE
+
+
+def test_the_best_call_time_is_the_fastest_sample_within_the_budget(monkeypatch):
+    """One warm-up call, then samples until at least 3 are taken and the budget is spent."""
+    samples = iter([3.0, 1.0, 2.0, 0.5, 0.1])
+    taken = []
+
+    def fake_sample(fn, device):
+        taken.append(fn)
+        return next(samples)
+
+    monkeypatch.setattr(machine, "seconds_per_call", fake_sample)
+    calls = []
+    best = machine.best_call_seconds(lambda: calls.append(1), "cpu", reps=5, budget_s=2.0)
+    assert best == 1.0 and len(taken) == 3 and calls == [1]  # 6 s spent after 3 samples
+    samples = iter([0.2, 0.1, 0.3, 0.05, 0.4])
+    assert machine.best_call_seconds(lambda: None, "cpu", reps=5, budget_s=2.0) == 0.05
+
+
 def test_the_faster_of_two_read_limits():
     slow = machine.ReadLimit(1e9, "sum", 4096, 2, {"sum": 1e9})
     fast = machine.ReadLimit(2e9, "gemv", 4096, 2, {"gemv": 2e9})

@@ -210,12 +210,12 @@ class PagedCache(PagedCacheBase):
 
     def _begin_step(self, batch, q_len, key, value, attention_mask) -> None:
         """Bookkeeping once per forward pass, before the first layer stores anything."""
-        real = self._real_tokens(batch, q_len, attention_mask)
+        real = _real_tokens(batch, q_len, attention_mask)
         counts = [q_len] * batch if real is None else real.sum(dim=1).tolist()
         if not self._rows:
             self._rows = [None] * batch
             # Each rank compares its own heads; and-ed, every rank forks the same rows.
-            duplicates = self.tensor_parallel.all_ranks(self._duplicate_rows(key, value, real))
+            duplicates = self.tensor_parallel.all_ranks(_duplicate_rows(key, value, real))
         elif batch != len(self._rows):
             raise ValueError(
                 f"this PagedCache holds a batch of {len(self._rows)} rows but the input has "
@@ -285,38 +285,6 @@ class PagedCache(PagedCacheBase):
             inputs.slot_mapping[starts[index] : starts[index + 1]] = -1
         return build_metadata(inputs, self.kv_cache.device)
 
-    @staticmethod
-    def _real_tokens(batch, q_len, attention_mask) -> torch.Tensor | None:
-        """Bool ``[batch, q_len]`` on the host, True for the tokens to store and attend
-        (``None`` when all are)."""
-        if attention_mask is None:
-            return None
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f'attn_implementation="{ATTN_IMPLEMENTATION}" takes a 2D padding mask [batch, '
-                f"past + new tokens], got shape {tuple(attention_mask.shape)}"
-            )
-        real = attention_mask[:, -q_len:].to(device="cpu", dtype=torch.bool)
-        if real.shape != (batch, q_len):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, expected [{batch}, "
-                f">= {q_len}]"
-            )
-        return None if bool(real.all()) else real
-
-    @staticmethod
-    def _duplicate_rows(key, value, real) -> list[bool]:
-        """Rows whose first-layer keys, values and padding equal the previous row's: copies made
-        by generate's expansion, whose whole KV will be identical, so they fork instead."""
-        batch = key.shape[0]
-        if batch == 1:
-            return [False]
-        same = (key[1:] == key[:-1]).flatten(1).all(1) & (value[1:] == value[:-1]).flatten(1).all(1)
-        same = same.cpu()
-        if real is not None:
-            same &= (real[1:] == real[:-1]).all(1)
-        return [False, *same.tolist()]
-
     def _check_input_ids(self, input_ids: torch.Tensor, first_iteration: bool | None) -> None:
         """At the first step of a ``generate`` call on a cache that holds tokens, its
         ``input_ids`` must start with them (a continuation); anything else is a new prompt."""
@@ -346,6 +314,38 @@ class PagedCache(PagedCacheBase):
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+
+def _real_tokens(batch: int, q_len: int, attention_mask) -> torch.Tensor | None:
+    """Bool ``[batch, q_len]`` on the host, True for the tokens to store and attend
+    (``None`` when all are)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" takes a 2D padding mask [batch, '
+            f"past + new tokens], got shape {tuple(attention_mask.shape)}"
+        )
+    real = attention_mask[:, -q_len:].to(device="cpu", dtype=torch.bool)
+    if real.shape != (batch, q_len):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, expected [{batch}, "
+            f">= {q_len}]"
+        )
+    return None if bool(real.all()) else real
+
+
+def _duplicate_rows(key, value, real) -> list[bool]:
+    """Rows whose first-layer keys, values and padding equal the previous row's: copies made
+    by generate's expansion, whose whole KV will be identical, so they fork instead."""
+    batch = key.shape[0]
+    if batch == 1:
+        return [False]
+    same = (key[1:] == key[:-1]).flatten(1).all(1) & (value[1:] == value[:-1]).flatten(1).all(1)
+    same = same.cpu()
+    if real is not None:
+        same &= (real[1:] == real[:-1]).all(1)
+    return [False, *same.tolist()]
 
 
 def _check_generation_inputs(model: torch.nn.Module) -> None:
