@@ -25,8 +25,8 @@ from collections import deque
 
 import torch
 
-from paged_attention.block_manager import BlockManager
-from paged_attention.machine import machine_info
+from paged_attention.cli.machine import machine_info
+from paged_attention.kv.block_manager import BlockManager
 
 BLOCK_SIZE = 16
 NUM_SEQS = 256

@@ -17,7 +17,7 @@ contents:
   of a number.
 * ``limit``: the read limit of the row, the fastest streaming read of as many bytes with all of
   torch's threads (the threads the kernels use): every reader of
-  ``paged_attention.machine.STREAM_READERS`` (a float32 ``sum()``, an int32 ``amax()``, a
+  ``paged_attention.cli.machine.STREAM_READERS`` (a float32 ``sum()``, an int32 ``amax()``, a
   float32 matrix-vector product) over a buffer as large as the step's K and V, before and after
   the methods, and over the memory buffer (``--memory-buffer-mib``, default four times the
   last-level cache and at least 1 GiB) at the start and the end of the run; the fastest of all.
@@ -59,9 +59,8 @@ from pathlib import Path
 import torch
 
 import paged_attention
-from paged_attention import machine
-from paged_attention.cache import advise_huge_pages
-from paged_attention.machine import (
+from paged_attention.cli import machine
+from paged_attention.cli.machine import (
     CUDA_CALLS_PER_SAMPLE,
     ReadLimit,
     describe_machine,
@@ -69,7 +68,8 @@ from paged_attention.machine import (
     measure_read_limit,
     memory_buffer_bytes,
 )
-from paged_attention.machine import best_call_seconds as best_time
+from paged_attention.cli.machine import best_call_seconds as best_time
+from paged_attention.kv.cache import advise_huge_pages
 from paged_attention.testing import make_paged_kv
 
 

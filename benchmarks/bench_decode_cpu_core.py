@@ -7,7 +7,7 @@ splits that comparison per core, on one thread:
   one KV head serving 4 query heads, head size 128, block size 16, 1024 tokens, scattered
   blocks), repeated many times. Bytes of K and V per step over the time per step, after
   subtracting the time of the same call over a 1-token sequence (the fixed cost of a call).
-* ``memory``: the read limit of one thread, the fastest of ``paged_attention.machine``'s
+* ``memory``: the read limit of one thread, the fastest of ``paged_attention.cli.machine``'s
   streaming readers (``STREAM_READERS``) over a buffer four times the last-level cache and at
   least 1 GiB (``--memory-buffer-mib``), at the start and at the end of the run: the rate one
   core streams from memory.
@@ -46,7 +46,7 @@ from bench_decode import (
 )
 
 import paged_attention  # noqa: F401  (registers torch.ops.paged_attention)
-from paged_attention.machine import (
+from paged_attention.cli.machine import (
     ReadLimit,
     describe_machine,
     measure_read_limit,

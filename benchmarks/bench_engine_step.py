@@ -34,11 +34,11 @@ WORKLOADS = ("tiny64", "chat")
 
 
 def run_tiny64(quick: bool) -> dict:
+    from paged_attention import testing  # every tree compared has it here
     from paged_attention.engine import Engine, SamplingParams
-    from paged_attention.testing import tiny_llama
 
     num_seqs, new_tokens = (8, 8) if quick else (64, 48)
-    engine = Engine(tiny_llama(seed=0), num_blocks=num_seqs * 8, max_num_seqs=num_seqs)
+    engine = Engine(testing.tiny_llama(seed=0), num_blocks=num_seqs * 8, max_num_seqs=num_seqs)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     for i in range(num_seqs):
         engine.add_request([1 + (i * 7 + j) % 250 for j in range(16)], params)
@@ -181,7 +181,7 @@ def main() -> None:
                 rows.append({**run_tree(name, tree, workload, args.quick), "round": round_index})
     print_table(rows)
     if args.json:
-        from paged_attention.machine import machine_info
+        from paged_attention.cli.machine import machine_info
 
         Path(args.json).write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=1))
 

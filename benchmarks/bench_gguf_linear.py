@@ -44,7 +44,7 @@ def measure(repeats: int) -> list[dict]:
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    from paged_attention.quantized import QuantizedLinear
+    from paged_attention.modeling.quantized import QuantizedLinear
 
     rows = []
     for name, (fmt, out, inp) in SHAPES.items():

@@ -24,13 +24,13 @@ import os
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from paged_attention.demo import tiny_llama_config
+from paged_attention.cli.machine import machine_info
 from paged_attention.integrations.transformers import (
     ATTN_IMPLEMENTATION,
     PagedCache,
     cache_argument_name,
 )
-from paged_attention.machine import machine_info
+from paged_attention.modeling.tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(
     vocab_size=512,

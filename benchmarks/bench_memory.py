@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from paged_attention.block_manager import BlockManager
+from paged_attention.kv.block_manager import BlockManager
 
 BLOCK_SIZES = (8, 16, 32)
 SAMPLE_COUNTS = (2, 4, 6)

@@ -60,7 +60,7 @@ from bench_decode import (
 )
 
 import paged_attention
-from paged_attention.machine import describe_machine, seconds_per_call, synchronize
+from paged_attention.cli.machine import describe_machine, seconds_per_call, synchronize
 
 
 @dataclasses.dataclass(frozen=True)

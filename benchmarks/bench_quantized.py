@@ -38,9 +38,9 @@ def resident_mb() -> float:
 def measure(config: str, threads: int) -> dict:
     import torch
 
-    from paged_attention.demo import QUESTIONS
+    from paged_attention.cli.demo import QUESTIONS
     from paged_attention.engine import Engine, SamplingParams
-    from paged_attention.models import load_model
+    from paged_attention.modeling.models import load_model
 
     weights, kernel = CONFIGS[config]
     if kernel is not None:

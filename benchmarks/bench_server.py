@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from paged_attention.machine import describe_machine, machine_info
+from paged_attention.cli.machine import describe_machine, machine_info
 
 PROMPTS = [
     "What is the capital of France?",

@@ -49,7 +49,7 @@ import psutil
 from bench_server import PROMPTS, one_request
 from publish import compare_table_rows
 
-from paged_attention.machine import describe_machine, machine_info
+from paged_attention.cli.machine import describe_machine, machine_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,7 +487,7 @@ def specs_of(args: argparse.Namespace) -> tuple[ServerSpec, ServerSpec]:
 
 
 def default_gguf() -> Path:
-    from paged_attention.models import ModelLoadError, smollm2_gguf
+    from paged_attention.modeling.models import ModelLoadError, smollm2_gguf
 
     try:
         return smollm2_gguf()

@@ -83,7 +83,7 @@ def offline(model: str, max_tokens: int, threads: int | None) -> dict:
     import torch
 
     from paged_attention.engine import Engine, SamplingParams
-    from paged_attention.models import load_model
+    from paged_attention.modeling.models import load_model
 
     if threads:
         torch.set_num_threads(threads)

@@ -2,8 +2,8 @@
 (``generate_batch()``) and a padded ``generate()``, on the same model and prompts.
 
 Chat workloads, on a real model (``--model``, default SmolLM2-135M-Instruct; ``tiny`` or any
-name ``paged_attention.models.load_model`` takes), in every ``--dtypes`` (default bfloat16 and
-float32):
+name ``paged_attention.modeling.models.load_model`` takes), in every ``--dtypes`` (default bfloat16
+and float32):
 
 * ``chat``: ``--requests`` (default 32 and 64) concurrent chat requests, each a distinct
   question formatted by the tokenizer's chat template, ``--new-tokens`` (64) greedy new tokens
@@ -24,7 +24,7 @@ matter, comparing the engine with prefix caching and chunked prefill on and off:
 
 * A: 64 requests sharing a 512-token system prompt, each with its own 32-256-token question,
   128 new tokens each, greedy;
-* B: the demo's mix (``paged_attention.demo.default_workload``: prompts of 8-96 tokens, half
+* B: the demo's mix (``paged_attention.cli.demo.default_workload``: prompts of 8-96 tokens, half
   with a 48-token system prompt, greedy, parallel sampling and beam search);
 * C: the demo's prompts, every request greedy with 64 new tokens.
 
@@ -63,10 +63,11 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from paged_attention.demo import default_workload, tiny_llama_config
+from paged_attention.cli.demo import default_workload
+from paged_attention.cli.machine import describe_machine, machine_info
 from paged_attention.engine import Engine, SamplingParams
-from paged_attention.machine import describe_machine, machine_info
-from paged_attention.models import DTYPES, MODEL_HELP, load_model
+from paged_attention.modeling.models import DTYPES, MODEL_HELP, load_model
+from paged_attention.modeling.tiny import tiny_llama_config
 
 MODEL = tiny_llama_config(
     vocab_size=2048,

@@ -175,8 +175,8 @@ import sys
 
 import torch
 
-import paged_attention._ops as pa
-from paged_attention import reference
+import paged_attention.ops.bindings as pa
+from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention
 tiny = "--tiny" in sys.argv

@@ -34,7 +34,7 @@ CONFIGS = {"gguf": ("auto", "gguf"), "int4pack": ("auto", "int4pack"), "bf16": (
 def ours(config: str, questions, tokens: int) -> list[list[int]]:
     """Our greedy tokens of each question in ``config``."""
     from paged_attention.engine import Engine, SamplingParams
-    from paged_attention.models import load_model
+    from paged_attention.modeling.models import load_model
 
     weights, kernel = CONFIGS[config]
     if kernel is not None:
@@ -132,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from paged_attention.demo import QUESTIONS
-    from paged_attention.models import load_model, smollm2_gguf
+    from paged_attention.cli.demo import QUESTIONS
+    from paged_attention.modeling.models import load_model, smollm2_gguf
 
     torch.set_num_threads(2)
     _, tokenizer = load_model("smollm2", weights="bf16")

@@ -400,7 +400,7 @@ def cpu_core_section(data: dict) -> str:
         )
     text = (
         "One core's compute rate against the rate one core streams from memory. The read limit "
-        "is the fastest of the streaming readers of `paged_attention.machine` on one thread "
+        "is the fastest of the streaming readers of `paged_attention.cli.machine` on one thread "
         "(for the rows from memory: the faster of that and the readers over a buffer of the "
         "row's size), measured in the same run.\n\n"
     )

@@ -19,7 +19,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, DistributedConfig
 
-from paged_attention.demo import default_model
+from paged_attention.cli.demo import default_model
 from paged_attention.engine import Engine, SamplingParams
 from paged_attention.integrations.transformers import (
     ATTN_IMPLEMENTATION,

@@ -3,17 +3,8 @@
 ``torch.ops.paged_attention.*`` are the raw ops (loaded on import); the functions below wrap them.
 """
 
-from paged_attention._ops import (
-    copy_blocks,
-    num_partitions,
-    paged_attention,
-    paged_attention_varlen,
-    reshape_and_cache,
-    swap_blocks,
-    use_v2,
-)
 from paged_attention.attention import AttentionMetadata, PagedAttention
-from paged_attention.block_manager import (
+from paged_attention.kv.block_manager import (
     AllocStatus,
     BlockManager,
     BlockManagerError,
@@ -24,7 +15,16 @@ from paged_attention.block_manager import (
     SwapError,
     UnknownSequenceError,
 )
-from paged_attention.cache import PagedKVCache
+from paged_attention.kv.cache import PagedKVCache
+from paged_attention.ops.bindings import (
+    copy_blocks,
+    num_partitions,
+    paged_attention,
+    paged_attention_varlen,
+    reshape_and_cache,
+    swap_blocks,
+    use_v2,
+)
 
 __version__ = "0.1.0"
 

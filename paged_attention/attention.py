@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paged_attention import _ops
-from paged_attention.supported import check_head_size, is_fp8
+from paged_attention.ops import bindings as _ops
+from paged_attention.ops.supported import check_head_size, is_fp8
 
 
 def debug_checks_enabled() -> bool:
@@ -142,7 +142,7 @@ class PagedAttention(nn.Module):
     ``C`` positions (chunked local attention, as Llama 4's; with a window too, positions both
     allow); ``logits_soft_cap = c > 0`` maps logits to ``c * tanh(s / c)``;
     ``kv_cache_dtype`` is ``"auto"`` or an fp8 format (then pass ``k_scale``/``v_scale`` to
-    ``forward``, as :class:`~paged_attention.cache.PagedKVCache` holds them); ``sinks`` is
+    ``forward``, as :class:`~paged_attention.kv.cache.PagedKVCache` holds them); ``sinks`` is
     ``None`` or ``[num_heads]`` floats, one extra logit per head that only joins the softmax's
     denominator (attention sinks as in gpt-oss); ``v_head_size`` is the values' head size, and
     so the output's, where it differs from the keys' (multi-head latent attention: DeepSeek-V3's

@@ -1,6 +1,6 @@
 """What the tests and the benchmarks share: random paged KV caches laid out the way a block
 manager leaves them (one builder for both), and the tiny random Llama with its byte-level
-tokenizer (``--model tiny``, from :mod:`paged_attention.tiny`)."""
+tokenizer (``--model tiny``, from :mod:`paged_attention.modeling.tiny`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from paged_attention import reference
-from paged_attention.supported import is_fp8
-from paged_attention.tiny import (  # noqa: F401  (re-exported: what the tests share)
+from paged_attention.modeling.tiny import (  # noqa: F401  (re-exported: what the tests share)
     BYTE_TOKENIZER_SPECIAL_TOKENS,
     CHATML_TEMPLATE,
     TINY_LLAMA,
@@ -20,6 +18,8 @@ from paged_attention.tiny import (  # noqa: F401  (re-exported: what the tests s
     tiny_llama,
     tiny_llama_config,
 )
+from paged_attention.ops import reference
+from paged_attention.ops.supported import is_fp8
 
 # Bit pattern that is NaN in both fp8 formats (float8_e4m3fn and float8_e5m2).
 FP8_NAN_BITS = 0xFF

@@ -58,6 +58,6 @@ def smollm2():
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct in the default dtype (``make setup``
     installs it; the first load converts it into the model cache). Tests that switch its
     attention implementation switch it back to sdpa."""
-    from paged_attention.models import load_model
+    from paged_attention.modeling.models import load_model
 
     return load_model("smollm2")

@@ -19,16 +19,16 @@ import warnings
 
 import torch
 
-from paged_attention import cache as cache_module
-from paged_attention.demo import default_workload
+from paged_attention.cli.demo import default_workload
 from paged_attention.engine import Engine, SamplingParams
-from paged_attention.geometry import ModelGeometry
-from paged_attention.integrations.tensor_parallel import TensorParallel
 from paged_attention.integrations.transformers import (
     ATTN_IMPLEMENTATION,
     PagedCache,
     cache_argument_name,
 )
+from paged_attention.kv import cache as cache_module
+from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.tensor_parallel import TensorParallel
 
 BLOCK = 16
 ENGINE_BLOCKS = 20  # too few for the workload at once: requests are preempted

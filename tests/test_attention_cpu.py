@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import paged_attention
-from paged_attention import reference
+from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention
 
@@ -502,7 +502,7 @@ def test_narrower_instruction_sets_agree():
 def test_v2_only_when_there_are_too_few_units(monkeypatch):
     """On the CPU, paged_attention() splits sequences into partitions only to occupy the threads,
     whatever the context length."""
-    monkeypatch.setattr(paged_attention._ops, "_cpu_threads", lambda: 2)
+    monkeypatch.setattr(paged_attention.ops.bindings, "_cpu_threads", lambda: 2)
     use_v2 = paged_attention.use_v2
     many = torch.empty(32, 32, 128)  # 32 sequences x 8 KV heads = 256 units
     few = torch.empty(1, 4, 128)  # 1 unit

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_attention import reference
 from paged_attention.attention import AttentionMetadata, PagedAttention
-from paged_attention.cache import PagedKVCache
+from paged_attention.kv.cache import PagedKVCache
+from paged_attention.ops import reference
 
 BLOCK = 8
 HEAD = 32
@@ -532,7 +532,7 @@ def test_a_mixed_step_is_one_varlen_call(option, monkeypatch):
     # A fresh prompt, a chunk after a cached context and a decode in one step: one op call for
     # the whole step (no per-sequence launches); a decode-only step goes to the decode op, also
     # in one call.
-    from paged_attention import _ops
+    from paged_attention.ops import bindings as _ops
 
     calls = []
     for name in ("paged_attention_varlen", "paged_attention"):

@@ -145,7 +145,7 @@ def test_the_read_limit_is_measured_in_the_run_and_bounds_every_method(tmp_path)
 
 
 def limit_entries(kernel_bytes_per_s: float, same_size: float, memory: float):
-    from paged_attention.machine import ReadLimit
+    from paged_attention.cli.machine import ReadLimit
 
     nbytes = 1 << 20
     common = dict(dtype="float32", batch=1, context=512, kv_bytes=nbytes)
@@ -179,7 +179,7 @@ def test_the_faster_of_the_memory_and_the_same_size_read_is_the_limit():
 def test_the_run_fails_loudly_when_a_method_beats_the_limit(tmp_path, monkeypatch, capsys):
     """A reader slowed down by other work must not publish a kernel at more than 100%: the JSON
     keeps the figures, and the run exits with an error naming the rows."""
-    from paged_attention.machine import ReadLimit
+    from paged_attention.cli.machine import ReadLimit
 
     bench = load_bench_decode()
     slow = ReadLimit(1e6, "sum", 4096, 1, {"sum": 1e6})  # 1 MB/s: every kernel beats it

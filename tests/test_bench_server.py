@@ -15,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
 from paged_attention.engine import Engine  # noqa: E402
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -71,7 +71,7 @@ def test_chat_prompts_are_distinct_questions_through_the_chat_template():
     assert bench_serving.chat_questions(3, offset=97) == questions[97:]
     with pytest.raises(ValueError, match="distinct chat questions"):
         bench_serving.chat_questions(2, offset=159)
-    from paged_attention.models import load_model
+    from paged_attention.modeling.models import load_model
 
     _, tokenizer = load_model("tiny")
     (ids,) = bench_serving.chat_prompt_ids(tokenizer, questions[:1])

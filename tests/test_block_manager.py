@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_attention import block_pool
-from paged_attention.block_manager import (
+from paged_attention.kv import block_pool
+from paged_attention.kv.block_manager import (
     RELEASED,
     AllocStatus,
     BlockManager,
@@ -1326,7 +1326,7 @@ def test_errors_are_block_manager_errors():
 
 def test_public_names_come_from_the_facade_and_the_package():
     import paged_attention
-    from paged_attention import block_manager
+    from paged_attention.kv import block_manager
 
     for name in block_manager.__all__:
         assert getattr(paged_attention, name, getattr(block_manager, name)) is getattr(
@@ -1357,7 +1357,7 @@ def test_cached_copy_of_a_full_last_block():
 
 
 def test_reassign_keeps_the_first_taker_forks_later_ones_and_frees_the_rest():
-    from paged_attention.block_manager import reassign
+    from paged_attention.kv.block_manager import reassign
 
     bm = BlockManager(16, 4)
     for seq_id in (0, 1, 2):

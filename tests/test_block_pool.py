@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from paged_attention import block_pool
-from paged_attention.block_pool import (
+from paged_attention.kv import block_pool
+from paged_attention.kv.block_pool import (
     ROOT_HASH,
     ROOT_UID,
     BlockPool,

@@ -1,13 +1,13 @@
-"""paged_attention/block_swap.py: whole sequences moving between the device and host pools
+"""paged_attention/kv/block_swap.py: whole sequences moving between the device and host pools
 (through the block manager in tests/test_block_manager.py; here on the parts directly)."""
 
 import numpy as np
 import pytest
 
-from paged_attention.block_errors import OutOfBlocksError, SwapError
-from paged_attention.block_pool import BlockPool, CachingBlockPool
-from paged_attention.block_swap import SwapSpace
-from paged_attention.block_tables import BlockTables, PrefixChains
+from paged_attention.kv.block_errors import OutOfBlocksError, SwapError
+from paged_attention.kv.block_pool import BlockPool, CachingBlockPool
+from paged_attention.kv.block_swap import SwapSpace
+from paged_attention.kv.block_tables import BlockTables, PrefixChains
 
 
 def make_space(num_host_blocks: int = 8, prefix_caching: bool = False):

@@ -1,15 +1,15 @@
 import numpy as np
 import pytest
 
-from paged_attention.block_errors import (
+from paged_attention.kv.block_errors import (
     DoubleFreeError,
     DuplicateSequenceError,
     OutOfBlocksError,
     SwapError,
     UnknownSequenceError,
 )
-from paged_attention.block_pool import CachingBlockPool
-from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains, Reach
+from paged_attention.kv.block_pool import CachingBlockPool
+from paged_attention.kv.block_tables import RELEASED, BlockTables, PrefixChains, Reach
 
 
 def make_tables(block_size: int = 4, max_blocks_per_seq: int | None = None) -> BlockTables:

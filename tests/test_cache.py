@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from paged_attention import _ops, reference
-from paged_attention.block_manager import BlockManager
-from paged_attention.cache import PagedKVCache, advise_huge_pages, bytes_per_block
+from paged_attention.kv.block_manager import BlockManager
+from paged_attention.kv.cache import PagedKVCache, advise_huge_pages, bytes_per_block
+from paged_attention.ops import bindings as _ops
+from paged_attention.ops import reference
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 3, 2, 32, 8
 
@@ -218,7 +219,7 @@ def test_sized_from_memory_budget():
 
 def test_sized_from_fraction_of_host_memory(monkeypatch):
     per_block = bytes_per_block(LAYERS, KV_HEADS, HEAD, BLOCK, torch.float32)
-    monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 40 * per_block)
+    monkeypatch.setattr("paged_attention.kv.cache._host_available_bytes", lambda: 40 * per_block)
     cache = PagedKVCache(LAYERS, KV_HEADS, HEAD, BLOCK, dtype=torch.float32, memory_fraction=0.25)
     assert cache.num_blocks == 10
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import paged_attention
-from paged_attention import reference
+from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention
 CACHE_DTYPES = [

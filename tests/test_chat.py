@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from paged_attention.__main__ import main  # noqa: E402
 from paged_attention.engine import Engine  # noqa: E402
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 
 TINY = ["--model", "tiny", "--dtype", "float32", "--threads", "1"]
 QUESTIONS = ["hello", "Où est la gare ?", "2 + 2 = ?"]
@@ -168,7 +168,9 @@ def test_a_prompt_that_cannot_be_served_fails_the_run(tmp_path, capsys):
 
 
 def test_smollm2_answers_the_france_question(smollm2, capsys, monkeypatch):
-    monkeypatch.setattr("paged_attention.models.load_model", lambda *args, **kwargs: smollm2)
+    monkeypatch.setattr(
+        "paged_attention.modeling.models.load_model", lambda *args, **kwargs: smollm2
+    )
     try:
         code = main(["chat", "--max-tokens", "16", "What is the capital of France?"])
     finally:
@@ -179,7 +181,7 @@ def test_smollm2_answers_the_france_question(smollm2, capsys, monkeypatch):
 def test_prompt_files_split_at_line_feeds_only_and_drop_the_bom(tmp_path, monkeypatch):
     """Defects 3 and 4: a form feed, U+2028 or U+0085 inside a line stays in its prompt, and a
     UTF-8 byte-order mark is not part of the first prompt (from a file and from stdin)."""
-    from paged_attention.chat import read_prompts
+    from paged_attention.cli.chat import read_prompts
 
     text = "\ufefffirst\x0cstill first\u2028and\x85more\r\nsecond\n\n"
     path = tmp_path / "prompts.txt"

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from paged_attention.__main__ import main  # noqa: E402
-from paged_attention.demo import default_model  # noqa: E402
+from paged_attention.cli.demo import default_model  # noqa: E402
 
 TINY = ["--model", "tiny", "--dtype", "float32"]
 
@@ -148,7 +148,7 @@ def test_bad_arguments_are_found_before_the_run(tmp_path, capsys, monkeypatch):
     def no_run(args):
         raise AssertionError("the demo ran before its arguments were checked")
 
-    monkeypatch.setattr("paged_attention.demo.run", no_run)
+    monkeypatch.setattr("paged_attention.cli.demo.run", no_run)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert "cannot create" in usage_error(capsys, "--plot", str(blocker / "kv.png"))
@@ -239,7 +239,7 @@ def test_tiny_model_in_bfloat16_matches_up_to_ties(tmp_path, capsys):
 
 
 def test_compare_greedy():
-    from paged_attention.demo import compare_greedy
+    from paged_attention.cli.demo import compare_greedy
 
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 3.0 - 2**-6, 0.0], [0.0, 1.0, 4.0]])
     assert compare_greedy([1, 0, 2], [1, 0, 2], logits, torch.bfloat16) == "equal"

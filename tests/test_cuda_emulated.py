@@ -21,8 +21,8 @@ import pytest
 import torch
 from conftest import make_paged_kv
 
-from paged_attention import reference
-from paged_attention.supported import PARTITION_SIZE
+from paged_attention.ops import reference
+from paged_attention.ops.supported import PARTITION_SIZE
 
 HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]

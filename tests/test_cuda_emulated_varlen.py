@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import make_paged_kv
 
-from paged_attention import reference
+from paged_attention.ops import reference
 
 HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]

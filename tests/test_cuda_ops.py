@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-import paged_attention._ops as pa_ops
-from paged_attention import reference
-from paged_attention.supported import is_fp8
+import paged_attention.ops.bindings as pa_ops
+from paged_attention.ops import reference
+from paged_attention.ops.supported import is_fp8
 
 pytestmark = [
     pytest.mark.cuda,
@@ -562,7 +562,7 @@ def test_opcheck_attention(version, chunk):
 
 def test_debug_checks_reject_out_of_range_block_id():
     code = (
-        "import torch, paged_attention._ops as o\n"
+        "import torch, paged_attention.ops.bindings as o\n"
         "q = torch.randn(1, 2, 64, device='cuda', dtype=torch.float16)\n"
         "kc = torch.zeros(4, 2, 8, 16, 8, device='cuda', dtype=torch.float16)\n"
         "vc = torch.zeros(4, 2, 64, 16, device='cuda', dtype=torch.float16)\n"

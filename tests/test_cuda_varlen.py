@@ -20,10 +20,10 @@ import torch
 from conftest import make_paged_kv
 
 import paged_attention
-import paged_attention._ops as pa_ops
-from paged_attention import reference
+import paged_attention.ops.bindings as pa_ops
 from paged_attention.attention import PagedAttention
-from paged_attention.cache import PagedKVCache
+from paged_attention.kv.cache import PagedKVCache
+from paged_attention.ops import reference
 
 pytestmark = [
     pytest.mark.cuda,
@@ -266,7 +266,7 @@ def test_opcheck(chunk):
 
 def test_debug_checks_reject_out_of_range_block_id_and_bad_starts():
     code = (
-        "import torch, paged_attention._ops as o\n"
+        "import torch, paged_attention.ops.bindings as o\n"
         "q = torch.randn(4, 2, 64, device='cuda', dtype=torch.float16)\n"
         "kc = torch.zeros(4, 2, 8, 16, 8, device='cuda', dtype=torch.float16)\n"
         "vc = torch.zeros(4, 2, 64, 16, device='cuda', dtype=torch.float16)\n"

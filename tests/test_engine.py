@@ -264,7 +264,7 @@ def test_a_cpu_engine_holds_the_kv_budget_and_no_swap_space_by_default(model):
 
 
 def test_default_swap_space_is_host_memory_beside_a_gpu():
-    from paged_attention.cache import default_num_host_blocks
+    from paged_attention.kv.cache import default_num_host_blocks
 
     assert default_num_host_blocks(10, "cuda") == 40
     assert default_num_host_blocks(10, torch.device("cpu")) == 0

@@ -6,7 +6,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from paged_attention.block_manager import BlockManager  # noqa: E402
 from paged_attention.engine import (  # noqa: E402
     CacheConfig,
     Engine,
@@ -16,7 +15,8 @@ from paged_attention.engine import (  # noqa: E402
 )
 from paged_attention.engine.config import KVBudgetError  # noqa: E402
 from paged_attention.engine.scheduler import Scheduler  # noqa: E402
-from paged_attention.geometry import ModelGeometry  # noqa: E402
+from paged_attention.kv.block_manager import BlockManager  # noqa: E402
+from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from paged_attention.engine import Engine, Logprob, RequestOutput, SamplingParams
-from paged_attention.models import load_model
+from paged_attention.modeling.models import load_model
 from paged_attention.server.engine_owner import (
     EngineOwner,
     OutputQueue,

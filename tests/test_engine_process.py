@@ -16,21 +16,17 @@ from pathlib import Path
 import psutil
 import pytest
 
+from paged_attention.cli.serve import ServeSpec
 from paged_attention.engine import Engine, SamplingParams
 from paged_attention.engine.request import RequestError
-from paged_attention.models import load_model
+from paged_attention.modeling.models import load_model
 from paged_attention.server.engine_owner import (
     EngineClosedError,
     EngineOwner,
     EngineStepError,
     ThreadEngineOwner,
 )
-from paged_attention.server.engine_process import (
-    EngineProcess,
-    EngineSpec,
-    ProcessEngineOwner,
-    ServeSpec,
-)
+from paged_attention.server.engine_process import EngineProcess, EngineSpec, ProcessEngineOwner
 
 OPTIONS = dict(num_blocks=128, block_size=16, max_num_seqs=16)
 SPEC = EngineSpec("tiny", OPTIONS)
@@ -292,8 +288,8 @@ def test_stop_ends_the_running_requests_and_the_engine_process(tiny):
 def test_a_bad_serve_argument_is_a_usage_error_and_leaves_no_process():
     import argparse
 
-    from paged_attention import serve
-    from paged_attention.demo import UsageError
+    from paged_attention.cli import serve
+    from paged_attention.errors import UsageError
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from paged_attention.engine import Engine, SamplingParams
-from paged_attention.models import load_model
+from paged_attention.modeling.models import load_model
 from paged_attention.server.engine_process import OutputAssembler
 from paged_attention.server.engine_worker import (
     STOPPED,

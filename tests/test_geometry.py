@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from test_model_zoo import BLOCK, CHUNK, WINDOW, build  # noqa: E402
 
-from paged_attention.geometry import (  # noqa: E402
+from paged_attention.modeling.geometry import (  # noqa: E402
     LayerGeometry,
     ModelGeometry,
     UnsupportedModelError,

@@ -1,4 +1,4 @@
-"""paged_attention.gguf_linear: the op against the de-quantized weight times the input (float64)
+"""paged_attention.ops.gguf_linear: the op against the de-quantized weight times the input (float64)
 over a grid of shapes and row counts, for each format and variant; exact where the activations
 are already int8 steps; the variants against each other; bad arguments refused; opcheck."""
 
@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
-from paged_attention.gguf_linear import (  # noqa: E402
+from paged_attention.ops.gguf_linear import (  # noqa: E402
     error_bound,
     gguf_linear,
     kernel_layout,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_attention.block_manager import BlockManager
 from paged_attention.engine.input_processor import InputProcessor, RequestLimits
 from paged_attention.engine.request import RequestError, SamplingParams
 from paged_attention.engine.scheduler import Scheduler
+from paged_attention.kv.block_manager import BlockManager
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, max_num_seqs=4)
 

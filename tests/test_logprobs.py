@@ -20,7 +20,7 @@ TOLERANCE = 2e-3
 
 @pytest.fixture(scope="module")
 def model():
-    from paged_attention.testing import tiny_llama
+    from paged_attention.modeling.tiny import tiny_llama
 
     return tiny_llama(vocab_size=256, max_position_embeddings=512)
 
@@ -203,7 +203,7 @@ def test_token_logprobs_against_a_loop():
 
 def test_smollm2_logprobs_equal_transformers_in_float32():
     # The real model, with its tokenizer and prompts chunked over several steps.
-    from paged_attention.models import load_model
+    from paged_attention.modeling.models import load_model
 
     model, tokenizer = load_model("smollm2", dtype=torch.float32)
     engine = Engine(

@@ -1,9 +1,9 @@
-"""paged_attention/machine.py: what the benchmarks and the demo record about the machine."""
+"""paged_attention/cli/machine.py: what the benchmarks and the demo record about the machine."""
 
 import pytest
 import torch
 
-from paged_attention import machine
+from paged_attention.cli import machine
 
 
 def test_cpu_identity_reads_the_first_processor(tmp_path):

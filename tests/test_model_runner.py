@@ -18,9 +18,9 @@ from paged_attention.engine.model_runner import ModelRunner  # noqa: E402
 from paged_attention.engine.request import Request, RequestMetrics, SamplingParams  # noqa: E402
 from paged_attention.engine.request import Sequence as EngineSequence  # noqa: E402
 from paged_attention.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
-from paged_attention.geometry import ModelGeometry  # noqa: E402
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION  # noqa: E402
 from paged_attention.kv.step_inputs import StaticStepBuffers, StepInputs  # noqa: E402
+from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])

@@ -21,14 +21,14 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: E402
 
-from paged_attention.block_manager import RELEASED  # noqa: E402
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
-from paged_attention.geometry import ModelGeometry, UnsupportedModelError  # noqa: E402
 from paged_attention.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION,
     PagedCache,
 )
-from paged_attention.integrations.transformers_backend import cache_argument_name  # noqa: E402
+from paged_attention.kv.block_manager import RELEASED  # noqa: E402
+from paged_attention.modeling.geometry import ModelGeometry, UnsupportedModelError  # noqa: E402
+from paged_attention.modeling.transformers_backend import cache_argument_name  # noqa: E402
 
 VOCAB = 128
 BLOCK = 8

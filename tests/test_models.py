@@ -1,5 +1,5 @@
-"""paged_attention.models: what --model names, the conversion cache, the one-line errors, the
-tiny model's byte-level tokenizer, and the real model (SmolLM2-135M-Instruct) answering."""
+"""paged_attention.modeling.models: what --model names, the conversion cache, the one-line errors,
+the tiny model's byte-level tokenizer, and the real model (SmolLM2-135M-Instruct) answering."""
 
 import json
 from pathlib import Path
@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from paged_attention import models  # noqa: E402
-from paged_attention.models import ModelLoadError, load_model  # noqa: E402
-from paged_attention.testing import byte_tokenizer  # noqa: E402
+from paged_attention.modeling import models  # noqa: E402
+from paged_attention.modeling.models import ModelLoadError, load_model  # noqa: E402
+from paged_attention.modeling.tiny import byte_tokenizer  # noqa: E402
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -309,7 +309,7 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
     GGUF loader gives (float32, the conversion cache), exactly."""
     from gguf import GGMLQuantizationType, quants
 
-    from paged_attention.quantized import QuantizedLinear, ShippedTensors
+    from paged_attention.modeling.quantized import QuantizedLinear, ShippedTensors
 
     model, _ = smollm2_as_shipped
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -329,7 +329,7 @@ def test_smollm2_as_shipped_agrees_with_bf16_through_the_engine(smollm2_as_shipp
     model: they compute the same weights, rounded differently, so they agree up to the first
     near-tie (the France question's first token is one: its two best float32 logits are 0.08
     apart)."""
-    from paged_attention.demo import QUESTIONS
+    from paged_attention.cli.demo import QUESTIONS
     from paged_attention.engine import Engine, SamplingParams
 
     prompts = [[{"role": "user", "content": question}] for question in QUESTIONS[:6]]

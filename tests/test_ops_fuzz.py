@@ -62,7 +62,7 @@ def _child(report_path: str, current_path: str, examples: int) -> None:
     from conftest import make_paged_kv
 
     import paged_attention
-    from paged_attention import reference
+    from paged_attention.ops import reference
 
     ops = torch.ops.paged_attention
     tolerances = {

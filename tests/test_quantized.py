@@ -1,6 +1,6 @@
-"""paged_attention.quantized and paged_attention.gguf_file: each quantized layer, through each
-kernel, against the de-quantized weights (the gguf package's own dequantizer) times the input,
-the shapes and formats refused, the kernel's choice, a model's projections replaced,
+"""paged_attention.modeling.quantized and paged_attention.modeling.gguf_file: each quantized layer,
+through each kernel, against the de-quantized weights (the gguf package's own dequantizer) times the
+input, the shapes and formats refused, the kernel's choice, a model's projections replaced,
 torch.compile, and a GGUF file's tensors read as the gguf package reads them."""
 
 import numpy as np
@@ -11,14 +11,14 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
-from paged_attention import gguf_linear  # noqa: E402
-from paged_attention.gguf_file import GGUFFile  # noqa: E402
-from paged_attention.quantized import (  # noqa: E402
+from paged_attention.modeling.gguf_file import GGUFFile  # noqa: E402
+from paged_attention.modeling.quantized import (  # noqa: E402
     FORMATS,
     QuantizedLinear,
     quantize_model,
     selected_kernel,
 )
+from paged_attention.ops import gguf_linear  # noqa: E402
 
 SHAPES = [(16, 32), (48, 96), (192, 576), (64, 1536)]
 KERNELS = ["gguf", "int4pack"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_attention import reference
+from paged_attention.ops import reference
 
 
 def _paged_from_dense(keys, values, block_size, num_blocks, x, seed):

@@ -228,7 +228,7 @@ def test_controls_default_to_off_and_accept_vllms_values():
 
 @pytest.fixture(scope="module")
 def model():
-    from paged_attention.testing import tiny_llama
+    from paged_attention.modeling.tiny import tiny_llama
 
     return tiny_llama(vocab_size=256, max_position_embeddings=512)
 

@@ -9,7 +9,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_attention.block_manager import BlockManager
 from paged_attention.engine.request import (
     Drawn,
     Request,
@@ -18,6 +17,7 @@ from paged_attention.engine.request import (
     SamplingParams,
 )
 from paged_attention.engine.scheduler import Scheduler
+from paged_attention.kv.block_manager import BlockManager
 
 BLOCK = 4
 

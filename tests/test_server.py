@@ -25,7 +25,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from paged_attention.__main__ import main as cli_main  # noqa: E402
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 from paged_attention.server.app import ENGINE_FAILURE  # noqa: E402
 
@@ -825,7 +825,7 @@ def test_an_address_that_cannot_be_had_exits_1_before_the_model_loads(host, monk
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the address was bound")
 
-    monkeypatch.setattr("paged_attention.models.load_model", no_loading)
+    monkeypatch.setattr("paged_attention.modeling.models.load_model", no_loading)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -862,7 +862,7 @@ def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
 def test_serve_compile_compiles_every_batch_size_before_serving(tiny):
     import argparse
 
-    from paged_attention import serve
+    from paged_attention.cli import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

@@ -21,7 +21,8 @@ pytest.importorskip("uvicorn")
 from test_server import LiveServer, Recorder, chat_prompt, make_engine, wait_idle  # noqa: E402
 
 from paged_attention.engine import Logprob  # noqa: E402
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
+from paged_attention.modeling.tiny import byte_tokenizer  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 from paged_attention.server.logprobs import (  # noqa: E402
     LOGPROB_FLOOR,
@@ -29,7 +30,6 @@ from paged_attention.server.logprobs import (  # noqa: E402
     TokenPieces,
     chat_content,
 )
-from paged_attention.testing import byte_tokenizer  # noqa: E402
 
 MODEL = "tiny"
 TOLERANCE = 2e-3

@@ -18,8 +18,8 @@ pytest.importorskip("uvicorn")
 
 from test_server import MODEL, LiveServer, make_engine  # noqa: E402
 
-from paged_attention import serve  # noqa: E402
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.cli import serve  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.server import app as server_app  # noqa: E402
 from paged_attention.server import create_app, security  # noqa: E402
 

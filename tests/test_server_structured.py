@@ -17,7 +17,7 @@ pydantic = pytest.importorskip("pydantic")
 
 from test_server import LiveServer, make_engine  # noqa: E402
 
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 
 

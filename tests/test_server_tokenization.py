@@ -11,7 +11,7 @@ pytest.importorskip("uvicorn")
 
 from test_server import MODEL, LiveServer, chat_prompt, make_engine  # noqa: E402
 
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "hello there"}]

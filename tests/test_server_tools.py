@@ -18,10 +18,10 @@ pydantic = pytest.importorskip("pydantic")
 
 from test_server import LiveServer, make_engine  # noqa: E402
 
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
+from paged_attention.modeling.tiny import byte_tokenizer  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 from paged_attention.server.prompts import PromptBuilder  # noqa: E402
-from paged_attention.testing import byte_tokenizer  # noqa: E402
 
 
 class Weather(pydantic.BaseModel):

@@ -22,7 +22,7 @@ from paged_attention.engine.structured_output import (  # noqa: E402
     mask_backend,
     tokenizer_info,
 )
-from paged_attention.testing import tiny_chat_model  # noqa: E402
+from paged_attention.modeling.tiny import tiny_chat_model  # noqa: E402
 
 
 class Order(pydantic.BaseModel):

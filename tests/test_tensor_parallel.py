@@ -27,7 +27,7 @@ if not (torch.distributed.is_available() and torch.distributed.is_gloo_available
 
 from tensor_parallel_worker import HOST_AVAILABLE, scenarios  # noqa: E402
 
-from paged_attention.demo import tiny_llama_config  # noqa: E402
+from paged_attention.modeling.tiny import tiny_llama_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "tensor_parallel_worker.py"

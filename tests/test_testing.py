@@ -2,7 +2,7 @@
 
 import torch
 
-from paged_attention import reference
+from paged_attention.ops import reference
 from paged_attention.testing import make_paged_kv
 
 

@@ -1,8 +1,9 @@
-"""paged_attention/tiny.py: the tiny random Llama and its byte tokenizer (``--model tiny``)."""
+"""paged_attention/modeling/tiny.py: the tiny random Llama and its byte tokenizer (``--model
+tiny``)."""
 
 import torch
 
-from paged_attention.tiny import (
+from paged_attention.modeling.tiny import (
     BYTE_TOKENIZER_SPECIAL_TOKENS,
     TINY_LLAMA,
     byte_tokenizer,

@@ -23,14 +23,14 @@ from transformers import (
     masking_utils,
 )
 
-from paged_attention.block_manager import OutOfBlocksError
-from paged_attention.demo import tiny_llama_config
 from paged_attention.integrations.transformers import (
     ATTN_IMPLEMENTATION,
     PagedCache,
     cache_argument_name,
 )
-from paged_attention.integrations.transformers_backend import MaskPattern, paged_attention_mask
+from paged_attention.kv.block_manager import OutOfBlocksError
+from paged_attention.modeling.tiny import tiny_llama_config
+from paged_attention.modeling.transformers_backend import MaskPattern, paged_attention_mask
 
 BLOCK = 8
 COMMON = tiny_llama_config(
@@ -269,9 +269,9 @@ def test_sized_from_a_memory_budget(llama):
 
 def test_cpu_cache_without_a_size_takes_a_quarter_of_host_memory_up_to_4_gib(llama, monkeypatch):
     per_block = PagedCache(llama, BLOCK, num_blocks=1).kv_cache.bytes_per_block
-    monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 400 * per_block)
+    monkeypatch.setattr("paged_attention.kv.cache._host_available_bytes", lambda: 400 * per_block)
     assert PagedCache(llama, BLOCK).kv_cache.num_blocks == 100
-    monkeypatch.setattr("paged_attention.cache._host_available_bytes", lambda: 1 << 50)
+    monkeypatch.setattr("paged_attention.kv.cache._host_available_bytes", lambda: 1 << 50)
     assert PagedCache(llama, BLOCK).kv_cache.num_blocks == (4 << 30) // per_block
 
 
@@ -412,7 +412,7 @@ def test_fp8_kv_cache_stays_close_to_the_default_cache(llama, kv_cache_dtype):
 
 def count_varlen_rows(monkeypatch):
     """Spy on the varlen op: the longest query of each call."""
-    from paged_attention import _ops
+    from paged_attention.ops import bindings as _ops
 
     calls = []
     original = _ops.paged_attention_varlen
@@ -558,7 +558,7 @@ def test_fp8_generate_matches_an_fp8_reference_with_calibrated_scales(llama):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from paged_attention import reference
+    from paged_attention.ops import reference
 
     small = build("llama")  # keys and values far below 1: scale 1.0 leaves them subnormal
     with torch.no_grad():

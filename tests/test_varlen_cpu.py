@@ -20,7 +20,7 @@ import torch
 from conftest import make_paged_kv, make_paged_kv_of_value_size
 
 import paged_attention
-from paged_attention import reference
+from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention
 

@@ -3,7 +3,7 @@
 // llama.cpp's Q8_0/Q8_1 activations are), and each block's product is an integer dot product
 // (AVX512-VNNI's vpdpbusd), scaled in float32.
 //
-// The weights are laid out for it at load (paged_attention/quantized.py, GGUFLinearWeights): per
+// The weights are laid out for it at load (paged_attention/modeling/quantized.py, GGUFLinearWeights): per
 // group of 16 output rows and per block of 32 inputs, `qs` holds the 32 x 16 quants, four
 // consecutive inputs of one row per 32-bit lane (so one vector is four inputs of 16 rows):
 //   Q4_0, Q4_1  256 bytes: byte 64 i + 4 r + t holds input 4 i + t of row r in its low nibble and

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_attention import cache as _cache_module
-from paged_attention.cache import (
+from paged_attention.kv import cache as _cache_module
+from paged_attention.kv.cache import (
     PagedKVCache,
     bytes_per_block,
     default_num_host_blocks,
     num_blocks_for_budget,
 )
-from paged_attention.supported import FP8_FORMATS
+from paged_attention.ops.supported import FP8_FORMATS
 
 
 def _check_int(name: str, value, low: int, *, optional: bool = False) -> None:

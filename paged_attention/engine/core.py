@@ -31,7 +31,7 @@ from paged_attention.engine.request import Sequence as EngineSequence
 from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
 from paged_attention.engine.stats import EngineStats
-from paged_attention.geometry import ModelGeometry
+from paged_attention.modeling.geometry import ModelGeometry
 
 StopStringCheck = Callable[[Request, EngineSequence], bool]
 

@@ -46,7 +46,7 @@ class Engine:
     longer prompts are prefilled in chunks over several steps. ``cuda_graphs`` (default: on for
     a model on one CUDA device, off for a tensor-parallel one): decode steps replay CUDA graphs
     captured per padded batch size. ``kv_cache_dtype`` (``"auto"`` or an fp8 format) with
-    ``k_scale``/``v_scale`` as :class:`~paged_attention.cache.PagedKVCache` takes them (without
+    ``k_scale``/``v_scale`` as :class:`~paged_attention.kv.cache.PagedKVCache` takes them (without
     them, each layer's scales are calibrated from the first step's keys and values).
     ``compile`` (default off; a CPU model): decode steps run through ``torch.compile`` instead,
     one graph per padded batch size, each compiled at its first step (a minute or more for a

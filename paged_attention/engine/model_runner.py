@@ -25,16 +25,16 @@ import torch
 import torch._inductor.config
 
 from paged_attention.attention import AttentionMetadata
-from paged_attention.cache import PagedKVCache
 from paged_attention.engine.logprobs import prompt_positions
 from paged_attention.engine.scheduler import SchedulerOutput
-from paged_attention.geometry import ModelGeometry
-from paged_attention.integrations.transformers_backend import (
+from paged_attention.kv.cache import PagedKVCache
+from paged_attention.kv.step_inputs import StaticStepBuffers, build_metadata
+from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
     PagedCacheBase,
     cache_argument_name,
 )
-from paged_attention.kv.step_inputs import StaticStepBuffers, build_metadata
 
 
 class StepCache(PagedCacheBase):

@@ -4,9 +4,9 @@ forward pass never ran. The scheduler's helper for admission and chunked prefill
 
 from __future__ import annotations
 
-from paged_attention.block_manager import AllocStatus, BlockManager, OutOfBlocksError
 from paged_attention.engine.plan import ScheduledChunk, SchedulerOutput, SchedulerStats
 from paged_attention.engine.request import Request
+from paged_attention.kv.block_manager import AllocStatus, BlockManager, OutOfBlocksError
 
 
 class ChunkReserver:

@@ -39,16 +39,16 @@ import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 
-from paged_attention.block_manager import (
-    RELEASED,
-    BlockManager,
-    OutOfBlocksError,
-)
 from paged_attention.engine.config import SchedulerConfig
 from paged_attention.engine.plan import ScheduledChunk, SchedulerOutput, SchedulerStats
 from paged_attention.engine.request import Request, RequestStatus, Sequence
 from paged_attention.engine.reservations import ChunkReserver
 from paged_attention.engine.step_update import StepUpdate
+from paged_attention.kv.block_manager import (
+    RELEASED,
+    BlockManager,
+    OutOfBlocksError,
+)
 from paged_attention.kv.step_inputs import StepInputs
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
-from paged_attention.block_manager import reassign
 from paged_attention.engine.request import Drawn, Request, Sequence
+from paged_attention.kv.block_manager import reassign
 
 if TYPE_CHECKING:
     from paged_attention.engine.scheduler import Scheduler

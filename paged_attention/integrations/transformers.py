@@ -8,9 +8,9 @@
 
 (``past_key_values=`` in transformers releases before the ``cache`` keyword.) The attention
 implementation and the cache base live in
-:mod:`paged_attention.integrations.transformers_backend`; the model is read by
-:class:`~paged_attention.geometry.ModelGeometry` (docs/models.md lists the supported families).
-The first layer of a forward pass does the step's bookkeeping in the block manager:
+:mod:`paged_attention.modeling.transformers_backend`; the model is read by
+:class:`~paged_attention.modeling.geometry.ModelGeometry` (docs/models.md lists the supported
+families). The first layer of a forward pass does the step's bookkeeping in the block manager:
 
 * the first forward of a ``generate`` call allocates one sequence per batch row; rows that are
   exact copies of the previous row (``num_return_sequences``, beams) *fork* its blocks instead;
@@ -29,36 +29,36 @@ import itertools
 import torch
 
 from paged_attention.attention import AttentionMetadata
-from paged_attention.block_manager import OutOfBlocksError, reassign
-from paged_attention.geometry import ModelGeometry
-from paged_attention.integrations.transformers_backend import (
+from paged_attention.kv.block_manager import OutOfBlocksError, reassign
+from paged_attention.kv.step_inputs import StepInputs, build_metadata
+from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
     PagedCacheBase,
     cache_argument_name,
 )
-from paged_attention.kv.step_inputs import StepInputs, build_metadata
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "cache_argument_name"]
 
 
 class PagedCache(PagedCacheBase):
     """A ``transformers.Cache`` for ``generate()`` whose keys and values live in a
-    :class:`PagedKVCache`, managed by a :class:`~paged_attention.block_manager.BlockManager`.
+    :class:`PagedKVCache`, managed by a :class:`~paged_attention.kv.block_manager.BlockManager`.
 
     ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``max_memory`` allows: bytes
     (int) or a fraction (float) of free CUDA memory (of available host memory on CPU). With
     neither: 90% of free memory on CUDA; on CPU a quarter of the available host memory, at most
     4 GiB. ``num_host_blocks`` adds host swap space, ``kv_cache_dtype`` is ``"auto"`` or an fp8
     format (with fixed ``k_scale``/``v_scale``, or without them each layer's scales calibrated
-    from the prompt's keys and values: :class:`~paged_attention.cache.PagedKVCache`), and
+    from the prompt's keys and values: :class:`~paged_attention.kv.cache.PagedKVCache`), and
     ``enable_prefix_caching`` lets sequences allocated with their token ids share cached prompt
     blocks.
 
     Supports decoder-only models whose attention goes through transformers' attention
     interface (docs/models.md: GQA/MQA, sliding windows, soft-caps, sinks, per-layer shapes),
     with ``attn_implementation="paged_attention"`` and the head sizes the kernels are built for;
-    what it cannot serve raises :class:`~paged_attention.geometry.UnsupportedModelError` here,
-    naming the reason. One ``PagedCache`` serves the model it was built for, one ``generate``
+    what it cannot serve raises :class:`~paged_attention.modeling.geometry.UnsupportedModelError`
+    here, naming the reason. One ``PagedCache`` serves the model it was built for, one ``generate``
     call at a time; :meth:`reset` frees every block for the next one. A later ``generate`` on
     the same cache must continue what it holds (its ``input_ids`` start with the tokens already
     cached, as with transformers' own caches); a new prompt without ``reset()`` raises. To see

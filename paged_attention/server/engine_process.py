@@ -32,7 +32,6 @@ garbage-collected or the interpreter exits is terminated.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
@@ -62,9 +61,10 @@ START_METHODS = ("spawn", "fork")
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """An :class:`~paged_attention.engine.Engine` over :func:`~paged_attention.models.load_model`
-    ``(model, dtype, device)`` with its tokenizer and ``options`` (``Engine``'s keyword
-    arguments); ``threads``: torch's intra-op threads in the engine's process."""
+    """An :class:`~paged_attention.engine.Engine` over
+    :func:`~paged_attention.modeling.models.load_model` ``(model, dtype, device)`` with its
+    tokenizer and ``options`` (``Engine``'s keyword arguments); ``threads``: torch's intra-op
+    threads in the engine's process."""
 
     model: str
     options: dict = field(default_factory=dict)
@@ -76,53 +76,12 @@ class EngineSpec:
         import torch
 
         from paged_attention.engine import Engine
-        from paged_attention.models import load_model
+        from paged_attention.modeling.models import load_model
 
         if self.threads:
             torch.set_num_threads(self.threads)
         model, tokenizer = load_model(self.model, dtype=self.dtype, device=self.device)
         return Engine(model, tokenizer=tokenizer, **self.options), tokenizer
-
-
-@dataclass(frozen=True)
-class ServeSpec:
-    """The engine ``paged-attention serve`` builds from its parsed arguments; its usage errors
-    (a model that cannot be loaded, sizes the engine refuses) are ``UsageError``."""
-
-    args: argparse.Namespace
-
-    def build(self):
-        import torch
-
-        from paged_attention.demo import UsageError
-        from paged_attention.models import load_model
-        from paged_attention.serve import build_engine
-
-        args = self.args
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-        try:
-            model, tokenizer = load_model(
-                args.model, dtype=args.dtype, device=args.device, weights=args.weights
-            )
-        except ValueError as error:  # models.ModelLoadError: one line naming the problem
-            raise UsageError(str(error)) from None
-        if tokenizer is None:
-            raise UsageError(f"--model {args.model}: it has no tokenizer, which the server needs")
-        return build_engine(model, tokenizer, args), tokenizer
-
-
-def start_engine_process(args: argparse.Namespace, start_method: str = "spawn"):
-    """``serve``'s engine in its own process: ``(EngineProcess, tokenizer)``. Raises
-    ``UsageError`` for what the arguments got wrong. ``fork`` skips the child's second import
-    of torch and transformers (seconds of the start), and is safe only from a process that has
-    run no torch or tokenizer threads yet: the command line's own ``serve`` process."""
-    # the parsed values only: the namespace also holds the command's parser and function
-    plain = (str, int, float, bool, type(None))
-    values = {name: value for name, value in vars(args).items() if isinstance(value, plain)}
-    engine = EngineProcess(ServeSpec(argparse.Namespace(**values)), start_method=start_method)
-    return engine, engine.tokenizer
 
 
 class _BlockPoolMirror:
@@ -189,7 +148,7 @@ class EngineProcess:
         if isinstance(answer, Failed):
             self.close()
             if answer.usage:
-                from paged_attention.demo import UsageError
+                from paged_attention.errors import UsageError
 
                 raise UsageError(answer.message)
             raise RuntimeError(f"the engine could not be built: {answer.message}")
@@ -459,6 +418,4 @@ __all__ = [
     "EngineSpec",
     "OutputAssembler",
     "ProcessEngineOwner",
-    "ServeSpec",
-    "start_engine_process",
 ]

@@ -298,7 +298,7 @@ def main(spec, commands, results, parent_ends=()) -> None:
         connection.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from paged_attention.demo import UsageError
+    from paged_attention.errors import UsageError
 
     try:
         engine, tokenizer = spec.build()

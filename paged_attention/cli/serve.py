@@ -17,16 +17,17 @@ import logging
 import os
 import socket
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from paged_attention.demo import (
-    UsageError,
+from paged_attention.cli.arguments import (
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
 )
+from paged_attention.errors import UsageError
 
 HELP = "an OpenAI-compatible HTTP server over the engine"
 API_KEY_VARIABLE = "PAGED_ATTENTION_API_KEY"
@@ -39,7 +40,7 @@ address cannot be bound; 2 for bad arguments (including a --model that cannot be
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from paged_attention.models import add_model_arguments, add_weights_argument
+    from paged_attention.modeling.models import add_model_arguments, add_weights_argument
 
     parser.epilog = EXIT_STATUS
     add_model_arguments(parser)
@@ -174,7 +175,6 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     import uvicorn
 
     from paged_attention.server import create_app
-    from paged_attention.server.engine_process import start_engine_process
     from paged_attention.server.graceful import GracefulServer
 
     if args.threads:
@@ -313,3 +313,45 @@ def _origins(text: str) -> list[str]:
                 f"an origin is a scheme and a host (https://example.com), got {origin!r}"
             )
     return origins
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """The engine ``paged-attention serve`` builds from its parsed arguments; its usage errors
+    (a model that cannot be loaded, sizes the engine refuses) are ``UsageError``."""
+
+    args: argparse.Namespace
+
+    def build(self):
+        import torch
+
+        from paged_attention.errors import UsageError
+        from paged_attention.modeling.models import load_model
+
+        args = self.args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+        try:
+            model, tokenizer = load_model(
+                args.model, dtype=args.dtype, device=args.device, weights=args.weights
+            )
+        except ValueError as error:  # models.ModelLoadError: one line naming the problem
+            raise UsageError(str(error)) from None
+        if tokenizer is None:
+            raise UsageError(f"--model {args.model}: it has no tokenizer, which the server needs")
+        return build_engine(model, tokenizer, args), tokenizer
+
+
+def start_engine_process(args: argparse.Namespace, start_method: str = "spawn"):
+    """``serve``'s engine in its own process: ``(EngineProcess, tokenizer)``. Raises
+    ``UsageError`` for what the arguments got wrong. ``fork`` skips the child's second import
+    of torch and transformers (seconds of the start), and is safe only from a process that has
+    run no torch or tokenizer threads yet: the command line's own ``serve`` process."""
+    from paged_attention.server.engine_process import EngineProcess
+
+    # the parsed values only: the namespace also holds the command's parser and function
+    plain = (str, int, float, bool, type(None))
+    values = {name: value for name, value in vars(args).items() if isinstance(value, plain)}
+    engine = EngineProcess(ServeSpec(argparse.Namespace(**values)), start_method=start_method)
+    return engine, engine.tokenizer

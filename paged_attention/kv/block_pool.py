@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_attention.block_errors import OutOfBlocksError
+from paged_attention.kv.block_errors import OutOfBlocksError
 
 ROOT_HASH = 0
 ROOT_UID = -1

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paged_attention.block_errors import (
+from paged_attention.kv.block_errors import (
     DoubleFreeError,
     DuplicateSequenceError,
     OutOfBlocksError,
     SwapError,
     UnknownSequenceError,
 )
-from paged_attention.block_pool import CachingBlockPool, PrefixChain
+from paged_attention.kv.block_pool import CachingBlockPool, PrefixChain
 
 RELEASED = -1
 """Marks a table entry whose block was released (no layer reads it), in ``block_table`` lists."""

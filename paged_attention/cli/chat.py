@@ -16,14 +16,9 @@ import sys
 
 import torch
 
-from paged_attention.demo import (
-    UsageError,
-    non_negative_float,
-    positive_int,
-    seed_int,
-    unit_interval,
-)
-from paged_attention.models import add_model_arguments, add_weights_argument
+from paged_attention.cli.arguments import non_negative_float, positive_int, seed_int, unit_interval
+from paged_attention.errors import UsageError
+from paged_attention.modeling.models import add_model_arguments, add_weights_argument
 
 HELP = "chat with a model (SmolLM2-135M-Instruct by default), interactively or one-shot"
 DEFAULT_KV_TOKENS = 8192
@@ -157,7 +152,7 @@ def read_prompts(path: str) -> list[str]:
 
 def build_engine(args: argparse.Namespace):
     from paged_attention.engine import CacheConfig, Engine, EngineConfig
-    from paged_attention.models import ModelLoadError, load_model
+    from paged_attention.modeling.models import ModelLoadError, load_model
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")

@@ -22,7 +22,7 @@ into a causal LM and its tokenizer, on this machine alone (nothing is downloaded
 
 * ``auto`` (the default): the weights as shipped. On the CPU, a Llama GGUF file's attention and
   MLP projections (and its LM head) stored as Q4_0, Q4_1 or Q8_0 become quantized layers
-  (:mod:`paged_attention.quantized`) that read those blocks as they are; everything else
+  (:mod:`paged_attention.modeling.quantized`) that read those blocks as they are; everything else
   (other files, other formats, CUDA) keeps float weights in ``--dtype``;
 * ``bf16``, ``fp32``: float weights (the GGUF de-quantized) in bfloat16 or float32;
 * ``q4``, ``q8``: the projections quantized, 4-bit (Q4_0 and Q4_1 tensors as shipped, others
@@ -103,7 +103,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
         raise ModelLoadError(f"weights {weights}: the quantized layers run on the CPU only")
     source = model_source(name)
     if source == TINY_MODEL:
-        from paged_attention.testing import tiny_chat_model
+        from paged_attention.modeling.tiny import tiny_chat_model
 
         model, tokenizer = tiny_chat_model()
         model = model.to(device, requested or auto_dtype(device, torch.float32))
@@ -111,7 +111,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
         directory = converted_gguf(source) if source.is_file() else source
         model, tokenizer = _load_directory(directory, name, requested, device)
     if device.type == "cpu" and weights in ("auto", "q4", "q8"):
-        from paged_attention.quantized import quantize_model
+        from paged_attention.modeling.quantized import quantize_model
 
         gguf = source if isinstance(source, Path) and source.is_file() else None
         try:

@@ -13,7 +13,7 @@ Two kernels compute :class:`QuantizedLinear` (``PAGED_ATTENTION_QUANTIZED_KERNEL
 layer is built: ``auto``, the default, ``gguf`` or ``int4pack``):
 
 * ``gguf``, where the CPU has AVX512-VNNI (``auto`` picks it there): the op of
-  :mod:`paged_attention.gguf_linear`, llama.cpp's arithmetic: the activations rounded to int8
+  :mod:`paged_attention.ops.gguf_linear`, llama.cpp's arithmetic: the activations rounded to int8
   per block of 32, integer dot products with the blocks' quants, scaled in float32. On a CPU
   without VNNI it runs a portable scalar loop (correct, slow): ``auto`` does not pick it there.
 * ``int4pack``: torch's CPU int4 kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_attention import gguf_linear
+from paged_attention.ops import gguf_linear
 
 GROUP_SIZE = 32
 """Weights per GGUF block, and per scale and zero of the int4 kernel."""
@@ -282,7 +282,7 @@ class ShippedTensors:
     @classmethod
     def read(cls, gguf: Path, model: nn.Module) -> ShippedTensors | None:
         """The file's tensors, or None when its architecture is not one mapped here."""
-        from paged_attention.gguf_file import GGUFFile
+        from paged_attention.modeling.gguf_file import GGUFFile
 
         file = GGUFFile(gguf)
         if file.architecture not in GGUF_ARCHITECTURES:

@@ -4,16 +4,16 @@ Per layer: query heads, KV heads, head size (and the values' own head size, whic
 attention run through transformers' attention interface makes narrower), the softmax scale, a
 sliding window or attention chunk, the logit soft-cap and whether the layer has attention sinks
 (:class:`LayerGeometry`); for the model: those layers, its dtype, device and tensor-parallel split
-(:class:`ModelGeometry`), which build the :class:`~paged_attention.cache.PagedKVCache` (each
-layer's own shape when layers differ) and the :class:`~paged_attention.block_manager.BlockManager`
-that fit it. What paged attention cannot serve is refused here, with the reason
-(:class:`UnsupportedModelError`).
+(:class:`ModelGeometry`), which build the :class:`~paged_attention.kv.cache.PagedKVCache` (each
+layer's own shape when layers differ) and the
+:class:`~paged_attention.kv.block_manager.BlockManager` that fit it. What paged attention cannot
+serve is refused here, with the reason (:class:`UnsupportedModelError`).
 
 The model is read by the names transformers gives its config and attention modules
 (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ``num_key_value_heads``,
 ``head_dim``, an attention module's ``layer_idx``, ``scaling`` and ``sinks``, ...), without
 importing transformers: the engine builds its cache from this module alone. The transformers
-attention backend (``paged_attention.integrations.transformers_backend``) checks at every
+attention backend (``paged_attention.modeling.transformers_backend``) checks at every
 forward pass that each layer computes what was read here, so a model read wrongly raises rather
 than giving wrong tokens.
 """
@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from paged_attention import cache as _cache_module
-from paged_attention.block_manager import BlockManager
-from paged_attention.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
-from paged_attention.integrations.tensor_parallel import TensorParallel
+from paged_attention.kv import cache as _cache_module
+from paged_attention.kv.block_manager import BlockManager
+from paged_attention.kv.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from paged_attention.modeling.tensor_parallel import TensorParallel
 
 # Without a size, a CPU cache takes this much of the available host memory, at most
 # _CPU_DEFAULT_MAX_BYTES (vLLM's CPU backend reserves 4 GiB by default); CUDA takes 90% of the

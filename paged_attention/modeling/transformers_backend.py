@@ -17,9 +17,9 @@ values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``u
 this step's latents only, so the attention function receives this step's expanded keys and values,
 which the paged cache stores as any other layer's.
 
-Every call is checked against the :class:`~paged_attention.geometry.ModelGeometry` the cache was
-built from: the layer's head counts and sizes, its logit soft-cap, its attention sinks, and
-what its attention mask lets a query see. The mask function tags the padding mask it returns
+Every call is checked against the :class:`~paged_attention.modeling.geometry.ModelGeometry` the
+cache was built from: the layer's head counts and sizes, its logit soft-cap, its attention sinks,
+and what its attention mask lets a query see. The mask function tags the padding mask it returns
 with the mask transformers would have built (:class:`MaskPattern`); the first call of each layer
 probes it (causal, a sliding window, or chunks). A layer that attends otherwise than its config
 said raises, naming both, so a model read wrongly never gives wrong tokens.
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from paged_attention.attention import AttentionMetadata, PagedAttention
-from paged_attention.cache import PagedKVCache
-from paged_attention.geometry import LayerGeometry, ModelGeometry, describe_attention
+from paged_attention.kv.cache import PagedKVCache
+from paged_attention.modeling.geometry import LayerGeometry, ModelGeometry, describe_attention
 
 try:
     import transformers

@@ -2,7 +2,7 @@
 budget too small for contiguous reservations, report memory use, and check greedy outputs
 against transformers' own ``generate()``.
 
-The default model is SmolLM2-135M-Instruct (see :mod:`paged_attention.models`), asked real
+The default model is SmolLM2-135M-Instruct (see :mod:`paged_attention.modeling.models`), asked real
 questions through its chat template: every other one after the same long system prompt (prefix
 caching computes it once), some answered by parallel sampling or beam search; the report ends
 with a few of the answers as text. ``--model tiny`` serves random token ids on a 2-layer Llama
@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from paged_attention.cache import HOST_SWAP_FACTOR
+from paged_attention.cli.arguments import positive_int, seed_int
+from paged_attention.cli.machine import machine_info
 from paged_attention.engine import (
     CacheConfig,
     Engine,
@@ -34,8 +35,9 @@ from paged_attention.engine import (
     SamplingParams,
 )
 from paged_attention.engine.config import KVBudgetError
-from paged_attention.machine import machine_info
-from paged_attention.models import (
+from paged_attention.errors import UsageError
+from paged_attention.kv.cache import HOST_SWAP_FACTOR
+from paged_attention.modeling.models import (
     TINY_MODEL,
     ModelLoadError,
     add_model_arguments,
@@ -45,8 +47,8 @@ from paged_attention.models import (
 )
 
 # Imported from here by tests, benchmarks and examples.
-from paged_attention.testing import TINY_LLAMA, tiny_llama_config  # noqa: F401
-from paged_attention.testing import tiny_llama as default_model  # noqa: F401
+from paged_attention.modeling.tiny import TINY_LLAMA, tiny_llama_config  # noqa: F401
+from paged_attention.modeling.tiny import tiny_llama as default_model  # noqa: F401
 
 DEFAULT_PLOT = "results/demo_kv_memory.png"
 DEFAULT_BUDGET_TOKENS = 1024
@@ -61,11 +63,6 @@ transformers' generate() (token for token, or up to a tie: a token whose logit i
 within two units in the last place of the model's dtype of the top one); 1 when a request was
 rejected or a greedy output differs; 2 for bad arguments (including a --model that cannot be
 loaded or served, and a --kv-budget larger than the memory there is)."""
-
-
-class UsageError(ValueError):
-    """A bad command-line argument, found after argparse (the entry point reports it as
-    argparse does: one line, exit status 2)."""
 
 
 def tensor_parallel_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -585,69 +582,6 @@ def _memory_rows(report: dict) -> list[tuple[str, str]]:
         ("outputs (sha256 of every token)", report["outputs_sha256"][:16]),
         ("KV memory plot", report["plot"]),
     ]
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def unit_interval(text: str) -> float:
-    value = finite_float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """A seed: an integer in [0, 2**32), the usual range of seeds (so that the per-request
-    seeds ``seed + i`` stay valid generator seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

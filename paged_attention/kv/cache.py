@@ -1,6 +1,6 @@
 """PagedKVCache: every layer's key/value cache tensors, and the execution of a manager's plans.
 
-The :class:`~paged_attention.block_manager.BlockManager` decides which block and slot holds every
+The :class:`~paged_attention.kv.block_manager.BlockManager` decides which block and slot holds every
 token; this class owns the memory those block ids index and carries out what the manager asks
 for: copy-on-write copies (``copy_blocks``, all layers of one shape in one call) and swaps between
 the device and host (``swap_blocks``). One block id addresses the same block in every layer, so
@@ -26,10 +26,10 @@ from math import inf
 
 import torch
 
-from paged_attention import _ops
 from paged_attention.attention import AttentionMetadata
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
-from paged_attention.supported import FP8_FORMATS, check_block_size, check_head_size, is_fp8
+from paged_attention.ops import bindings as _ops
+from paged_attention.ops.supported import FP8_FORMATS, check_block_size, check_head_size, is_fp8
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -330,9 +330,9 @@ class PagedKVCache:
         return self.num_blocks * self.bytes_per_block
 
     def make_manager(self, **kwargs):
-        """A :class:`~paged_attention.block_manager.BlockManager` over exactly this cache's
+        """A :class:`~paged_attention.kv.block_manager.BlockManager` over exactly this cache's
         device and host blocks (a convenience: the cache itself never consults one)."""
-        from paged_attention.block_manager import BlockManager  # the planner sits above
+        from paged_attention.kv.block_manager import BlockManager  # the planner sits above
 
         return BlockManager(self.num_blocks, self.block_size, self.num_host_blocks, **kwargs)
 
@@ -385,7 +385,7 @@ class PagedKVCache:
         query_lens: int | Sequence[int] = 1,
     ) -> AttentionMetadata:
         """Metadata of a step whose new tokens are the last ``query_lens`` tokens of each
-        sequence of ``manager`` (a :class:`~paged_attention.block_manager.BlockManager` over this
+        sequence of ``manager`` (a :class:`~paged_attention.kv.block_manager.BlockManager` over this
         cache); their slots must already be reserved (``allocate``/``append_slots``)."""
         self._check_manager(manager)
         return build_metadata(StepInputs.from_manager(manager, seq_ids, query_lens), self.device)

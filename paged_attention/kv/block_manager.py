@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_attention.block_errors import (
+from paged_attention.kv.block_errors import (
     BlockManagerError,
     DoubleFreeError,
     DuplicateSequenceError,
@@ -87,9 +87,9 @@ from paged_attention.block_errors import (
     SwapError,
     UnknownSequenceError,
 )
-from paged_attention.block_pool import BlockPool, CachingBlockPool
-from paged_attention.block_swap import SwapSpace
-from paged_attention.block_tables import RELEASED, BlockTables, PrefixChains, Reach
+from paged_attention.kv.block_pool import BlockPool, CachingBlockPool
+from paged_attention.kv.block_swap import SwapSpace
+from paged_attention.kv.block_tables import RELEASED, BlockTables, PrefixChains, Reach
 
 __all__ = [
     "RELEASED",

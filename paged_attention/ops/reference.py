@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from paged_attention.supported import FP8_FORMATS, PARTITION_SIZE, is_fp8
+from paged_attention.ops.supported import FP8_FORMATS, PARTITION_SIZE, is_fp8
 
 
 def quantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | float) -> torch.Tensor:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_attention.block_errors import OutOfBlocksError
-from paged_attention.block_pool import BlockPool, CachingBlockPool
-from paged_attention.block_tables import BlockTables, PrefixChains
+from paged_attention.kv.block_errors import OutOfBlocksError
+from paged_attention.kv.block_pool import BlockPool, CachingBlockPool
+from paged_attention.kv.block_tables import BlockTables, PrefixChains
 
 
 class SwapSpace:

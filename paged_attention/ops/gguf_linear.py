@@ -19,10 +19,14 @@ scalar loop of the same arithmetic, slow) and ``"auto"``, which picks ``vnni`` w
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
-from paged_attention import _C  # noqa: F401  (loading the library registers the op)
+# Loading the library registers the op; by name, so that this low layer does not import the
+# package root (which imports every layer).
+importlib.import_module("paged_attention._C")
 
 GROUP_ROWS = 16
 """Output rows per group of the op's layout: a weight's rows must be a multiple of it."""
