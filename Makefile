@@ -39,9 +39,12 @@ $(VENV)/.built-$(PAGED_ATTENTION_CUDA): $(VENV)/.deps $(SOURCES)
 demo: build
 	$(PY) -m paged_attention demo
 
+# lint-imports: each layer of the package imports only the layers below it (pyproject.toml's
+# [tool.importlinter]; docs/design.md, "The package").
 lint: build
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # The documentation site: a broken link or a stale API reference fails (about 30 s).
 test: lint
