@@ -907,6 +907,113 @@ def _largest(rows: list[dict]) -> tuple:
     return max((r["kv_bytes"], r["batch"], r["context"]) for r in rows)
 
 
+def demo_headline(data: dict) -> tuple[str, str] | None:
+    peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
+    return (
+        f"serving demo, `{data['model']}`, {data['requests']} requests",
+        f"peak {peak} KV blocks against {contiguous} for contiguous reservation "
+        f"({num(contiguous / peak)}x); {num(data['tokens_per_s'])} tokens/s; greedy outputs "
+        f"equal `generate()`: {'yes' if data['greedy_matches_transformers'] else 'no'}",
+    )
+
+
+def decode_headline(data: dict) -> tuple[str, str] | None:
+    dtypes = {r["dtype"] for r in data["rows"]}
+    dtype = next((d for d in ("bfloat16", "float32") if d in dtypes), None)
+    v1 = [
+        r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s") and r["method"] == "v1"
+    ]
+    if not v1:
+        return None
+    top = _largest(v1)
+    row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
+    result = (
+        f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
+        f"{pct(row.get('fraction_of_limit'))} of the read limit"
+    )
+    if row.get("speedup_vs_gather_sdpa"):
+        result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
+    return f"decode attention, {dtype}, {row['batch']} x {row['context']} tokens", result
+
+
+def prefill_headline(data: dict) -> tuple[str, str] | None:
+    ours = [r for r in data["rows"] if r["method"] == "ours" and r.get("time_s")]
+    chunk = [r for r in ours if r["row"] == "b" and r["dtype"] == "bfloat16"] or ours[:1]
+    if not chunk:
+        return None
+    r = chunk[0]
+    return (
+        f"varlen attention, {r['dtype']}, {r['batch']} x {r['context']}, "
+        f"{r['query_len']} new tokens each",
+        f"{ms(r['time_s'])}; {num(r.get('speedup_vs_gather_sdpa'), 2)}x gather + SDPA, "
+        f"{pct(r.get('fraction_of_roof'))} of the roof",
+    )
+
+
+def serving_headline(data: dict) -> tuple[str, str] | None:
+    rows = data["rows"]
+    workloads = [r for r in rows if r.get("workload") == "chat"] or rows
+    best = max(
+        (r for r in workloads if r["config"].startswith("engine")),
+        key=lambda r: r["tokens_per_s"],
+        default=None,
+    )
+    if not best:
+        return None
+    same = (best.get("dtype"), best.get("requests"))
+    peers = {
+        r["config"]: r
+        for r in workloads
+        if r["config"].startswith("transformers") and (r.get("dtype"), r.get("requests")) == same
+    }
+    result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
+    for config, label in (
+        ("transformers generate_batch()", "transformers `generate_batch()`"),
+        ("transformers generate()", "a padded `generate()`"),
+    ):
+        if config in peers:
+            rate = peers[config]["tokens_per_s"]
+            result += f"; {label} {num(rate)} ({num(best['tokens_per_s'] / rate)}x)"
+    return f"serving, {best.get('workload')} workload, {best.get('requests')} requests", result
+
+
+def memory_headline(data: dict) -> tuple[str, str] | None:
+    util = data["utilisation"]
+    paged = util.get("paged, block 16")
+    contiguous = util.get("contiguous, max length")
+    if not (paged and contiguous):
+        return None
+    beams = data["sharing"]["beam_search_saving"].get("4")
+    result = (
+        f"{pct(paged['waste'])} of KV memory wasted "
+        f"(contiguous max-length reservation: {pct(contiguous['waste'])})"
+    )
+    if beams is not None:
+        result += f"; beam search width 4 shares {pct(beams)}"
+    return "KV memory, paged, block 16", result
+
+
+def server_headline(data: dict) -> tuple[str, str] | None:
+    best = max(data["rows"], key=lambda r: r.get("output_tokens_per_s") or 0)
+    return (
+        f"HTTP server, {best['load']}",
+        f"{num(best['output_tokens_per_s'])} output tokens/s, TTFT p50 "
+        f"{num(best.get('ttft_p50_ms'))} ms",
+    )
+
+
+# Each kind's headline row (what, result), in the README's order; the last two only while
+# fewer than six rows are taken.
+HEADLINES: tuple[tuple[str, Callable[[dict], tuple[str, str] | None]], ...] = (
+    ("demo", demo_headline),
+    ("decode", decode_headline),
+    ("prefill", prefill_headline),
+    ("serving", serving_headline),
+    ("memory", memory_headline),
+    ("server", server_headline),
+)
+
+
 def headline_rows(
     results: dict[str, dict], commands: dict[str, str], notes: dict | None = None
 ) -> list[list[str]]:
@@ -914,125 +1021,18 @@ def headline_rows(
     marked with a star."""
     out = []
     notes = notes or {}
-
-    def add(kind, name, data, what, result):
+    for kind, headline in HEADLINES:
+        found = _first(results, kind)
+        if not found or (kind in ("memory", "server") and len(out) >= 6):
+            continue
+        name, data = found
+        row = headline(data)
+        if row is None:
+            continue
+        what, result = row
         star = " \\*" if notes.get(name) else ""
         command = command_of(name, data, kind, commands)
         out.append([what + star, result, machine_of(data, kind), f"`{command}`"])
-
-    found = _first(results, "demo")
-    if found:
-        name, data = found
-        peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
-        add(
-            "demo",
-            name,
-            data,
-            f"serving demo, `{data['model']}`, {data['requests']} requests",
-            f"peak {peak} KV blocks against {contiguous} for contiguous reservation "
-            f"({num(contiguous / peak)}x); {num(data['tokens_per_s'])} tokens/s; greedy outputs "
-            f"equal `generate()`: {'yes' if data['greedy_matches_transformers'] else 'no'}",
-        )
-    found = _first(results, "decode")
-    if found:
-        name, data = found
-        dtypes = {r["dtype"] for r in data["rows"]}
-        for dtype in [d for d in ("bfloat16", "float32") if d in dtypes][:1]:
-            rows = [r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s")]
-            v1 = [r for r in rows if r["method"] == "v1"]
-            if not v1:
-                continue
-            top = _largest(v1)
-            row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
-            result = (
-                f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
-                f"{pct(row.get('fraction_of_limit'))} of the read limit"
-            )
-            if row.get("speedup_vs_gather_sdpa"):
-                result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
-            add(
-                "decode",
-                name,
-                data,
-                f"decode attention, {dtype}, {row['batch']} x {row['context']} tokens",
-                result,
-            )
-    found = _first(results, "prefill")
-    if found:
-        name, data = found
-        ours = [r for r in data["rows"] if r["method"] == "ours" and r.get("time_s")]
-        chunk = [r for r in ours if r["row"] == "b" and r["dtype"] == "bfloat16"] or ours[:1]
-        if chunk:
-            r = chunk[0]
-            add(
-                "prefill",
-                name,
-                data,
-                f"varlen attention, {r['dtype']}, {r['batch']} x {r['context']}, "
-                f"{r['query_len']} new tokens each",
-                f"{ms(r['time_s'])}; {num(r.get('speedup_vs_gather_sdpa'), 2)}x gather + SDPA, "
-                f"{pct(r.get('fraction_of_roof'))} of the roof",
-            )
-    found = _first(results, "serving")
-    if found:
-        name, data = found
-        rows = data["rows"]
-        workloads = [r for r in rows if r.get("workload") == "chat"] or rows
-        best = max(
-            (r for r in workloads if r["config"].startswith("engine")),
-            key=lambda r: r["tokens_per_s"],
-            default=None,
-        )
-        if best:
-            same = (best.get("dtype"), best.get("requests"))
-            peers = {
-                r["config"]: r
-                for r in workloads
-                if r["config"].startswith("transformers")
-                and (r.get("dtype"), r.get("requests")) == same
-            }
-            result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
-            for config, label in (
-                ("transformers generate_batch()", "transformers `generate_batch()`"),
-                ("transformers generate()", "a padded `generate()`"),
-            ):
-                if config in peers:
-                    rate = peers[config]["tokens_per_s"]
-                    result += f"; {label} {num(rate)} ({num(best['tokens_per_s'] / rate)}x)"
-            add(
-                "serving",
-                name,
-                data,
-                f"serving, {best.get('workload')} workload, {best.get('requests')} requests",
-                result,
-            )
-    found = _first(results, "memory")
-    if found and len(out) < 6:
-        name, data = found
-        util = data["utilisation"]
-        paged = util.get("paged, block 16")
-        contiguous = util.get("contiguous, max length")
-        if paged and contiguous:
-            beams = data["sharing"]["beam_search_saving"].get("4")
-            result = (
-                f"{pct(paged['waste'])} of KV memory wasted "
-                f"(contiguous max-length reservation: {pct(contiguous['waste'])})"
-            )
-            if beams is not None:
-                result += f"; beam search width 4 shares {pct(beams)}"
-            add("memory", name, data, "KV memory, paged, block 16", result)
-    found = _first(results, "server")
-    if found and len(out) < 6:
-        name, data = found
-        best = max(data["rows"], key=lambda r: r.get("output_tokens_per_s") or 0)
-        add(
-            "server",
-            name,
-            data,
-            f"HTTP server, {best['load']}",
-            f"{num(best['output_tokens_per_s'])} output tokens/s, TTFT p50 "
-            f"{num(best.get('ttft_p50_ms'))} ms",
-        )
     return out[:6]
 
 
