@@ -22,6 +22,7 @@ import json
 import re
 import shlex
 import shutil
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,14 @@ def kind_of(data: dict) -> str | None:
     first = rows[0] if isinstance(rows, list) and rows else {}
     if data.get("benchmark") == "bench_server_compare":
         return "server_compare"
+    if {"pairs", "runs"} <= data.keys():
+        return "greedy_agreement"
+    if {"tree", "workload"} <= first.keys():
+        return "engine_step"
+    if {"int4pack_us", "gguf_us"} <= first.keys():
+        return "gguf_linear"
+    if {"config", "rss_mb", "tok_s_1"} <= first.keys():
+        return "quantized"
     if {"kv_budget_blocks", "contiguous_blocks"} <= data.keys():
         return "demo"
     if {"memory", "compute", "from_memory"} <= data.keys():
@@ -87,6 +96,10 @@ SCRIPTS = {
     "memory": "bench_memory.py",
     "hf_kv_bytes": "bench_hf_kv_bytes.py",
     "block_manager": "bench_block_manager.py",
+    "gguf_linear": "bench_gguf_linear.py",
+    "quantized": "bench_quantized.py",
+    "greedy_agreement": "greedy_agreement.py",
+    "engine_step": "bench_engine_step.py",
 }
 
 
@@ -166,9 +179,13 @@ def machine_of(data: dict, kind: str) -> str:
         return "any (a replay of the block manager; no timing)"
     if kind == "hf_kv_bytes":
         return f"any (bytes held, no timing); torch {data.get('torch', '?')}"
+    if kind == "greedy_agreement":
+        return "not recorded (token ids compared, no timing)"
     machine = data["info"]["machine"] if kind in ("server", "server_compare") else data["machine"]
     if "gpu" in machine:
         return f"{machine['gpu']} ({machine['sms']} SMs), torch {machine['torch']}"
+    if "cpu_model" not in machine:
+        return proc_machine(machine)
     model = machine["cpu_model"]
     flags = set(machine["cpu_isa_flags"])
     isa = "/".join(label for flag, label in ISA_NAMES if flag in flags)
@@ -183,6 +200,19 @@ def machine_of(data: dict, kind: str) -> str:
     load = machine.get("load_average")
     if load:
         parts.append(f"load average {load[0]:.1f}")
+    return ", ".join(parts)
+
+
+def proc_machine(machine: dict) -> str:
+    """The machine as the quantized benchmarks record it: /proc/cpuinfo's model name, threads
+    and /proc/loadavg's lines before and after the run."""
+    parts = [machine.get("cpu", "CPU not recorded")]
+    threads = machine.get("threads")
+    if threads:
+        parts.append(f"{threads} thread{'s' if threads != 1 else ''}")
+    before, after = machine.get("loadavg_before"), machine.get("loadavg_after")
+    if before and after:
+        parts.append(f"load average {before.split()[0]} to {after.split()[0]}")
     return ", ".join(parts)
 
 
@@ -642,6 +672,170 @@ def block_manager_section(data: dict) -> str:
     return text + table(["measure", *kinds], body, "l" + "r" * len(kinds))
 
 
+def gguf_linear_section(data: dict) -> str:
+    body = [
+        [
+            r["layer"],
+            r["format"],
+            f"{r['out']} x {r['in']}",
+            str(r["batch"]),
+            num(r["int4pack_us"]),
+            num(r["gguf_us"]),
+            num(r["int4pack_us"] / r["gguf_us"], 2, "x"),
+            num(r["int8pack_us"]),
+        ]
+        for r in data["rows"]
+    ]
+    header = [
+        "layer",
+        "format",
+        "out x in",
+        "rows",
+        "int4pack µs",
+        "gguf µs",
+        "gguf speed-up",
+        "bare `_weight_int8pack_mm` µs",
+    ]
+    text = (
+        "One quantized linear layer at SmolLM2-135M's shapes, bfloat16 inputs of 1 to 32 rows: "
+        "torch's int4pack kernel and the gguf kernel (int8 activations, AVX512-VNNI), each "
+        "through the `QuantizedLinear` layer's `forward`, and for scale torch's "
+        "`_weight_int8pack_mm` called bare (int8 weights with one scale per row: not the GGUF "
+        "format, no layer around it). Each figure is the fastest of the script's `--repeats` "
+        "calls (default 100; a twentieth, at least 3, for the LM head); the speed-up is "
+        "int4pack's time over gguf's.\n\n"
+    )
+    return text + table(header, body, "lllrrrrr")
+
+
+def rounds_of(rows: list[dict], group: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
+    """``rows`` by ``group(row)``, each group's rows in the order they ran (round by round)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(group(r), []).append(r)
+    return groups
+
+
+def rounds_cell(values: list[float], digits: int) -> str:
+    """The median of ``values``, then each round's value in the order they ran."""
+    each = ", ".join(num(v, digits) for v in values)
+    return f"{num(statistics.median(values), digits)} ({each})"
+
+
+def quantized_section(data: dict) -> str:
+    groups = rounds_of(data["rows"], lambda r: (r["config"], r["weights"]))
+    batches = sorted(
+        int(key.removeprefix("tok_s_")) for key in data["rows"][0] if key.startswith("tok_s_")
+    )
+    body = [
+        [
+            config,
+            f"`{weights}`",
+            *(rounds_cell([r[f"tok_s_{b}"] for r in rows], 1) for b in batches),
+            rounds_cell([r["load_s"] for r in rows], 2),
+            rounds_cell([r["rss_mb"] for r in rows], 0),
+        ]
+        for (config, weights), rows in groups.items()
+    ]
+    rounds = max(len(rows) for rows in groups.values())
+    header = [
+        "config",
+        "`--weights`",
+        *(f"tok/s, {b} request{'s' if b != 1 else ''}" for b in batches),
+        "load s",
+        "resident MB",
+    ]
+    text = (
+        f"SmolLM2-135M-Instruct generating {data['tokens']} greedy tokens per request offline "
+        "(prefill included, the end-of-sequence token never produced): `--weights bf16`, and "
+        "`--weights auto` (the GGUF's quantized blocks) through torch's int4pack kernel and "
+        "through the gguf kernel. Each measurement runs in a fresh process (its resident memory "
+        f"is that model's alone), the configurations alternating A B C over {rounds} rounds. "
+        "Each cell is the median over the rounds, then each round's value in the order they "
+        "ran.\n\n"
+    )
+    return text + table(header, body, "ll" + "r" * (len(batches) + 2))
+
+
+ENGINE_STEP_MEASURES = {
+    "tiny64": (("step_ms_median", "step ms, median"), ("step_ms_p90", "step ms, p90")),
+    "chat": (("tok_per_s", "tokens/s"),),
+}
+
+
+def engine_step_section(data: dict) -> str:
+    groups = rounds_of(data["rows"], lambda r: (r["workload"], r["tree"]))
+    body = []
+    for (workload, tree), rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["round"])
+        load = "; ".join(f"{r['load_before']:.1f} to {r['load_after']:.1f}" for r in rows)
+        for key, label in ENGINE_STEP_MEASURES[workload]:
+            body.append([workload, tree, label, rounds_cell([r[key] for r in rows], 2), load])
+    rounds = max(len(rows) for rows in groups.values())
+    header = ["workload", "tree", "measure", "median (each round)", "load average, each round"]
+    text = (
+        "The engine's own cost per step, source trees against one another in one run, each "
+        "tree in a fresh process per workload, the trees alternating A B A B over "
+        f"{rounds} round{'s' if rounds != 1 else ''}. `tiny64`: the tiny random Llama, 64 "
+        "requests of 16 prompt tokens and 48 greedy new tokens each, eager; the time of every "
+        "step in which all 64 sequences decode (the engine's overhead: scheduling, inputs, "
+        "sampling, outputs). `chat`: SmolLM2-135M-Instruct in bfloat16, 32 chat questions, 64 "
+        "greedy new tokens each, all at time 0: output tokens per second.\n\n"
+    )
+    return text + table(header, body, "lllrl")
+
+
+def agreement_remark(pairs: dict, reference: str, questions: int) -> str:
+    """How our variants' first divergences from ``reference`` line up, question by question."""
+    ours = [pair for name, pair in pairs.items() if name.endswith(f" vs {reference}")]
+    firsts = list(zip(*(pair["first_divergence"] for pair in ours)))
+    same = sum(1 for f in firsts if None not in f and len(set(f)) == 1)
+    shared = sum(
+        1 for f in firsts if len({p for p in f if p is not None}) < sum(p is not None for p in f)
+    )
+    agree = [p["mean_match_fraction"] for n, p in pairs.items() if reference not in n]
+    differ = [p["mean_match_fraction"] for p in ours]
+    text = (
+        f"Against `{reference}`, all {len(ours)} of our variants first differ at the same "
+        f"token position in {same} of {questions} questions, and at least two of them do in "
+        f"{shared}."
+    )
+    if agree and max(differ) < min(agree):
+        text += (
+            f" Our variants agree with one another on {num(min(agree), 2)} to "
+            f"{num(max(agree), 2)} of the tokens and each with `{reference}` on only "
+            f"{num(min(differ), 2)} to {num(max(differ), 2)}: they mostly part from it at the "
+            "same places, so the difference from it is shared by all our weights variants "
+            "rather than one kernel's arithmetic."
+        )
+    return text
+
+
+def greedy_agreement_section(data: dict) -> str:
+    pairs = data["pairs"]
+    body = [
+        [
+            f"{name}",
+            num(pair["mean_match_fraction"], 3),
+            f"{pair['questions_identical']} of {pair['questions']}",
+        ]
+        for name, pair in pairs.items()
+    ]
+    questions = max(pair["questions"] for pair in pairs.values())
+    text = (
+        f"Greedy tokens of SmolLM2-135M-Instruct on {questions} questions through the chat "
+        f"template, {data['tokens']} tokens each, the end of sequence ignored: `--weights auto` "
+        "through the gguf and the int4pack kernels and `--weights bf16`, against one another "
+        "and against llama.cpp's `llama-server` on the same GGUF file where it ran. Per pair: "
+        "the mean over the questions of the fraction of positions where the two tokens match, "
+        "and the questions whose tokens all match.\n\n"
+    )
+    text += table(["pair", "mean fraction matching", "questions identical"], body, "lrr")
+    if any(name.endswith(" vs llama-server") for name in pairs):
+        text += "\n\n" + agreement_remark(pairs, "llama-server", questions)
+    return text
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "demo": ("Serving demo", demo_section, "demo_kv_memory.png"),
     "decode": ("Decode attention", decode_section, "bench_decode_{device}.png"),
@@ -657,6 +851,14 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "memory": ("KV memory: paged vs. contiguous, and sharing", memory_section, "bench_memory.png"),
     "hf_kv_bytes": ("transformers `generate()`: KV bytes held", hf_kv_bytes_section, None),
     "block_manager": ("Block manager: cost per step", block_manager_section, None),
+    "engine_step": ("Engine: cost per step, tree against tree", engine_step_section, None),
+    "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
+    "quantized": ("Quantized weights end to end", quantized_section, None),
+    "greedy_agreement": (
+        "Greedy agreement: weights variants and llama-server",
+        greedy_agreement_section,
+        None,
+    ),
 }
 
 
@@ -705,6 +907,113 @@ def _largest(rows: list[dict]) -> tuple:
     return max((r["kv_bytes"], r["batch"], r["context"]) for r in rows)
 
 
+def demo_headline(data: dict) -> tuple[str, str] | None:
+    peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
+    return (
+        f"serving demo, `{data['model']}`, {data['requests']} requests",
+        f"peak {peak} KV blocks against {contiguous} for contiguous reservation "
+        f"({num(contiguous / peak)}x); {num(data['tokens_per_s'])} tokens/s; greedy outputs "
+        f"equal `generate()`: {'yes' if data['greedy_matches_transformers'] else 'no'}",
+    )
+
+
+def decode_headline(data: dict) -> tuple[str, str] | None:
+    dtypes = {r["dtype"] for r in data["rows"]}
+    dtype = next((d for d in ("bfloat16", "float32") if d in dtypes), None)
+    v1 = [
+        r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s") and r["method"] == "v1"
+    ]
+    if not v1:
+        return None
+    top = _largest(v1)
+    row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
+    result = (
+        f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
+        f"{pct(row.get('fraction_of_limit'))} of the read limit"
+    )
+    if row.get("speedup_vs_gather_sdpa"):
+        result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
+    return f"decode attention, {dtype}, {row['batch']} x {row['context']} tokens", result
+
+
+def prefill_headline(data: dict) -> tuple[str, str] | None:
+    ours = [r for r in data["rows"] if r["method"] == "ours" and r.get("time_s")]
+    chunk = [r for r in ours if r["row"] == "b" and r["dtype"] == "bfloat16"] or ours[:1]
+    if not chunk:
+        return None
+    r = chunk[0]
+    return (
+        f"varlen attention, {r['dtype']}, {r['batch']} x {r['context']}, "
+        f"{r['query_len']} new tokens each",
+        f"{ms(r['time_s'])}; {num(r.get('speedup_vs_gather_sdpa'), 2)}x gather + SDPA, "
+        f"{pct(r.get('fraction_of_roof'))} of the roof",
+    )
+
+
+def serving_headline(data: dict) -> tuple[str, str] | None:
+    rows = data["rows"]
+    workloads = [r for r in rows if r.get("workload") == "chat"] or rows
+    best = max(
+        (r for r in workloads if r["config"].startswith("engine")),
+        key=lambda r: r["tokens_per_s"],
+        default=None,
+    )
+    if not best:
+        return None
+    same = (best.get("dtype"), best.get("requests"))
+    peers = {
+        r["config"]: r
+        for r in workloads
+        if r["config"].startswith("transformers") and (r.get("dtype"), r.get("requests")) == same
+    }
+    result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
+    for config, label in (
+        ("transformers generate_batch()", "transformers `generate_batch()`"),
+        ("transformers generate()", "a padded `generate()`"),
+    ):
+        if config in peers:
+            rate = peers[config]["tokens_per_s"]
+            result += f"; {label} {num(rate)} ({num(best['tokens_per_s'] / rate)}x)"
+    return f"serving, {best.get('workload')} workload, {best.get('requests')} requests", result
+
+
+def memory_headline(data: dict) -> tuple[str, str] | None:
+    util = data["utilisation"]
+    paged = util.get("paged, block 16")
+    contiguous = util.get("contiguous, max length")
+    if not (paged and contiguous):
+        return None
+    beams = data["sharing"]["beam_search_saving"].get("4")
+    result = (
+        f"{pct(paged['waste'])} of KV memory wasted "
+        f"(contiguous max-length reservation: {pct(contiguous['waste'])})"
+    )
+    if beams is not None:
+        result += f"; beam search width 4 shares {pct(beams)}"
+    return "KV memory, paged, block 16", result
+
+
+def server_headline(data: dict) -> tuple[str, str] | None:
+    best = max(data["rows"], key=lambda r: r.get("output_tokens_per_s") or 0)
+    return (
+        f"HTTP server, {best['load']}",
+        f"{num(best['output_tokens_per_s'])} output tokens/s, TTFT p50 "
+        f"{num(best.get('ttft_p50_ms'))} ms",
+    )
+
+
+# Each kind's headline row (what, result), in the README's order; the last two only while
+# fewer than six rows are taken.
+HEADLINES: tuple[tuple[str, Callable[[dict], tuple[str, str] | None]], ...] = (
+    ("demo", demo_headline),
+    ("decode", decode_headline),
+    ("prefill", prefill_headline),
+    ("serving", serving_headline),
+    ("memory", memory_headline),
+    ("server", server_headline),
+)
+
+
 def headline_rows(
     results: dict[str, dict], commands: dict[str, str], notes: dict | None = None
 ) -> list[list[str]]:
@@ -712,125 +1021,18 @@ def headline_rows(
     marked with a star."""
     out = []
     notes = notes or {}
-
-    def add(kind, name, data, what, result):
+    for kind, headline in HEADLINES:
+        found = _first(results, kind)
+        if not found or (kind in ("memory", "server") and len(out) >= 6):
+            continue
+        name, data = found
+        row = headline(data)
+        if row is None:
+            continue
+        what, result = row
         star = " \\*" if notes.get(name) else ""
         command = command_of(name, data, kind, commands)
         out.append([what + star, result, machine_of(data, kind), f"`{command}`"])
-
-    found = _first(results, "demo")
-    if found:
-        name, data = found
-        peak, contiguous = data["peak_blocks"], data["contiguous_blocks"]
-        add(
-            "demo",
-            name,
-            data,
-            f"serving demo, `{data['model']}`, {data['requests']} requests",
-            f"peak {peak} KV blocks against {contiguous} for contiguous reservation "
-            f"({num(contiguous / peak)}x); {num(data['tokens_per_s'])} tokens/s; greedy outputs "
-            f"equal `generate()`: {'yes' if data['greedy_matches_transformers'] else 'no'}",
-        )
-    found = _first(results, "decode")
-    if found:
-        name, data = found
-        dtypes = {r["dtype"] for r in data["rows"]}
-        for dtype in [d for d in ("bfloat16", "float32") if d in dtypes][:1]:
-            rows = [r for r in data["rows"] if r["dtype"] == dtype and r.get("time_s")]
-            v1 = [r for r in rows if r["method"] == "v1"]
-            if not v1:
-                continue
-            top = _largest(v1)
-            row = next(r for r in v1 if (r["kv_bytes"], r["batch"], r["context"]) == top)
-            result = (
-                f"{ms(row['time_s'])}, {num(row['bytes_per_s'] / 1e9)} GB/s = "
-                f"{pct(row.get('fraction_of_limit'))} of the read limit"
-            )
-            if row.get("speedup_vs_gather_sdpa"):
-                result += f"; {num(row['speedup_vs_gather_sdpa'])}x gather + SDPA"
-            add(
-                "decode",
-                name,
-                data,
-                f"decode attention, {dtype}, {row['batch']} x {row['context']} tokens",
-                result,
-            )
-    found = _first(results, "prefill")
-    if found:
-        name, data = found
-        ours = [r for r in data["rows"] if r["method"] == "ours" and r.get("time_s")]
-        chunk = [r for r in ours if r["row"] == "b" and r["dtype"] == "bfloat16"] or ours[:1]
-        if chunk:
-            r = chunk[0]
-            add(
-                "prefill",
-                name,
-                data,
-                f"varlen attention, {r['dtype']}, {r['batch']} x {r['context']}, "
-                f"{r['query_len']} new tokens each",
-                f"{ms(r['time_s'])}; {num(r.get('speedup_vs_gather_sdpa'), 2)}x gather + SDPA, "
-                f"{pct(r.get('fraction_of_roof'))} of the roof",
-            )
-    found = _first(results, "serving")
-    if found:
-        name, data = found
-        rows = data["rows"]
-        workloads = [r for r in rows if r.get("workload") == "chat"] or rows
-        best = max(
-            (r for r in workloads if r["config"].startswith("engine")),
-            key=lambda r: r["tokens_per_s"],
-            default=None,
-        )
-        if best:
-            same = (best.get("dtype"), best.get("requests"))
-            peers = {
-                r["config"]: r
-                for r in workloads
-                if r["config"].startswith("transformers")
-                and (r.get("dtype"), r.get("requests")) == same
-            }
-            result = f"{num(best['tokens_per_s'])} tokens/s ({best['config']}, {best.get('dtype')})"
-            for config, label in (
-                ("transformers generate_batch()", "transformers `generate_batch()`"),
-                ("transformers generate()", "a padded `generate()`"),
-            ):
-                if config in peers:
-                    rate = peers[config]["tokens_per_s"]
-                    result += f"; {label} {num(rate)} ({num(best['tokens_per_s'] / rate)}x)"
-            add(
-                "serving",
-                name,
-                data,
-                f"serving, {best.get('workload')} workload, {best.get('requests')} requests",
-                result,
-            )
-    found = _first(results, "memory")
-    if found and len(out) < 6:
-        name, data = found
-        util = data["utilisation"]
-        paged = util.get("paged, block 16")
-        contiguous = util.get("contiguous, max length")
-        if paged and contiguous:
-            beams = data["sharing"]["beam_search_saving"].get("4")
-            result = (
-                f"{pct(paged['waste'])} of KV memory wasted "
-                f"(contiguous max-length reservation: {pct(contiguous['waste'])})"
-            )
-            if beams is not None:
-                result += f"; beam search width 4 shares {pct(beams)}"
-            add("memory", name, data, "KV memory, paged, block 16", result)
-    found = _first(results, "server")
-    if found and len(out) < 6:
-        name, data = found
-        best = max(data["rows"], key=lambda r: r.get("output_tokens_per_s") or 0)
-        add(
-            "server",
-            name,
-            data,
-            f"HTTP server, {best['load']}",
-            f"{num(best['output_tokens_per_s'])} output tokens/s, TTFT p50 "
-            f"{num(best.get('ttft_p50_ms'))} ms",
-        )
     return out[:6]
 
 

@@ -200,3 +200,161 @@ def test_the_decode_section_says_how_the_read_limit_was_measured():
     text = publish.read_limit_text(data)
     assert "all 2 threads the kernels use" in text and "2.00 GiB, 4.0x the last-level" in text
     assert "memory: 20.0 GB/s by `gemv`" in text and "a figure above 100%" in text
+
+
+def committed(name: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / name).read_text())
+
+
+def section_of(page: str, name: str) -> str:
+    """The part of ``page`` published from docs/results/``name``: its heading to the next."""
+    at = page.index(f"File: `docs/results/{name}`")
+    start = page.rindex("\n### ", 0, at)
+    end = page.find("\n### ", at)
+    return page[start : end if end > 0 else len(page)]
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("bench_gguf_linear.json", "gguf_linear"),
+        ("bench_quantized.json", "quantized"),
+        ("greedy_agreement.json", "greedy_agreement"),
+    ],
+)
+def test_the_quantized_benchmarks_are_known_by_their_shape(name, kind):
+    assert publish.kind_of(committed(name)) == kind
+    assert publish.SCRIPTS[kind] == Path(name).stem + ".py"  # the script that wrote it
+
+
+def test_the_gguf_linear_figures_are_the_json_rows():
+    data = committed("bench_gguf_linear.json")
+    page = figures((ROOT / "docs" / "benchmarks.md").read_text())
+    text = section_of(page, "bench_gguf_linear.json")
+    assert "Intel(R) Xeon(R) Processor, 2 threads, load average 1.73 to 1.67" in text
+    assert "`python benchmarks/bench_gguf_linear.py --json" in text
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(lines) == 1 + len(data["rows"])
+    for line, r in zip(lines[1:], data["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells == [
+            r["layer"],
+            r["format"],
+            f"{r['out']} x {r['in']}",
+            str(r["batch"]),
+            f"{r['int4pack_us']:.1f}",
+            f"{r['gguf_us']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['int8pack_us']:.1f}",
+        ]
+
+
+def test_the_quantized_end_to_end_cells_are_medians_of_the_rounds():
+    data = committed("bench_quantized.json")
+    page = figures((ROOT / "docs" / "benchmarks.md").read_text())
+    text = section_of(page, "bench_quantized.json")
+    assert "`python benchmarks/bench_quantized.py --rounds 3 --json" in text
+    assert "over 3 rounds" in text and "Sapphire Rapids" in text  # INDEX.txt's note
+    for config in ("bf16", "int4pack", "gguf"):
+        rows = [r for r in data["rows"] if r["config"] == config]
+        assert len(rows) == 3
+        for key, digits in (("tok_s_1", 1), ("tok_s_32", 1), ("load_s", 2), ("rss_mb", 0)):
+            values = [r[key] for r in rows]
+            middle = sorted(values)[1]
+            each = ", ".join(f"{v:.{digits}f}" for v in values)
+            assert f"| {middle:.{digits}f} ({each}) |" in text, (config, key)
+    # The published gguf median at 32 requests, checked by hand against the JSON.
+    assert "| 329.2 (348.0, 329.2, 328.7) |" in text
+
+
+def test_the_greedy_agreement_is_published_per_pair():
+    data = committed("greedy_agreement.json")
+    page = figures((ROOT / "docs" / "benchmarks.md").read_text())
+    text = section_of(page, "greedy_agreement.json")
+    assert "Machine: not recorded (token ids compared, no timing)" in text
+    for pair, result in data["pairs"].items():
+        mean, identical = result["mean_match_fraction"], result["questions_identical"]
+        assert f"| {pair} | {mean:.3f} | {identical} of {result['questions']} |" in text
+    assert "| gguf vs llama-server | 0.486 | 2 of 32 |" in text
+
+
+def agreement_pairs(firsts: dict[str, list], fractions: dict[str, float]) -> dict:
+    return {
+        name: dict(
+            first_divergence=first,
+            mean_match_fraction=fractions[name],
+            questions_identical=first.count(None),
+            questions=len(first),
+        )
+        for name, first in firsts.items()
+    }
+
+
+def test_the_agreement_remark_counts_shared_divergences_and_claims_only_what_holds():
+    firsts = {
+        "a vs b": [None, None, 3],
+        "a vs llama-server": [4, 2, 1],
+        "b vs llama-server": [4, 5, None],
+    }
+    pairs = agreement_pairs(firsts, {"a vs b": 0.9, "a vs llama-server": 0.4,
+                                     "b vs llama-server": 0.5})  # fmt: skip
+    remark = publish.agreement_remark(pairs, "llama-server", 3)
+    assert "all 2 of our variants first differ at the same token position in 1 of 3" in remark
+    assert "at least two of them do in 1." in remark
+    assert "agree with one another on 0.90 to 0.90" in remark and "0.40 to 0.50" in remark
+    # Our variants agreeing with it as much as with one another: no claim that they part together.
+    pairs["a vs llama-server"]["mean_match_fraction"] = 0.95
+    assert "part from it" not in publish.agreement_remark(pairs, "llama-server", 3)
+    # Without a llama-server run the section has the table alone.
+    mine = {"a vs b": pairs["a vs b"]}
+    text = publish.greedy_agreement_section({"tokens": 8, "pairs": mine})
+    assert "| a vs b | 0.900 | 2 of 3 |" in text and "llama-server`," not in text
+
+
+def engine_step_json() -> dict:
+    """What bench_engine_step.py writes: two trees, two rounds, both workloads."""
+    rows = []
+    for workload in ("tiny64", "chat"):
+        for round_index in range(2):
+            for tree, scale in (("old", 2.0), ("new", 1.0)):
+                row = {"tree": tree, "workload": workload, "round": round_index}
+                row.update(load_before=1.0 + round_index, load_after=1.5 + round_index)
+                if workload == "tiny64":
+                    row.update(sequences=64, decode_steps=46)
+                    row.update(step_ms_median=scale * (3 + round_index),
+                               step_ms_p90=scale * (4 + round_index))  # fmt: skip
+                else:
+                    row.update(requests=32, generated=2048, tok_per_s=100 / scale + round_index)
+                rows.append(row)
+    machine = committed("bench_decode_cpu_core.json")["machine"]  # a machine_info() record
+    return {"machine": machine, "rows": rows}
+
+
+def test_the_engine_step_section_is_written_from_its_json(tmp_path):
+    data = engine_step_json()
+    assert publish.kind_of(data) == "engine_step"
+    (tmp_path / "bench_engine_step.json").write_text(json.dumps(data))
+    (tmp_path / "INDEX.txt").write_text(
+        "bench_engine_step: python benchmarks/bench_engine_step.py --trees old=../old,new=. "
+        "--json docs/results/bench_engine_step.json\n"
+    )
+    results = publish.load_results(tmp_path)
+    page = publish.benchmarks_page(
+        results, publish.index_commands(tmp_path), publish.index_notes(tmp_path)
+    )
+    assert "Files of no known benchmark" not in page
+    assert publish.machine_of(data, "engine_step") in page
+    assert "`python benchmarks/bench_engine_step.py --trees old=../old,new=. --json" in page
+    assert "over 2 rounds" in page
+    assert "| tiny64 | old | step ms, median | 7.00 (6.00, 8.00) | 1.0 to 1.5; 2.0 to 2.5 |" in page
+    assert "| tiny64 | new | step ms, p90 | 4.50 (4.00, 5.00) |" in page
+    assert "| chat | old | tokens/s | 50.50 (50.00, 51.00) |" in page
+    assert "| chat | new | tokens/s | 100.50 (100.00, 101.00) |" in page
+
+
+def test_a_proc_machine_record_is_named():
+    machine = {"cpu": "Some CPU", "threads": 1, "loadavg_before": "0.50 0.4 0.3 1/2 3",
+               "loadavg_after": "0.75 0.4 0.3 1/2 3"}  # fmt: skip
+    assert publish.machine_of({"machine": machine}, "quantized") == (
+        "Some CPU, 1 thread, load average 0.50 to 0.75"
+    )
