@@ -62,7 +62,7 @@ test: lint
 # --capture=sys leaves file descriptor 2 to ASan's report (it aborts the process after it).
 ASAN_TESTS := tests/test_attention_cpu.py tests/test_cache_ops.py tests/test_attention_module.py \
 	tests/test_cache.py tests/test_ops_fuzz.py tests/test_varlen_cpu.py \
-	tests/test_cpu_bf16_matmul.py
+	tests/test_cpu_bf16_matmul.py tests/test_gguf_linear.py
 ASAN_CXX = $${CXX:-c++}
 ASAN_PRELOAD = $(shell $(ASAN_CXX) -print-file-name=libasan.so) \
 	$(shell $(ASAN_CXX) -print-file-name=libstdc++.so.6)
