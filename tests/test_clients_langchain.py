@@ -19,7 +19,7 @@ langchain_openai = pytest.importorskip("langchain_openai")
 from offline import refuse_remote_connections  # noqa: E402
 from test_server import LiveServer, make_engine  # noqa: E402
 
-from paged_attention.models import load_model  # noqa: E402
+from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
 
 MODEL = "smollm2"
