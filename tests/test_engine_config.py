@@ -2,7 +2,7 @@
 field, and Engine(model, **kwargs) the same engine as Engine(model, config)."""
 
 import pytest
-import torch
+import test_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,21 +18,7 @@ from paged_attention.engine.scheduler import Scheduler  # noqa: E402
 from paged_attention.kv.block_manager import BlockManager  # noqa: E402
 from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def model():
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+model = test_engine.model  # the fixture: test_engine's tiny Llama
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 rejections and updated requests out, every block back when they end."""
 
 import pytest
+import test_engine
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -10,21 +11,7 @@ from paged_attention.engine import Engine, EngineConfig, SamplingParams  # noqa:
 from paged_attention.engine.core import EngineCore  # noqa: E402
 from paged_attention.engine.request import Request, RequestMetrics  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def model():
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+model = test_engine.model  # the fixture: test_engine's tiny Llama
 
 
 def make_request(request_id, prompt, params) -> Request:
