@@ -19,9 +19,7 @@ pydantic = pytest.importorskip("pydantic")
 from test_server import LiveServer, make_engine  # noqa: E402
 
 from paged_attention.modeling.models import load_model  # noqa: E402
-from paged_attention.modeling.tiny import byte_tokenizer  # noqa: E402
 from paged_attention.server import create_app  # noqa: E402
-from paged_attention.server.prompts import PromptBuilder  # noqa: E402
 
 
 class Weather(pydantic.BaseModel):
@@ -153,23 +151,6 @@ def test_tokenize_renders_tools_as_a_chat_completion_does(served):
     assert tokenized["count"] == ask(served, max_tokens=1).usage.prompt_tokens
     plain = httpx.post(f"{served.url}/tokenize", json={**body, "tools": None}).json()
     assert plain["count"] < tokenized["count"]
-
-
-def test_a_template_that_renders_tools_renders_them_itself():
-    tokenizer = byte_tokenizer()
-    builder = PromptBuilder(tokenizer, "tiny")
-    try:
-        described = tokenizer.decode(builder.chat_ids(list(MESSAGES), tools=TOOLS))
-        assert "<tools>" in described and '"get_weather"' in described  # the Hermes description
-        assert described.startswith("<|im_start|>system\n")
-        tokenizer.chat_template = (
-            "{% for tool in tools or [] %}TOOL {{ tool.function.name }};{% endfor %}"
-            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-        )
-        rendered = tokenizer.decode(builder.chat_ids(list(MESSAGES), tools=TOOLS))
-        assert rendered == "TOOL get_weather;TOOL add;user: Weather in Paris?\n"
-    finally:
-        builder.close()
 
 
 def test_a_conversation_with_earlier_calls_goes_on(served):

@@ -6,6 +6,8 @@ Parts each readable on its own (the split of nano-vllm and vLLM v1; docs/engine.
   (``generate``, ``step``, ``stream``, ``abort``), built from an :class:`EngineConfig`;
 * :class:`~paged_attention.engine.input_processor.InputProcessor` — prompts to validated
   requests;
+* :class:`~paged_attention.engine.prompt_renderer.PromptRenderer` — the tokenizer's work on
+  prompts (chat template with tools, text to ids and back), shared with the server;
 * :class:`~paged_attention.engine.core.EngineCore` — a step: schedule, run, sample, update;
 * :class:`~paged_attention.engine.scheduler.Scheduler` — pure policy over the block manager:
   admission, resumption of swapped requests, preemption, the per-step token budget (chunked
@@ -18,6 +20,7 @@ Parts each readable on its own (the split of nano-vllm and vLLM v1; docs/engine.
 
 from paged_attention.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_attention.engine.engine import Engine, EngineStats, RequestStream
+from paged_attention.engine.prompt_renderer import ChatPrompt, PromptRenderer
 from paged_attention.engine.request import (
     Logprob,
     RequestError,
@@ -29,10 +32,12 @@ from paged_attention.engine.structured_output import StructuredOutputParams
 
 __all__ = [
     "CacheConfig",
+    "ChatPrompt",
     "Engine",
     "EngineConfig",
     "EngineStats",
     "Logprob",
+    "PromptRenderer",
     "RequestError",
     "RequestMetrics",
     "RequestOutput",

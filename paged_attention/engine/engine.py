@@ -1,7 +1,9 @@
 """The engine: the public door, composing three parts (docs/engine.md):
 
 * :class:`~paged_attention.engine.input_processor.InputProcessor` — prompts (token ids, text,
-  chat messages) and :class:`SamplingParams` in, validated requests out;
+  chat messages rendered by the
+  :class:`~paged_attention.engine.prompt_renderer.PromptRenderer`) and :class:`SamplingParams`
+  in, validated requests out;
 * :class:`~paged_attention.engine.core.EngineCore` — each step: schedule, run the model, sample,
   update (the scheduler owns every block change);
 * :class:`~paged_attention.engine.output_processor.OutputProcessor` — detokenizes, checks stop
@@ -128,7 +130,9 @@ class Engine:
     ) -> int:
         """Queue a request; returns its id. ``prompt``: token ids, or with a tokenizer a string
         or chat messages (``[{"role": ..., "content": ...}, ...]``, formatted by the tokenizer's
-        chat template with the generation prompt added). ``arrival_time``
+        chat template with the generation prompt added; a
+        :class:`~paged_attention.engine.prompt_renderer.ChatPrompt` adds tools and the template's
+        options). ``arrival_time``
         (``time.perf_counter()`` seconds, default now) is what its time to first token is
         measured from. Raises ValueError, naming what is wrong, for a request that is malformed
         or could never run (longer than the model's context, or more blocks than the pool)."""

@@ -1,5 +1,6 @@
-"""The way in: a prompt (token ids, text, or chat messages through the tokenizer's template) and
-its :class:`SamplingParams` become a validated :class:`Request`, checked once against one
+"""The way in: a prompt (token ids, text, or chat messages through the tokenizer's template, both
+by the :class:`~paged_attention.engine.prompt_renderer.PromptRenderer` that the server uses
+too) and its :class:`SamplingParams` become a validated :class:`Request`, checked once against one
 source of limits (:class:`RequestLimits`) and the KV pool the scheduler plans over. A request
 that passes can run; one that could never run is refused here, naming the argument."""
 
@@ -14,10 +15,12 @@ from typing import Union
 
 import torch
 
+from paged_attention.engine.prompt_renderer import ChatPrompt, PromptRenderer
 from paged_attention.engine.request import Request, RequestError, RequestMetrics, SamplingParams
 
-Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[Mapping[str, str]]]
-"""Token ids; or, for an engine with a tokenizer, text or chat messages."""
+Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[Mapping[str, str]], ChatPrompt]
+"""Token ids; or, for an engine with a tokenizer, text or chat messages (a list of them, or a
+:class:`ChatPrompt` with tools or template options)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer, limits: RequestLimits, scheduler, device) -> None:
         self.tokenizer = tokenizer
+        self.renderer = None if tokenizer is None else PromptRenderer(tokenizer)
         self.limits = limits
         self.scheduler = scheduler
         self.device = device
@@ -120,9 +124,10 @@ class InputProcessor:
         return RequestGrammar(self._grammar_compiler.compile(params.structured_output))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt given as ids, text or chat messages."""
-        if isinstance(prompt, str) or _is_chat(prompt):
-            if self.tokenizer is None:
+        """Token ids of a prompt given as ids, text or chat messages (rendered by
+        :attr:`renderer`, the one the server uses too)."""
+        if isinstance(prompt, (str, ChatPrompt)) or _is_chat(prompt):
+            if self.renderer is None:
                 kind = "text" if isinstance(prompt, str) else "chat messages"
                 raise RequestError(
                     f"a prompt of {kind} needs an engine with a tokenizer (Engine(tokenizer=...)); "
@@ -130,24 +135,9 @@ class InputProcessor:
                     "prompt",
                 )
             if isinstance(prompt, str):
-                _check_encodable(prompt, "the prompt")
-                return list(self.tokenizer(prompt)["input_ids"])
-            for message in prompt:
-                if (
-                    not isinstance(message, Mapping)
-                    or not isinstance(message.get("role"), str)
-                    or not isinstance(message.get("content"), str)
-                ):
-                    raise RequestError(
-                        "chat messages must be dicts with string 'role' and 'content', got "
-                        f"{message!r}",
-                        "prompt",
-                    )
-                _check_encodable(message["content"], "a chat message's content")
-            text = self.tokenizer.apply_chat_template(
-                list(prompt), add_generation_prompt=True, tokenize=False
-            )
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                return self.renderer.text_ids(prompt)
+            chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(list(prompt))
+            return self.renderer.chat_ids(chat)
         try:
             return _token_list(prompt)
         except (TypeError, ValueError) as error:
@@ -160,19 +150,6 @@ def _token_list(prompt) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise ValueError(f"prompt tokens must be integers, got {token!r}")
     return [int(t) for t in tokens]
-
-
-def _check_encodable(text: str, what: str) -> None:
-    """Text a tokenizer can take: UTF-8 encodable (no lone surrogate such as "\udce9", which
-    Python's surrogateescape makes of undecodable input)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise RequestError(
-            f"prompt: {what} is not valid Unicode text ({error.reason} at index {error.start}: "
-            f"{text[error.start : error.end]!r}); decode its bytes first",
-            "prompt",
-        ) from None
 
 
 def _is_chat(prompt) -> bool:

@@ -5,8 +5,8 @@
   with a warning), OpenAI-style errors, the sampling parameters, the chunk and usage bodies;
 * :mod:`~paged_attention.server.security` — what is checked before any work: the API key,
   JSON-only bodies, the body size;
-* :mod:`~paged_attention.server.prompts` — the chat template and the tokenizer, in a worker
-  thread off the event loop;
+* :mod:`~paged_attention.server.prompts` — the engine's prompt renderer (chat template, text to
+  token ids and back), run in a worker thread off the event loop;
 * :mod:`~paged_attention.server.tokenization` — ``/tokenize`` and ``/detokenize``;
 * :mod:`~paged_attention.server.engine_owner` — the owner that steps the engine, fed by a
   queue, handing outputs back to the event loop: in a thread, or with the engine in a process

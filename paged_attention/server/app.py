@@ -249,22 +249,19 @@ class _Server:
 
     async def tokenize(self, request: Request) -> Response:
         limit = self.max_model_len
-        return await self._tokenizer_work(
-            request, tokenization.tokenize, self.prompts, self._check_model, limit
-        )
+        return await self._tokenizer_work(request, tokenization.tokenize, self._check_model, limit)
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._tokenizer_work(
-            request, tokenization.detokenize, self.prompts, self._check_model
-        )
+        return await self._tokenizer_work(request, tokenization.detokenize, self._check_model)
 
-    async def _tokenizer_work(self, request: Request, function, prompts, *args) -> Response:
-        """``function(prompts, body, *args)`` in the tokenizer's thread, answered as JSON; it
+    async def _tokenizer_work(self, request: Request, function, *args) -> Response:
+        """``function(renderer, body, *args)`` in the tokenizer's thread, answered as JSON; it
         waits in the waiting room like a generation (the thread is shared)."""
         seat = self.waiting.enter()
         try:
             raw = await request.body()
-            return JSONResponse(await self.prompts.run(function, prompts, raw, *args))
+            renderer = self.prompts.renderer
+            return JSONResponse(await self.prompts.run(function, renderer, raw, *args))
         finally:
             seat.leave()
 
@@ -310,7 +307,7 @@ class _Server:
         """Tokenizer thread: the request and its prompt (ids, text, the engine's parameters)."""
         body = protocol.parse(ChatCompletionRequest, raw)
         self._check_model(body.model)
-        ids = self.prompts.request_chat_ids(body)
+        ids = self.prompts.renderer.chat_ids(body.chat_prompt(), argument="messages")
         params = protocol.sampling_params(body, len(ids), self.limits, None)
         return body, [PromptJob(ids, "", params)]
 
@@ -322,10 +319,10 @@ class _Server:
         jobs = []
         for prompt in body.prompts:
             if isinstance(prompt, str):
-                ids, text = self.prompts.text_ids(prompt), prompt
+                ids, text = self.prompts.renderer.text_ids(prompt, argument="prompt"), prompt
             else:
                 ids = prompt
-                text = self.prompts.text(ids, param="prompt") if body.echo else ""
+                text = self.prompts.renderer.text(ids, argument="prompt") if body.echo else ""
             default = COMPLETIONS_DEFAULT_MAX_TOKENS
             params = protocol.sampling_params(body, len(ids), self.limits, default)
             jobs.append(PromptJob(ids, text, params))

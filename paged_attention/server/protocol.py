@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from paged_attention.engine import RequestError, RequestOutput, SamplingParams
+from paged_attention.engine import ChatPrompt, RequestError, RequestOutput, SamplingParams
 from paged_attention.engine.request import MAX_LOGPROBS
 from paged_attention.engine.structured_output import StructuredOutputParams
 from paged_attention.server.tool_calls import tool_call_grammar
@@ -497,6 +497,12 @@ class ChatCompletionRequest(_Generation):
         if self.tool_mode == "none":
             return None
         return [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools]
+
+    def chat_prompt(self) -> ChatPrompt:
+        """The conversation as the engine's renderer takes it: the template's messages, and the
+        tools the model is to see."""
+        messages = [m.template_message() for m in self.messages]
+        return ChatPrompt(messages, tools=self.template_tools)
 
     def structured_output(self) -> StructuredOutputParams | None:
         """The grammar the answer must follow: calls of the named tool, or of any tool with

@@ -1,5 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes: a prompt (or chat messages,
-through the model's template) to token ids, and token ids back to text.
+through the model's template) to token ids, and token ids back to text, by the engine's
+:class:`~paged_attention.engine.prompt_renderer.PromptRenderer` (the one a chat completion's
+messages go through).
 
 Requests: ``{"prompt", "add_special_tokens" (true), "return_token_strs" (false)}`` or
 ``{"messages", "add_generation_prompt" (true), "continue_final_message" (false),
@@ -16,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
-from paged_attention.server.prompts import PromptBuilder
+from paged_attention.engine import ChatPrompt, PromptRenderer
 from paged_attention.server.protocol import (
     APIError,
     ChatMessage,
@@ -63,6 +65,16 @@ class TokenizeChatRequest(StrictModel):
             )
         return self
 
+    def chat_prompt(self) -> ChatPrompt:
+        """The conversation and the template's options as the engine's renderer takes them."""
+        return ChatPrompt(
+            [m.template_message() for m in self.messages],
+            tools=[tool.model_dump(exclude_none=True) for tool in self.tools or ()],
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            add_special_tokens=self.add_special_tokens,
+        )
+
 
 class DetokenizeRequest(StrictModel):
     model: str | None = None
@@ -88,30 +100,23 @@ def _json_object(raw: bytes) -> dict:
     return data
 
 
-def tokenize(prompts: PromptBuilder, raw: bytes, check_model, max_model_len: int) -> dict:
+def tokenize(renderer: PromptRenderer, raw: bytes, check_model, max_model_len: int) -> dict:
     """Tokenizer thread: the answer to a ``/tokenize`` body."""
     data = _json_object(raw)
     if "messages" in data:
         request = _parse(TokenizeChatRequest, data)
         check_model(request.model)
-        messages = [m.template_message() for m in request.messages]
-        ids = prompts.chat_ids(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            add_special_tokens=request.add_special_tokens,
-            tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
-        )
+        ids = renderer.chat_ids(request.chat_prompt(), argument="messages")
     else:
         request = _parse(TokenizeCompletionRequest, data)
         check_model(request.model)
-        ids = prompts.text_ids(request.prompt, add_special_tokens=request.add_special_tokens)
-    strings = prompts.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        ids = renderer.text_ids(request.prompt, request.add_special_tokens, argument="prompt")
+    strings = renderer.token_strings(ids) if request.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strings}
 
 
-def detokenize(prompts: PromptBuilder, raw: bytes, check_model) -> dict:
+def detokenize(renderer: PromptRenderer, raw: bytes, check_model) -> dict:
     """Tokenizer thread: the answer to a ``/detokenize`` body."""
     request = _parse(DetokenizeRequest, _json_object(raw))
     check_model(request.model)
-    return {"prompt": prompts.text(request.tokens)}
+    return {"prompt": renderer.text(request.tokens, argument="tokens")}
