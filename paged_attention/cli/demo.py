@@ -29,8 +29,10 @@ from paged_attention.cli.arguments import positive_int, seed_int
 from paged_attention.cli.machine import machine_info
 from paged_attention.engine import (
     CacheConfig,
+    ChatPrompt,
     Engine,
     EngineConfig,
+    PromptRenderer,
     RequestOutput,
     SamplingParams,
 )
@@ -159,27 +161,26 @@ def workload_kind(args: argparse.Namespace, tokenizer) -> str:
 def chat_workload(
     num_requests: int, tokenizer, seed: int
 ) -> tuple[list[list[dict]], list[tuple[list[int], SamplingParams]]]:
-    """The chat conversations and, per request, the prompt's token ids (the tokenizer's chat
-    template) and its sampling parameters. Every other request starts with
-    :data:`SYSTEM_PROMPT`; every fourth samples n = 2-4 answers at temperature 0.8, top-p 0.95,
-    every sixth runs beam search of width 2-4, the rest decode greedily; answers of 32-64
-    tokens at most."""
+    """The chat conversations and, per request, the prompt's token ids (the model's chat
+    template, rendered as the engine renders chat messages) and its sampling parameters. Every
+    other request starts with :data:`SYSTEM_PROMPT`; every fourth samples n = 2-4 answers at
+    temperature 0.8, top-p 0.95, every sixth runs beam search of width 2-4, the rest decode
+    greedily; answers of 32-64 tokens at most."""
     rng = torch.Generator().manual_seed(seed)
 
     def randint(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (), generator=rng))
 
+    renderer = PromptRenderer(tokenizer)  # the engine's and the server's rendering
     conversations, workload = [], []
     for i in range(num_requests):
         question = {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}
         messages = (
             [{"role": "system", "content": SYSTEM_PROMPT}, question] if i % 2 == 0 else [question]
         )
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if not isinstance(prompt, list):  # a BatchEncoding
-            prompt = prompt["input_ids"]
+        prompt = renderer.chat_ids(ChatPrompt(messages))
         conversations.append(messages)
-        workload.append((list(prompt), _params(i, randint(32, 64), randint, seed)))
+        workload.append((prompt, _params(i, randint(32, 64), randint, seed)))
     return conversations, workload
 
 
