@@ -64,3 +64,26 @@ def test_text_must_be_valid_unicode():
         assert raised.value.argument == "prompt"
     with pytest.raises(ValueError, match="string 'role' and 'content'"):
         inputs.process([{"role": "user", "content": "hi"}, 5], SamplingParams())
+
+
+def test_chat_prompts_are_rendered_by_the_shared_renderer():
+    pytest.importorskip("tokenizers")
+    from text_tokenizer import byte_level_test_tokenizer
+
+    from paged_attention.engine.prompt_renderer import ChatPrompt, PromptRenderer
+
+    tokenizer = byte_level_test_tokenizer()
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=4)
+    inputs = InputProcessor(tokenizer, RequestLimits(len(tokenizer), 512, 4), scheduler, "cpu")
+    messages = [{"role": "user", "content": "hello"}]
+    renderer = PromptRenderer(tokenizer)
+    assert inputs.prompt_ids(messages) == renderer.chat_ids(ChatPrompt(messages))
+    opened = ChatPrompt(messages, add_generation_prompt=False, continue_final_message=True)
+    assert inputs.prompt_ids(opened) == renderer.chat_ids(opened)
+    assert inputs.prompt_ids(opened) != inputs.prompt_ids(messages)
+    with pytest.raises(RequestError, match="chat messages needs an engine with a tokenizer"):
+        processor().process(ChatPrompt(messages), SamplingParams())
+    tokenizer.chat_template = None
+    with pytest.raises(RequestError, match="has no chat template") as raised:
+        inputs.process(messages, SamplingParams())
+    assert raised.value.argument == "prompt"
