@@ -109,7 +109,9 @@ def test_parallel_tool_calls_false_makes_one_call(served):
         assert len(check_calls(answer.choices[0].message.tool_calls)) == 1
 
 
-def test_streamed_tool_call_deltas_add_up_to_the_whole_answer(served):
+def test_streamed_tool_calls_come_in_openai_s_delta_shape(served):
+    """A call's first delta carries its index, id, type, name and empty arguments; the next
+    ones the index and the arguments piece by piece, which add up to the whole answer's."""
     fields = dict(tool_choice="required", seed=5, temperature=1.0)
     whole = ask(served, **fields).choices[0]
     calls: dict[int, dict] = {}
@@ -120,15 +122,38 @@ def test_streamed_tool_call_deltas_add_up_to_the_whole_answer(served):
         delta = chunk.choices[0].delta
         reasons.append(chunk.choices[0].finish_reason)
         for call in delta.tool_calls or ():
-            entry = calls.setdefault(call.index, {"name": "", "arguments": "", "ids": set()})
-            entry["name"] += call.function.name or ""
-            entry["arguments"] += call.function.arguments or ""
-            entry["ids"].add(call.id)
-    streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+            if call.index not in calls:
+                assert call.id.startswith("call_") and call.type == "function"
+                assert call.function.name and call.function.arguments == ""
+                calls[call.index] = {"name": call.function.name, "pieces": []}
+            else:
+                assert call.id is None and call.type is None and call.function.name is None
+                calls[call.index]["pieces"].append(call.function.arguments)
+    streamed = [(calls[i]["name"], "".join(calls[i]["pieces"])) for i in sorted(calls)]
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert streamed == expected and sorted(calls) == list(range(len(expected)))
-    assert all(len(entry["ids"]) == 1 for entry in calls.values())
+    assert len(calls[0]["pieces"]) > 1  # the arguments come as they are written
     assert reasons[-1] == whole.finish_reason
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_client_s_stream_helper_gathers_the_whole_answer_s_calls(served, seed):
+    # one call, so that the answer ends before max_tokens (the helper refuses a cut answer)
+    fields = dict(tool_choice="required", parallel_tool_calls=False, seed=seed, temperature=1.0)
+    answer = ask(served, **fields).choices[0]
+    whole, whole_reason = answer.message, answer.finish_reason
+    options = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, **fields)
+    pieces: dict[int, list[str]] = {}
+    with served.client().chat.completions.stream(**options) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.setdefault(event.index, []).append(event.arguments_delta)
+        final = stream.get_final_completion().choices[0]
+    expected = [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    calls = final.message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == expected
+    assert ["".join(pieces[i]) for i in sorted(pieces)] == [a for _, a in expected]
+    assert final.finish_reason == whole_reason == "tool_calls" and not final.message.content
 
 
 def test_auto_answers_in_words_when_the_model_calls_nothing(served):
