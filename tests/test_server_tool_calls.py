@@ -220,6 +220,7 @@ MISTRAL_CALLS = (
         ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
         ("[TOOL_CALLS][{broken}]", "[TOOL_CALLS][{broken}]", []),
         ("a [link] here", "a [link] here", []),
+        ('[TOOL_CALLS][{"name": "f", "parameters": {"x": 1}}]', None, [FX]),
         (MISTRAL_CALLS[:68], None, [WEATHER]),  # cut after a call
         (MISTRAL_CALLS[:76], ', {"name', [WEATHER]),  # cut before the next call's name
     ],

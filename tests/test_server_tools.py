@@ -276,6 +276,13 @@ def test_langchain_structured_output_and_bound_tools(served):
     message = bound.invoke("Add two digits.")
     assert [call["name"] for call in message.tool_calls][:1] == ["Sum"]
     Sum.model_validate(message.tool_calls[0]["args"])
+    # streamed: LangChain adds the chunks' tool-call pieces up into the same call
+    chunks = list(bound.stream("Add two digits."))
+    gathered = chunks[0]
+    for chunk in chunks[1:]:
+        gathered += chunk
+    assert len(chunks) > 3 and [call["name"] for call in gathered.tool_calls] == ["Sum"]
+    Sum.model_validate(gathered.tool_calls[0]["args"])
 
 
 # ---------------------------------------------------------------------- the call formats
@@ -345,6 +352,17 @@ def test_each_format_streams_what_the_whole_answer_holds(call_format, size):
     assert calls == EXPECTED_CALLS
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == [a for _, a in calls]
     assert final.finish_reason == "tool_calls"
+
+
+def test_an_answer_cut_at_max_tokens_keeps_its_calls_and_ends_as_length():
+    text = WRITTEN[HERMES][:-20]
+    whole = answer_of(HERMES).response("id", "tiny", [output(text, text, "length")])
+    choice = whole["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [
+        "get_weather",
+        "add",
+    ]
+    assert choice["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("call_format", list(WRITTEN), ids=lambda f: f.name)
