@@ -221,6 +221,8 @@ MISTRAL_CALLS = (
         ("[TOOL_CALLS][{broken}]", "[TOOL_CALLS][{broken}]", []),
         ("a [link] here", "a [link] here", []),
         ('[TOOL_CALLS][{"name": "f", "parameters": {"x": 1}}]', None, [FX]),
+        # the newer form, a name then [ARGS], is not read: it stays content
+        ('[TOOL_CALLS]f[ARGS]{"x": 1}', '[TOOL_CALLS]f[ARGS]{"x": 1}', []),
         (MISTRAL_CALLS[:68], None, [WEATHER]),  # cut after a call
         (MISTRAL_CALLS[:76], ', {"name', [WEATHER]),  # cut before the next call's name
     ],
