@@ -100,9 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default=TOOL_CALL_PARSERS[0],
         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), "
-        'llama3_json ({"name", "parameters"} after <|python_tag|>, several separated by '
-        ";), mistral ([TOOL_CALLS][{...}]) or auto (the chat template's; hermes when it shows "
-        "none); calls forced by tool_choice are written as hermes (default hermes)",
+        'llama3_json ({"name", "parameters"} opening the answer or after <|python_tag|>; '
+        "several separated by ;), mistral ([TOOL_CALLS][{...}]) or auto (the chat template's; "
+        "hermes when it shows none); calls forced by tool_choice are written as hermes "
+        "(default hermes)",
     )
     parser.add_argument(
         "--shutdown-timeout",
