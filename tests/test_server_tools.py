@@ -16,10 +16,18 @@ pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
+from openai.types.chat import ChatCompletionChunk  # noqa: E402
 from test_server import LiveServer, make_engine  # noqa: E402
 
+from paged_attention.__main__ import main as cli_main  # noqa: E402
+from paged_attention.engine import RequestOutput, SamplingParams  # noqa: E402
 from paged_attention.modeling.models import load_model  # noqa: E402
-from paged_attention.server import create_app  # noqa: E402
+from paged_attention.modeling.tiny import byte_tokenizer  # noqa: E402
+from paged_attention.server import create_app, protocol  # noqa: E402
+from paged_attention.server.answers import Answer, PromptJob  # noqa: E402
+from paged_attention.server.logprobs import TokenPieces  # noqa: E402
+from paged_attention.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL  # noqa: E402
 
 
 class Weather(pydantic.BaseModel):
@@ -107,7 +115,9 @@ def test_parallel_tool_calls_false_makes_one_call(served):
         assert len(check_calls(answer.choices[0].message.tool_calls)) == 1
 
 
-def test_streamed_tool_call_deltas_add_up_to_the_whole_answer(served):
+def test_streamed_tool_calls_come_in_openai_s_delta_shape(served):
+    """A call's first delta carries its index, id, type, name and empty arguments; the next
+    ones the index and the arguments piece by piece, which add up to the whole answer's."""
     fields = dict(tool_choice="required", seed=5, temperature=1.0)
     whole = ask(served, **fields).choices[0]
     calls: dict[int, dict] = {}
@@ -118,15 +128,38 @@ def test_streamed_tool_call_deltas_add_up_to_the_whole_answer(served):
         delta = chunk.choices[0].delta
         reasons.append(chunk.choices[0].finish_reason)
         for call in delta.tool_calls or ():
-            entry = calls.setdefault(call.index, {"name": "", "arguments": "", "ids": set()})
-            entry["name"] += call.function.name or ""
-            entry["arguments"] += call.function.arguments or ""
-            entry["ids"].add(call.id)
-    streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+            if call.index not in calls:
+                assert call.id.startswith("call_") and call.type == "function"
+                assert call.function.name and call.function.arguments == ""
+                calls[call.index] = {"name": call.function.name, "pieces": []}
+            else:
+                assert call.id is None and call.type is None and call.function.name is None
+                calls[call.index]["pieces"].append(call.function.arguments)
+    streamed = [(calls[i]["name"], "".join(calls[i]["pieces"])) for i in sorted(calls)]
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert streamed == expected and sorted(calls) == list(range(len(expected)))
-    assert all(len(entry["ids"]) == 1 for entry in calls.values())
+    assert len(calls[0]["pieces"]) > 1  # the arguments come as they are written
     assert reasons[-1] == whole.finish_reason
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_client_s_stream_helper_gathers_the_whole_answer_s_calls(served, seed):
+    # one call, so that the answer ends before max_tokens (the helper refuses a cut answer)
+    fields = dict(tool_choice="required", parallel_tool_calls=False, seed=seed, temperature=1.0)
+    answer = ask(served, **fields).choices[0]
+    whole, whole_reason = answer.message, answer.finish_reason
+    options = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, **fields)
+    pieces: dict[int, list[str]] = {}
+    with served.client().chat.completions.stream(**options) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.setdefault(event.index, []).append(event.arguments_delta)
+        final = stream.get_final_completion().choices[0]
+    expected = [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    calls = final.message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == expected
+    assert ["".join(pieces[i]) for i in sorted(pieces)] == [a for _, a in expected]
+    assert final.finish_reason == whole_reason == "tool_calls" and not final.message.content
 
 
 def test_auto_answers_in_words_when_the_model_calls_nothing(served):
@@ -225,3 +258,141 @@ def test_langchain_structured_output_and_bound_tools(served):
     message = bound.invoke("Add two digits.")
     assert [call["name"] for call in message.tool_calls][:1] == ["Sum"]
     Sum.model_validate(message.tool_calls[0]["args"])
+    # streamed: LangChain adds the chunks' tool-call pieces up into the same call
+    chunks = list(bound.stream("Add two digits."))
+    gathered = chunks[0]
+    for chunk in chunks[1:]:
+        gathered += chunk
+    assert len(chunks) > 3 and [call["name"] for call in gathered.tool_calls] == ["Sum"]
+    Sum.model_validate(gathered.tool_calls[0]["args"])
+
+
+# ---------------------------------------------------------------------- the call formats
+
+WRITTEN = {
+    HERMES: 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+    '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    "\n</tool_call>",
+    LLAMA3_JSON: 'Checking.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", '
+    '"days": 2}}; {"name": "add", "parameters": {"a": 1, "b": 2}}',
+    MISTRAL: 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", '
+    '"days": 2}}, {"name": "add", "arguments": {"a": 1, "b": 2}}]',
+}
+EXPECTED_CALLS = [("get_weather", '{"city": "Oslo", "days": 2}'), ("add", '{"a": 1, "b": 2}')]
+
+
+def answer_of(call_format, tool_choice="auto") -> Answer:
+    body = protocol.parse(
+        protocol.ChatCompletionRequest,
+        json.dumps(
+            {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
+        ).encode(),
+    )
+    job = PromptJob([1], "", SamplingParams(max_new_tokens=200))
+    return Answer(body, TokenPieces(byte_tokenizer()), [job], call_format)
+
+
+def output(text: str, new: str, reason: str | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=0,
+        prompt=[1],
+        outputs=[[0] * len(text)],
+        finish_reasons=[reason],
+        new_tokens=[[0] * len(new)],
+        finished=reason is not None,
+        texts=[text],
+        new_texts=[new],
+    )
+
+
+@pytest.mark.parametrize("call_format", list(WRITTEN), ids=lambda f: f.name)
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_each_format_streams_what_the_whole_answer_holds(call_format, size):
+    """The server's chunks of an answer written in ``call_format`` (streamed ``size``
+    characters an output), gathered by the openai client's own stream state, give the
+    whole answer's message."""
+    text = WRITTEN[call_format]
+    whole = answer_of(call_format).response("id", "tiny", [output(text, text, "eos")])
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "Checking."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    state = ChatCompletionStreamState(input_tools=TOOLS)
+    answer = answer_of(call_format)
+    opening = protocol.chunk_choice(True, 0, None, None)
+    choices = [opening]
+    for start in range(0, len(text), size):
+        piece = text[start : start + size]
+        reason = "eos" if start + size >= len(text) else None
+        choices += answer.deltas(0, output(text[: start + size], piece, reason))
+    for choice in choices:
+        chunk = protocol.chunk(True, "id", 0, "tiny", [choice])
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.get_final_completion().choices[0]
+    assert final.message.content == "Checking."
+    calls = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert calls == EXPECTED_CALLS
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [a for _, a in calls]
+    assert final.finish_reason == "tool_calls"
+
+
+def test_an_answer_cut_at_max_tokens_keeps_its_calls_and_ends_as_length():
+    text = WRITTEN[HERMES][:-20]
+    whole = answer_of(HERMES).response("id", "tiny", [output(text, text, "length")])
+    choice = whole["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [
+        "get_weather",
+        "add",
+    ]
+    assert choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("call_format", list(WRITTEN), ids=lambda f: f.name)
+def test_malformed_calls_stay_content(call_format):
+    text = WRITTEN[call_format].replace('"name"', '"nom"')  # no call has a name
+    message = answer_of(call_format).response("id", "tiny", [output(text, text, "eos")])
+    choice = message["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_forced_calls_are_read_as_hermes_whatever_the_parser():
+    assert answer_of(MISTRAL, "required").tool_call_format is HERMES
+    named = {"type": "function", "function": {"name": "add"}}
+    assert answer_of(LLAMA3_JSON, named).tool_call_format is HERMES
+    assert answer_of(LLAMA3_JSON, "auto").tool_call_format is LLAMA3_JSON
+
+
+@pytest.fixture(scope="module")
+def served_mistral():
+    model, tokenizer = load_model("tiny")
+    app = create_app(
+        make_engine(model, tokenizer), tokenizer, "tiny", max_n=4, tool_call_parser="mistral"
+    )
+    live = LiveServer(app)
+    yield live
+    live.stop()
+
+
+def test_a_server_with_another_parser_still_reads_forced_calls(served_mistral):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = ask(served_mistral, tool_choice=choice, temperature=1.0)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert [name for name, _ in check_calls(answer.choices[0].message.tool_calls)] == [
+        "get_weather"
+    ]
+
+
+def test_an_unknown_parser_is_refused():
+    model, tokenizer = load_model("tiny")
+    engine = make_engine(model, tokenizer)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of .*'qwen'"):
+        create_app(engine, tokenizer, "tiny", tool_call_parser="qwen")
+
+
+def test_serve_refuses_an_unknown_tool_call_parser(capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli_main(["serve", "--model", "tiny", "--tool-call-parser", "qwen"])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "--tool-call-parser" in error and "hermes" in error and "Traceback" not in error

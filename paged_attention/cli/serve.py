@@ -35,6 +35,7 @@ API_KEY_VARIABLE = "PAGED_ATTENTION_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_KV_MEMORY_GIB = 1.0
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "auto")  # the server's registry's
 EXIT_STATUS = """exit status: 0 after a graceful shutdown (SIGINT, SIGTERM); 1 when the
 address cannot be bound; 2 for bad arguments (including a --model that cannot be loaded)."""
 
@@ -93,6 +94,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(1, 8, 32 and --max-num-seqs), all compiled before the server accepts requests (one to "
         "two minutes each for SmolLM2 on two cores); 1.2-2x the eager tokens/s afterwards in "
         "benchmarks/bench_serving.py",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=TOOL_CALL_PARSERS[0],
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), "
+        'llama3_json ({"name", "parameters"} opening the answer or after <|python_tag|>; '
+        "several separated by ;), mistral ([TOOL_CALLS][{...}]) or auto (the chat template's; "
+        "hermes when it shows none); calls forced by tool_choice are written as hermes "
+        "(default hermes)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -196,6 +207,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
             allowed_origins=args.allowed_origins,
             max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests,
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as error:  # beyond the engine's context
         raise UsageError(f"--max-model-len: {error}") from None

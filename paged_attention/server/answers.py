@@ -5,9 +5,11 @@ Choice ``prompt_index * n + sample`` answers sample ``sample`` of prompt ``promp
 completion request may hold several prompts; a chat request has one). ``echo`` puts the prompt
 (and its logprobs, the first token's ``None``) before the completion; with ``max_tokens: 0`` the
 one token the engine generated is left out and the choice ends as ``"length"``. A chat answer
-to a request with tools (``tool_choice`` other than ``"none"``) has its Hermes tool calls read
-out of its text (:mod:`~paged_attention.server.tool_calls`): ``message.tool_calls``, or one
-``delta.tool_calls`` per call in a stream, and ``finish_reason: "tool_calls"``.
+to a request with tools (``tool_choice`` other than ``"none"``) has its tool calls read out of
+its text (:mod:`~paged_attention.server.tool_calls`; in the server's call format, Hermes when
+a grammar forces the calls): ``message.tool_calls``, or in a stream OpenAI's
+``delta.tool_calls``, each call's name as soon as it is read and its arguments as they are
+written; and ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from paged_attention.engine import RequestOutput, SamplingParams
 from paged_attention.server import protocol
 from paged_attention.server.logprobs import CompletionLogprobs, TokenPieces, chat_content, joined
-from paged_attention.server.tool_calls import ToolCallParser, stream_delta
+from paged_attention.server.tool_calls import HERMES, CallFormat, ToolCallReader, stream_deltas
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,13 @@ class Answer:
     """Turns the outputs of a request's prompts into OpenAI's choices. A stream's deltas are
     taken in order (each output once); the state they keep is the stream's."""
 
-    def __init__(self, body, pieces: TokenPieces, prompts: list[PromptJob]) -> None:
+    def __init__(
+        self,
+        body,
+        pieces: TokenPieces,
+        prompts: list[PromptJob],
+        tool_call_format: CallFormat = HERMES,
+    ) -> None:
         self.chat = isinstance(body, protocol.ChatCompletionRequest)
         self.pieces = pieces
         self.prompts = prompts
@@ -47,10 +55,13 @@ class Answer:
         self._offsets: dict[int, CompletionLogprobs] = {}  # per choice of a stream
         self._echoed: set[int] = set()
         self._reported: set[int] = set()
-        # Tool calls are read out of the text when the model was given tools to call.
+        # Tool calls are read out of the text when the model was given tools to call; the
+        # grammar of forced calls writes them in the Hermes format.
         self.reads_tool_calls = self.chat and body.tool_mode != "none"
+        forced = self.chat and body.tool_mode in ("required", "named")
+        self.tool_call_format = HERMES if forced else tool_call_format
         self.parallel_tool_calls = getattr(body, "parallel_tool_calls", None) is not False
-        self._tool_parsers: dict[int, ToolCallParser] = {}  # per choice of a stream
+        self._tool_readers: dict[int, ToolCallReader] = {}  # per choice of a stream
 
     # ------------------------------------------------------------------ whole answers
 
@@ -77,12 +88,12 @@ class Answer:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": output.texts[s]}
             if self.reads_tool_calls:
-                parser = ToolCallParser(self.parallel_tool_calls)
-                parser.feed(output.texts[s], final=True)
-                choice["message"]["content"] = parser.content
-                if parser.calls:
-                    choice["message"]["tool_calls"] = parser.calls
-                reason = _with_tool_calls(reason, parser)
+                reader = self._tool_reader()
+                reader.feed(output.texts[s], final=True)
+                choice["message"]["content"] = reader.content
+                if reader.calls:
+                    choice["message"]["tool_calls"] = reader.calls
+                reason = _with_tool_calls(reason, reader)
             logprobs = None
             if self.wants_logprobs:
                 content = chat_content(self.pieces, output.outputs[s], output.logprobs[s], self.top)
@@ -119,23 +130,21 @@ class Answer:
             if self.prompt_only and reason is not None:
                 reason = "length"
             text, logprobs = self._delta(p, s, index, output, reason)
-            calls = []
             if self.reads_tool_calls:
-                parser = self._tool_parsers.setdefault(
-                    index, ToolCallParser(self.parallel_tool_calls)
-                )
-                first_call = len(parser.calls)
-                text, calls = parser.feed(text, final=reason is not None)
-                calls = stream_delta(calls, first_call)
-                reason = _with_tool_calls(reason, parser)
-            if text or calls or logprobs or reason is not None:
-                if reason is not None:
-                    self._reported.add(index)
-                choice = protocol.chunk_choice(self.chat, index, text, reason, logprobs)
-                if calls:
-                    choice["delta"] = {"tool_calls": calls, **({"content": text} if text else {})}
-                choices.append(choice)
+                if index not in self._tool_readers:
+                    self._tool_readers[index] = self._tool_reader()
+                reader = self._tool_readers[index]
+                deltas = stream_deltas(reader.feed(text, final=reason is not None))
+                reason = _with_tool_calls(reason, reader)
+            else:
+                deltas = [{"content": text}] if text else []
+            if reason is not None:
+                self._reported.add(index)
+            choices += _chunk_choices(self.chat, index, deltas, reason, logprobs)
         return choices
+
+    def _tool_reader(self) -> ToolCallReader:
+        return ToolCallReader(self.tool_call_format, self.parallel_tool_calls)
 
     def _delta(self, p: int, s: int, index: int, output: RequestOutput, reason):
         """Sample ``s``'s new text and logprobs in ``output``."""
@@ -164,7 +173,27 @@ class Answer:
         return text, logprobs
 
 
-def _with_tool_calls(reason: str | None, parser: ToolCallParser) -> str | None:
+def _chunk_choices(chat: bool, index: int, deltas: list[dict], reason, logprobs) -> list[dict]:
+    """Choice ``index``'s chunks for one output: one per delta (the logprobs with the first,
+    the finish reason with the last), or one empty delta for logprobs or a finish alone."""
+    if not deltas:
+        if not (logprobs or reason is not None):
+            return []
+        return [protocol.chunk_choice(chat, index, "", reason, logprobs)]
+    choices = []
+    for k, delta in enumerate(deltas):
+        last = k == len(deltas) - 1
+        choice = protocol.chunk_choice(chat, index, "", reason if last else None)
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta["content"]
+        choice["logprobs"] = logprobs if k == 0 else None
+        choices.append(choice)
+    return choices
+
+
+def _with_tool_calls(reason: str | None, reader: ToolCallReader) -> str | None:
     """A choice that ended by itself (not at its length limit) with tool calls ends as
     ``"tool_calls"``."""
-    return "tool_calls" if reason in ("eos", "stop") and parser.calls else reason
+    return "tool_calls" if reason in ("eos", "stop") and reader.calls else reason

@@ -38,6 +38,7 @@ from paged_attention.server.metrics import ServerMetrics
 from paged_attention.server.prompts import PromptBuilder
 from paged_attention.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from paged_attention.server.security import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from paged_attention.server.tool_calls import DEFAULT_PARSER, HERMES, call_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_WAITING_REQUESTS = 256
@@ -57,6 +58,7 @@ def create_app(
     allowed_origins: list[str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    tool_call_parser: str = DEFAULT_PARSER,
 ) -> Starlette:
     """The server's application over ``engine`` (built with ``tokenizer``), serving it as
     ``model_name``. ``max_n``: the most samples one request may ask for (at most the engine's
@@ -64,7 +66,9 @@ def create_app(
     bound: the engine's). ``api_key``: the Bearer key every route but ``/health`` requires
     (None: open); ``allowed_origins``: the web origins whose pages may call it (CORS; None:
     none); ``max_request_bytes``: the largest request body; ``max_waiting_requests``: how many
-    requests may wait to start before the next ones get 429. Starting the application (its
+    requests may wait to start before the next ones get 429; ``tool_call_parser``: the format
+    tool calls are read in (:data:`~paged_attention.server.tool_calls.PARSER_NAMES`; ``auto``:
+    the chat template's). Starting the application (its
     lifespan) starts the engine's owner thread; stopping it aborts what is left and stops the
     thread."""
     if max_waiting_requests < 1:
@@ -73,8 +77,10 @@ def create_app(
         raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None: no key)")
+    tool_format = call_format(tool_call_parser, getattr(tokenizer, "chat_template", None))
     limits = _limits(engine, max_n, max_model_len)
     server = _Server(engine, tokenizer, model_name, limits, WaitingRoom(max_waiting_requests))
+    server.tool_call_format = tool_format
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -226,6 +232,7 @@ class _Server:
         self.prompts = PromptBuilder(tokenizer, model_name)
         self.pieces = TokenPieces(tokenizer)
         self.owner = EngineOwner(engine, on_step=self.metrics.on_step)
+        self.tool_call_format = HERMES
 
     def routes(self) -> list[Route]:
         return [
@@ -298,7 +305,7 @@ class _Server:
         seat = self.waiting.enter()
         try:
             body, jobs = await self.prompts.run(prepare, await request.body())
-            answer = Answer(body, self.pieces, jobs)
+            answer = Answer(body, self.pieces, jobs, self.tool_call_format)
             return await self._generate(request, body, answer, seat)
         finally:
             seat.leave()
