@@ -192,7 +192,9 @@ class PagedKVCache:
     Blocks start uninitialised (``torch.empty``): the ops never read a slot that holds no
     token, so nothing is touched before a token is stored, and on a CPU the resident memory
     grows with the tokens cached, up to the budget. On a CPU device the caches are allocated
-    with :func:`advise_huge_pages`.
+    with :func:`advise_huge_pages`. ``kernels_read=False``: the layers are read with PyTorch
+    rather than the attention kernels (multi-head latent attention's latent form), so the head
+    sizes need not be among those the kernels are built for.
     """
 
     def __init__(
@@ -212,6 +214,7 @@ class PagedKVCache:
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
         v_head_size: int | Sequence[int] | None = None,
+        kernels_read: bool = True,
     ) -> None:
         shapes = layer_shapes(num_layers, num_kv_heads, head_size, v_head_size)
         if block_size <= 0:
@@ -223,8 +226,11 @@ class PagedKVCache:
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_dtype = cache_dtype_for(dtype, kv_cache_dtype)
         for _, size, v_size in sorted(set(shapes)):
-            check_head_size(size, kv_cache_dtype)
-            check_head_size(v_size, kv_cache_dtype, name="v_head_size")
+            if kernels_read:
+                check_head_size(size, kv_cache_dtype)
+                check_head_size(v_size, kv_cache_dtype, name="v_head_size")
+            elif size % (16 // _element_size(self.cache_dtype)):
+                raise ValueError(f"head_size {size} does not fill the key cache's 16-byte chunks")
         check_block_size(block_size)
         self.num_layers = num_layers
         self.layer_shapes: tuple[tuple[int, int, int], ...] = tuple(shapes)
