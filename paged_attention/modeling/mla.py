@@ -20,9 +20,11 @@ same absorbed form. The result equals the expanded form's up to float rounding.
 Layout: the key cache holds ``k_pe`` (head size ``qk_rope_head_dim``, one KV head), the value
 cache holds ``c`` (head size ``kv_lora_rank``), so every token is stored once, ``kv_lora_rank +
 qk_rope_head_dim`` elements per layer, in the blocks the manager plans (copy-on-write, swaps and
-prefix caching need nothing new). The attention kernels take head sizes up to 256 and would dot
-a query with the key cache alone, so this module stores and attends with PyTorch (one batched
-matrix product per decode step over the gathered blocks; prompts per sequence).
+prefix caching need nothing new). Within a block this module lays the tokens out one after
+another (:func:`token_rows`), so gathering a sequence's blocks gathers its rows. The attention
+kernels take head sizes up to 256 and would dot a query with the key cache alone, so this module
+stores and attends with PyTorch (one batched matrix product per decode step over the gathered
+blocks; prompt rows per sequence).
 
 The model's own forward is kept: the latent form replaces each module's ``expand_kv`` (on the
 instance) by one that hands the latents through unchanged while a latent paged cache runs the
@@ -223,38 +225,32 @@ def attend_absorbed(module, query, latent, rotary, attend: Callable) -> torch.Te
     return torch.einsum("bqhr,hvr->bqhv", out, up_value.to(out.dtype))
 
 
+def token_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's key or value cache ``[blocks, 1, ...]`` viewed as ``[blocks, block_size,
+    dims]``: the latent form lays each block out token by token (its own reading of the
+    blocks' bytes; copies and swaps move whole blocks), so a gather of blocks is a gather of
+    token rows."""
+    block_size = cache.shape[3]
+    return cache.view(cache.shape[0], block_size, -1)
+
+
 def store_latents(rotary, latent, key_cache, value_cache, slot_mapping) -> None:
-    """Store ``rotary [tokens, 1, rope]`` and ``latent [tokens, 1, rank]`` at their slots (a
-    negative slot stores nothing) in the key cache ``[blocks, 1, rope // x, block_size, x]``
-    and the value cache ``[blocks, 1, rank, block_size]``."""
+    """Store ``rotary [tokens, 1, rope]`` in the key cache and ``latent [tokens, 1, rank]`` in
+    the value cache at their slots (a negative slot stores nothing). A block is zeroed when a
+    token is stored in its first slot (a sequence fills its blocks from there), so every slot of
+    a block in use holds a finite number, and a product that gives a slot past a sequence's
+    length zero weight adds zero."""
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, rotary, latent = slots[keep], rotary[keep], latent[keep]
-    block_size, x = key_cache.shape[3], key_cache.shape[4]
+    keys, values = token_rows(key_cache), token_rows(value_cache)
+    block_size = keys.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    rows = rotary.shape[0]
-    key_cache[blocks, 0, :, offsets, :] = rotary.reshape(rows, -1, x).to(key_cache.dtype)
-    value_cache[blocks, 0, :, offsets] = latent.reshape(rows, -1).to(value_cache.dtype)
-
-
-def gather_context(key_cache, value_cache, block_tables, seq_lens) -> tuple[torch.Tensor, ...]:
-    """Each sequence's cached ``(rotary [seqs, L, rope], latent [seqs, L, rank], valid [seqs,
-    L])`` in float32, ``L`` the block tables' width in tokens; positions past a sequence's
-    length hold zeros (a slot no token was stored in may hold anything)."""
-    tables = block_tables.to(torch.long).clamp(0, key_cache.shape[0] - 1)
-    seqs, width = tables.shape
-    block_size = key_cache.shape[3]
-    rotary = key_cache[tables][:, :, 0].permute(0, 1, 3, 2, 4).reshape(seqs, width * block_size, -1)
-    latent = value_cache[tables][:, :, 0].transpose(2, 3).reshape(seqs, width * block_size, -1)
-    positions = torch.arange(width * block_size, device=tables.device)
-    valid = positions < seq_lens.to(torch.long).unsqueeze(1)
-    blank = ~valid.unsqueeze(2)
-    return (
-        rotary.to(torch.float32).masked_fill(blank, 0.0),
-        latent.to(torch.float32).masked_fill(blank, 0.0),
-        valid,
-    )
+    fresh = blocks[offsets == 0]
+    keys[fresh], values[fresh] = 0, 0
+    keys[blocks, offsets] = rotary.reshape(rotary.shape[0], -1).to(keys.dtype)
+    values[blocks, offsets] = latent.reshape(latent.shape[0], -1).to(values.dtype)
 
 
 def latent_paged_attention(query, rotary, latent, key_cache, value_cache, metadata, scale):
@@ -263,19 +259,11 @@ def latent_paged_attention(query, rotary, latent, key_cache, value_cache, metada
     ``latent [tokens, 1, kv_lora_rank]``; returns ``[tokens, heads, kv_lora_rank]``. Softmax
     and products in float32, causal (a row sees its own position and those before)."""
     store_latents(rotary, latent, key_cache, value_cache, metadata.slot_mapping)
-    rank = value_cache.shape[2]
-    out = query.new_zeros(query.shape[0], query.shape[1], rank)
+    out = query.new_zeros(query.shape[0], query.shape[1], value_cache.shape[2])
     if query.shape[0] == 0:
         return out
     if metadata.max_query_len == 1 and len(metadata.query_lens) == query.shape[0]:
-        rot, lat, valid = gather_context(
-            key_cache, value_cache, metadata.block_tables, metadata.seq_lens_tensor
-        )
-        q = query.to(torch.float32)
-        logits = torch.bmm(q[..., :rank], lat.transpose(1, 2))
-        logits += torch.bmm(q[..., rank:], rot.transpose(1, 2))
-        logits.mul_(scale).masked_fill_(~valid.unsqueeze(1), -math.inf)
-        return torch.bmm(torch.softmax(logits, dim=-1), lat).to(query.dtype)
+        return _decode(query, key_cache, value_cache, metadata, scale)
     start = 0
     for index, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
         if q_len:
@@ -287,24 +275,47 @@ def latent_paged_attention(query, rotary, latent, key_cache, value_cache, metada
     return out
 
 
+def _decode(query, key_cache, value_cache, metadata, scale):
+    """One query row per sequence: one batched product over the block tables' width, entries
+    past a sequence's blocks pointed at its first block (weighted zero, as are its slots past
+    its length)."""
+    keys, values = token_rows(key_cache), token_rows(value_cache)
+    block_size, rank = values.shape[1], values.shape[2]
+    tables = metadata.block_tables.to(torch.long)
+    seqs, width = tables.shape
+    lengths = metadata.seq_lens_tensor.to(torch.long)
+    owned = torch.arange(width, device=tables.device) < (lengths + block_size - 1).floor_divide(
+        block_size
+    ).unsqueeze(1)
+    tables = torch.where(owned, tables, tables[:, :1])
+    latents = values[tables].view(seqs, width * block_size, rank).to(torch.float32)
+    rotaries = keys[tables].view(seqs, width * block_size, -1).to(torch.float32)
+    q = query.to(torch.float32)
+    logits = torch.bmm(q[..., :rank], latents.transpose(1, 2))
+    logits.baddbmm_(q[..., rank:], rotaries.transpose(1, 2))
+    positions = torch.arange(width * block_size, device=tables.device)
+    future = positions.unsqueeze(0) >= lengths.unsqueeze(1)
+    logits.mul_(scale).masked_fill_(future.unsqueeze(1), -math.inf)
+    return torch.bmm(torch.softmax(logits, dim=-1), latents).to(query.dtype)
+
+
 def _attend_sequence(query, key_cache, value_cache, table, seq_len: int, scale: float):
     """One sequence's ``query [q, heads, rank + rope]`` rows, the last ``q`` of its ``seq_len``
     positions, over its context; in pieces of rows that bound the logits' size."""
-    block_size = key_cache.shape[3]
-    table = table[: -(-seq_len // block_size)].unsqueeze(0)
-    lengths = torch.tensor([seq_len], device=table.device)
-    rot, lat, _ = gather_context(key_cache, value_cache, table, lengths)
-    rot, lat = rot[0, :seq_len], lat[0, :seq_len]
+    keys, values = token_rows(key_cache), token_rows(value_cache)
+    block_size, rank = values.shape[1], values.shape[2]
+    blocks = table[: -(-seq_len // block_size)].to(torch.long)
+    lat = values[blocks].view(-1, rank)[:seq_len].to(torch.float32)
+    rot = keys[blocks].view(-1, keys.shape[2])[:seq_len].to(torch.float32)
     q_len, heads, _ = query.shape
-    rank = lat.shape[1]
     step = max(1, _LOGITS_PER_PRODUCT // max(1, heads * seq_len))
-    keys = torch.arange(seq_len, device=query.device)
+    key_positions = torch.arange(seq_len, device=query.device)
     pieces = []
     for first in range(0, q_len, step):
         q = query[first : first + step].to(torch.float32)
         logits = q[..., :rank] @ lat.T + q[..., rank:] @ rot.T  # [rows, heads, seq_len]
         positions = seq_len - q_len + first + torch.arange(q.shape[0], device=query.device)
-        future = keys.unsqueeze(0) > positions.unsqueeze(1)
+        future = key_positions.unsqueeze(0) > positions.unsqueeze(1)
         logits.mul_(scale).masked_fill_(future.unsqueeze(1), -math.inf)
         pieces.append(torch.softmax(logits, dim=-1) @ lat)
     return torch.cat(pieces).to(query.dtype)
