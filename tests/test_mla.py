@@ -44,11 +44,28 @@ def assert_latent_shapes(kv: PagedKVCache, num_blocks: int) -> None:
     assert kv.bytes_per_block == kv.num_layers * (RANK + ROPE) * 4 * BLOCK
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_logits_match_transformers_over_prefill_chunk_and_decode(model_type):
+# DeepSeek-V3 with yarn rotary scaling: the module's softmax scale carries yarn's mscale.
+YARN = dict(
+    rope_parameters=dict(
+        rope_type="yarn",
+        factor=4.0,
+        original_max_position_embeddings=64,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        rope_theta=10000.0,
+    )
+)
+
+
+@pytest.mark.parametrize(
+    "model_type, settings", [*((family, {}) for family in FAMILIES), ("deepseek_v3", YARN)]
+)
+def test_logits_match_transformers_over_prefill_chunk_and_decode(model_type, settings):
     """Prompt, a chunk of 3 tokens over the cached context, then single-token steps: the
     logits of every position within float rounding of transformers' own forward."""
-    model = build(model_type)
+    model = build(model_type, **settings)
+    if settings:
+        assert model.model.layers[0].self_attn.scaling > 1.2 * (128 + 64) ** -0.5
     ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
