@@ -86,6 +86,33 @@ def test_logits_match_transformers_over_prefill_chunk_and_decode(model_type, set
     assert (expected.softmax(-1) - got.softmax(-1)).abs().max() < 1e-5
 
 
+def test_bfloat16_logits_err_as_little_as_transformers_own_bfloat16():
+    """In bf16 neither form equals float32: the latent form (its absorbed products in float32)
+    stays within twice the error of transformers' own bf16 forward, against the same weights in
+    float32 (dense layers: a MoE router's near-ties would flip experts on any rounding)."""
+    model = build("deepseek_v3", first_k_dense_replace=2).to(torch.bfloat16)
+    exact = build("deepseek_v3", first_k_dense_replace=2)
+    exact.load_state_dict({name: w.float() for name, w in model.state_dict().items()})
+    ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        truth = exact(input_ids=ids).logits
+        own = (model(input_ids=ids).logits.float() - truth).abs()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
+        name = cache_argument_name(model)
+        pieces = [(0, 6), (6, 9), *((i, i + 1) for i in range(9, 13))]
+        got = torch.cat(
+            [
+                model(input_ids=ids[:, a:b], use_cache=True, **{name: cache}).logits
+                for a, b in pieces
+            ],
+            dim=1,
+        )
+    assert got.dtype == torch.bfloat16 and cache.kv_cache.key_caches[0].dtype == torch.bfloat16
+    error = (got.float() - truth).abs()
+    assert 0 < own.max() and error.max() < 2 * own.max() and error.mean() < 2 * own.mean()
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_generate_gives_the_default_caches_tokens_in_both_forms(model_type):
     zoo = Zoo(model_type)
@@ -159,9 +186,14 @@ def reference_latent_attention(query, latents, rotaries, query_lens, scale):
     return torch.stack(out)
 
 
-def test_latent_paged_attention_matches_a_plain_reference_over_scattered_blocks():
-    """Decode rows (one batched product) and prompt rows with cached context (per sequence),
-    blocks in any order, never-written slots holding NaN."""
+@pytest.mark.parametrize("logits_per_product", [mla._LOGITS_PER_PRODUCT, 40])
+def test_latent_paged_attention_matches_a_plain_reference_over_scattered_blocks(
+    logits_per_product, monkeypatch
+):
+    """Decode rows (one batched product) and prompt rows with cached context (per sequence, in
+    one product or, bounded, in pieces of rows), blocks in any order, never-written slots
+    holding NaN."""
+    monkeypatch.setattr(mla, "_LOGITS_PER_PRODUCT", logits_per_product)
     gen = torch.Generator().manual_seed(3)
     heads, num_blocks, x = 4, 12, 4
     key_cache = torch.full((num_blocks, 1, ROPE // x, BLOCK, x), math.nan)

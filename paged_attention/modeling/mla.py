@@ -218,11 +218,14 @@ def attend_absorbed(module, query, latent, rotary, attend: Callable) -> torch.Te
     kv_lora_rank]``. Returns ``[batch, q, heads, v_head_dim]``, as the module's ``o_proj``
     takes it."""
     nope, rope, _, _ = latent_dims(module)
-    up_key, up_value = absorbed_weights(module)
-    query_nope, query_rope = query.split([nope, rope], dim=-1)
-    absorbed = torch.einsum("bhqn,hnr->bhqr", query_nope, up_key.to(query.dtype))
+    up_key, up_value = (w.to(torch.float32) for w in absorbed_weights(module))
+    # In float32 from the absorbed query to W_UV's output: the attention computes in float32,
+    # and rounding the absorbed query or the latent output to bf16 would add error the expanded
+    # form does not have.
+    query_nope, query_rope = query.to(torch.float32).split([nope, rope], dim=-1)
+    absorbed = torch.einsum("bhqn,hnr->bhqr", query_nope, up_key)
     out = attend(torch.cat([absorbed, query_rope], dim=-1), rotary, latent)
-    return torch.einsum("bqhr,hvr->bqhv", out, up_value.to(out.dtype))
+    return torch.einsum("bqhr,hvr->bqhv", out.to(torch.float32), up_value).to(query.dtype)
 
 
 def token_rows(cache: torch.Tensor) -> torch.Tensor:
