@@ -114,8 +114,8 @@ class ModelGeometry:
         module attributes). Raises :class:`UnsupportedModelError` naming the reason for what
         paged attention cannot serve, and ValueError for a tensor-parallel split it cannot.
         ``mla``: how multi-head latent attention is cached, ``"latent"``, ``"expanded"`` or
-        None (latent where the model supports it; :func:`~paged_attention.modeling.mla.
-        latent_form`)."""
+        None (latent where the model supports it), as
+        :func:`~paged_attention.modeling.mla.latent_form` reads it."""
         config = text_config(model)
         configs = layer_configs(config)
         refuse_unsupported(model, configs)
