@@ -72,6 +72,8 @@ def kind_of(data: dict) -> str | None:
         return "memory"
     if data.get("benchmark") == "bench_hf_kv_bytes":
         return "hf_kv_bytes"
+    if data.get("benchmark") == "bench_mla":
+        return "mla"
     if "results" in data and "block_manager" in data.get("results", {}):
         return "block_manager"
     if "info" in data and "load" in first:
@@ -95,6 +97,7 @@ SCRIPTS = {
     "server_compare": "bench_server.py --compare",
     "memory": "bench_memory.py",
     "hf_kv_bytes": "bench_hf_kv_bytes.py",
+    "mla": "bench_mla.py",
     "block_manager": "bench_block_manager.py",
     "gguf_linear": "bench_gguf_linear.py",
     "quantized": "bench_quantized.py",
@@ -658,6 +661,55 @@ def hf_kv_bytes_section(data: dict) -> str:
     return text + table(header, body, "lrrrrl")
 
 
+def mla_section(data: dict) -> str:
+    sizes = [
+        [
+            f"`{r['model']}`",
+            str(r["dims"]["num_heads"]),
+            f"{r['expanded']['bytes_per_token_per_layer']:,}",
+            f"{r['latent']['bytes_per_token_per_layer']:,}",
+            f"{r['ratio']:.1f}",
+        ]
+        for r in data["kv_bytes"]
+    ]
+    decode = [
+        [
+            str(r["batch"]),
+            str(r["context"]),
+            num(r["expanded"]["ms_per_step_best"], 1),
+            num(r["latent"]["ms_per_step_best"], 1),
+            f"{r['expanded_over_latent']:.2f}",
+            f"{r['expanded']['cache_bytes_in_use'] / 2**20:.1f} / "
+            f"{r['latent']['cache_bytes_in_use'] / 2**20:.1f} MiB",
+        ]
+        for r in data["decode"]
+    ]
+    model = data["decode_model"]
+    settings = data["settings"]
+    return (
+        "KV bytes per token per layer in bfloat16, read from the caches allocated for the "
+        'config classes\' default dimensions (`mla="expanded"` and `mla="latent"`):\n\n'
+        + table(["model", "heads", "expanded", "latent", "ratio"], sizes, "lrrrr")
+        + "\n\nDecode time per step (the best of "
+        f"{settings['rounds']} rounds of {settings['steps']} steps, the forms taking turns) of a "
+        f"random {model['num_hidden_layers']}-layer DeepSeek-V3-like model in {model['dtype']} "
+        f"({model['num_attention_heads']} heads, `kv_lora_rank` {model['kv_lora_rank']}, "
+        f"hidden size {model['hidden_size']}) through `generate()`'s `PagedCache`:\n\n"
+        + table(
+            [
+                "batch",
+                "context",
+                "expanded ms",
+                "latent ms",
+                "expanded / latent",
+                "KV held (expanded / latent)",
+            ],
+            decode,
+            "rrrrrr",
+        )
+    )
+
+
 def block_manager_section(data: dict) -> str:
     results = data["results"]
     kinds = list(results)
@@ -851,6 +903,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "memory": ("KV memory: paged vs. contiguous, and sharing", memory_section, "bench_memory.png"),
     "hf_kv_bytes": ("transformers `generate()`: KV bytes held", hf_kv_bytes_section, None),
     "block_manager": ("Block manager: cost per step", block_manager_section, None),
+    "mla": ("Multi-head latent attention: latent and expanded caches", mla_section, None),
     "engine_step": ("Engine: cost per step, tree against tree", engine_step_section, None),
     "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
     "quantized": ("Quantized weights end to end", quantized_section, None),

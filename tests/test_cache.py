@@ -247,6 +247,17 @@ def test_head_size_must_fit_the_key_tiling():
         PagedKVCache(1, 1, 120, BLOCK, 4, kv_cache_dtype="fp8")
 
 
+def test_a_cache_read_without_the_kernels_takes_other_head_sizes():
+    """Multi-head latent attention's latent form (rotary keys of 64, latents of 512) reads its
+    cache with PyTorch: any head size whose keys fill 16-byte chunks."""
+    with pytest.raises(ValueError, match="v_head_size 512 is not supported"):
+        PagedKVCache(1, 1, 64, BLOCK, 4, v_head_size=512)
+    kv = PagedKVCache(1, 1, 64, BLOCK, 4, v_head_size=512, kernels_read=False)
+    assert kv.value_caches[0].shape == (4, 1, 512, BLOCK)
+    with pytest.raises(ValueError, match="head_size 6 does not fill"):
+        PagedKVCache(1, 1, 6, BLOCK, 4, dtype=torch.float32, kernels_read=False)
+
+
 @pytest.mark.parametrize(
     "head_size, block_size, message",
     [

@@ -79,10 +79,12 @@ def test_layers_of_different_shapes_get_a_cache_of_each_shape():
                           ("longcat_flash", (192, 128))],
 )  # fmt: skip
 def test_latent_attention_is_read_with_keys_and_values_of_their_own_head_sizes(model_type, sizes):
-    """Multi-head latent attention reaches the attention interface as one key head (nope +
-    rope dims) and one value head (v_head_dim) per query head; the cache stores them so."""
+    """In the expanded form, multi-head latent attention reaches the attention interface as one
+    key head (nope + rope dims) and one value head (v_head_dim) per query head; the cache
+    stores them so."""
     head_size, v_head_size = sizes
-    geometry = ModelGeometry.of(build(model_type))
+    geometry = ModelGeometry.of(build(model_type), mla="expanded")
+    assert not geometry.latent
     assert {(layer.num_heads, layer.num_kv_heads) for layer in geometry.layers} == {(4, 4)}
     assert geometry.head_size == head_size and geometry.v_head_size == v_head_size
     kv = geometry.kv_cache(BLOCK, 8, None)
@@ -91,6 +93,36 @@ def test_latent_attention_is_read_with_keys_and_values_of_their_own_head_sizes(m
     # KV bytes per token of this form: every head's key and value, in every layer.
     assert kv.bytes_per_block == 2 * 4 * (head_size + v_head_size) * 4 * BLOCK
     assert LayerGeometry(4, 2, 64).v_head_size == 64  # default: the keys' head size
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "longcat_flash"])
+def test_latent_attention_is_cached_as_one_latent_head_by_default(model_type):
+    """The latent form (the default): one KV head per layer whose key is the rotary part
+    (qk_rope_head_dim 64) and whose value is the compressed latent (kv_lora_rank 32)."""
+    geometry = ModelGeometry.of(build(model_type))
+    assert geometry.latent and ModelGeometry.of(build(model_type), mla="latent") == geometry
+    assert {(layer.num_heads, layer.num_kv_heads) for layer in geometry.layers} == {(4, 1)}
+    assert {layer.latent_rank for layer in geometry.layers} == {32}
+    assert geometry.head_size == 64 and geometry.v_head_size == 32
+    kv = geometry.kv_cache(BLOCK, 8, None)
+    assert kv.key_caches[0].shape == (8, 1, 64 // 4, BLOCK, 4)  # float32: x = 4
+    assert kv.value_caches[0].shape == (8, 1, 32, BLOCK)
+    assert kv.bytes_per_block == 2 * (64 + 32) * 4 * BLOCK  # each token once per layer
+    with pytest.raises(ValueError, match="mla='latent'.*not kv_cache_dtype='fp8'"):
+        geometry.kv_cache(BLOCK, 8, None, kv_cache_dtype="fp8")
+
+
+def test_the_latent_form_is_refused_where_it_cannot_serve():
+    with pytest.raises(ValueError, match="mla='latent' is for models with multi-head latent"):
+        ModelGeometry.of(build("llama"), mla="latent")
+    assert not ModelGeometry.of(build("llama")).latent  # the default reads it as before
+    with pytest.raises(ValueError, match="mla must be None .*got 'absorbed'"):
+        ModelGeometry.of(build("deepseek_v3"), mla="absorbed")
+    model = build("deepseek_v3")
+    model.model.layers[1].self_attn.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(4 * 256))
+    with pytest.raises(ValueError, match="layer 1's kv_b_proj is not a plain linear map"):
+        ModelGeometry.of(model, mla="latent")
+    assert not ModelGeometry.of(model).latent  # the default falls back to the expanded form
 
 
 def test_layer_types_that_do_not_match_the_layers_are_refused():

@@ -405,11 +405,12 @@ def test_a_model_of_chunked_layers_only_releases_what_no_chunk_reads():
 
 
 def test_a_latent_model_of_other_value_heads_than_its_cache_is_refused():
-    """The attention function checks each layer's value heads against what the cache was built
-    for, so a cache used by another model raises rather than storing values in the wrong shape."""
+    """In the expanded form the attention function checks each layer's value heads against what
+    the cache was built for, so a cache used by another model raises rather than storing values
+    in the wrong shape (the latent form's check: tests/test_mla.py)."""
     built_for = build("deepseek_v3")
     other = build("deepseek_v3", v_head_dim=64)
-    cache = PagedCache(built_for, block_size=BLOCK, num_blocks=8)
+    cache = PagedCache(built_for, block_size=BLOCK, num_blocks=8, mla="expanded")
     for model in (built_for, other):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     ids = torch.randint(3, VOCAB, (1, 5))

@@ -27,6 +27,7 @@ from paged_attention.kv.cache import (
     default_num_host_blocks,
     num_blocks_for_budget,
 )
+from paged_attention.modeling.mla import check_form as check_mla_form
 from paged_attention.ops.supported import FP8_FORMATS
 
 
@@ -63,7 +64,9 @@ class CacheConfig:
     "host" blocks would be more of the same RAM; 0: preemption recomputes). ``kv_cache_dtype``
     ``"auto"`` (the model's dtype) or an fp8 format, with fixed ``k_scale``/``v_scale`` or
     neither (calibrated from the first step). ``enable_prefix_caching``: a prompt whose leading
-    full blocks are cached computes only the rest."""
+    full blocks are cached computes only the rest. ``mla``: how multi-head latent attention is
+    cached, ``"latent"``, ``"expanded"`` or None (latent unless the cache is fp8 or the decode
+    steps are CUDA graphs or compiled: :func:`paged_attention.modeling.mla.resolve`)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -73,8 +76,10 @@ class CacheConfig:
     k_scale: float | None = None
     v_scale: float | None = None
     enable_prefix_caching: bool = True
+    mla: str | None = None
 
     def __post_init__(self) -> None:
+        check_mla_form(self.mla)
         _check_int("block_size", self.block_size, 1)
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("num_host_blocks", self.num_host_blocks, 0, optional=True)

@@ -32,6 +32,7 @@ from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
 from paged_attention.engine.stats import EngineStats
 from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.mla import resolve as resolve_mla
 
 StopStringCheck = Callable[[Request, EngineSequence], bool]
 
@@ -58,10 +59,14 @@ class EngineCore:
         config: EngineConfig,
         stop_string_hit: StopStringCheck | None = None,
     ) -> None:
-        geometry = ModelGeometry.of(model)
+        graphs = bool(config.cuda_graphs or config.compile)
+        cache = config.cache
+        mla = resolve_mla(cache.mla, kv_cache_dtype=cache.kv_cache_dtype, graphs=graphs)
+        geometry = ModelGeometry.of(model, mla=mla)
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
+            cuda_graphs = cuda_graphs and not geometry.latent  # its attention is not captured
         self.config = config
         self.model = model
         self.kv_cache = config.cache.build(geometry)

@@ -30,6 +30,7 @@ from paged_attention.engine.scheduler import SchedulerOutput
 from paged_attention.kv.cache import PagedKVCache
 from paged_attention.kv.step_inputs import StaticStepBuffers, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.mla import resolve as resolve_mla
 from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
     PagedCacheBase,
@@ -103,6 +104,8 @@ class ModelRunner:
             raise ValueError(f"CUDA graphs need a model on a CUDA device, not {self.device}")
         if compile_decode:
             _check_compilable(self.device, geometry)
+        if (decode_graphs or compile_decode) and geometry.latent:
+            resolve_mla("latent", graphs=True)  # raises: the latent form's attention is eager
         if decode_graphs or compile_decode:
             # The longest context the cache and the model allow, computed once for both.
             positions = getattr(model.config, "max_position_embeddings", None) or math.inf

@@ -32,6 +32,7 @@ from paged_attention.attention import AttentionMetadata
 from paged_attention.kv.block_manager import OutOfBlocksError, reassign
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.mla import resolve as resolve_mla
 from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
     PagedCacheBase,
@@ -52,7 +53,10 @@ class PagedCache(PagedCacheBase):
     format (with fixed ``k_scale``/``v_scale``, or without them each layer's scales calibrated
     from the prompt's keys and values: :class:`~paged_attention.kv.cache.PagedKVCache`), and
     ``enable_prefix_caching`` lets sequences allocated with their token ids share cached prompt
-    blocks.
+    blocks. ``mla`` picks how multi-head latent attention (DeepSeek-V2/V3, Kimi K2,
+    LongCat-Flash) is cached: ``"latent"`` (one compressed vector per token and layer, attended
+    in the absorbed form: :mod:`paged_attention.modeling.mla`), ``"expanded"`` (every head's key
+    and value), or None: latent unless the cache is fp8.
 
     Supports decoder-only models whose attention goes through transformers' attention
     interface (docs/models.md: GQA/MQA, sliding windows, soft-caps, sinks, per-layer shapes),
@@ -79,8 +83,9 @@ class PagedCache(PagedCacheBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
         enable_prefix_caching: bool = False,
+        mla: str | None = None,
     ) -> None:
-        geometry = ModelGeometry.of(model)
+        geometry = ModelGeometry.of(model, mla=resolve_mla(mla, kv_cache_dtype=kv_cache_dtype))
         kv = geometry.kv_cache(
             block_size,
             num_blocks,

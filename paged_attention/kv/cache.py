@@ -171,6 +171,17 @@ def num_blocks_for_budget(
     return budget // block_bytes
 
 
+def _check_head_sizes(shapes, kv_cache_dtype: str, cache_dtype, kernels_read: bool) -> None:
+    """Head sizes the kernels serve, or (``kernels_read=False``) keys that fill whole 16-byte
+    chunks."""
+    for _, size, v_size in sorted(set(shapes)):
+        if kernels_read:
+            check_head_size(size, kv_cache_dtype)
+            check_head_size(v_size, kv_cache_dtype, name="v_head_size")
+        elif size % (16 // _element_size(cache_dtype)):
+            raise ValueError(f"head_size {size} does not fill the key cache's 16-byte chunks")
+
+
 class PagedKVCache:
     """Key and value caches of ``num_layers`` layers on ``device``, plus optional host swap space.
 
@@ -192,7 +203,9 @@ class PagedKVCache:
     Blocks start uninitialised (``torch.empty``): the ops never read a slot that holds no
     token, so nothing is touched before a token is stored, and on a CPU the resident memory
     grows with the tokens cached, up to the budget. On a CPU device the caches are allocated
-    with :func:`advise_huge_pages`.
+    with :func:`advise_huge_pages`. ``kernels_read=False``: the layers are read with PyTorch
+    rather than the attention kernels (multi-head latent attention's latent form), so the head
+    sizes need not be among those the kernels are built for.
     """
 
     def __init__(
@@ -212,6 +225,7 @@ class PagedKVCache:
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
         v_head_size: int | Sequence[int] | None = None,
+        kernels_read: bool = True,
     ) -> None:
         shapes = layer_shapes(num_layers, num_kv_heads, head_size, v_head_size)
         if block_size <= 0:
@@ -222,9 +236,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_dtype = cache_dtype_for(dtype, kv_cache_dtype)
-        for _, size, v_size in sorted(set(shapes)):
-            check_head_size(size, kv_cache_dtype)
-            check_head_size(v_size, kv_cache_dtype, name="v_head_size")
+        _check_head_sizes(shapes, kv_cache_dtype, self.cache_dtype, kernels_read)
         check_block_size(block_size)
         self.num_layers = num_layers
         self.layer_shapes: tuple[tuple[int, int, int], ...] = tuple(shapes)

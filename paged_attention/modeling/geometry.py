@@ -28,6 +28,7 @@ import torch
 from paged_attention.kv import cache as _cache_module
 from paged_attention.kv.block_manager import BlockManager
 from paged_attention.kv.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from paged_attention.modeling.mla import latent_form
 from paged_attention.modeling.tensor_parallel import TensorParallel
 
 # Without a size, a CPU cache takes this much of the available host memory, at most
@@ -58,7 +59,10 @@ class LayerGeometry:
     its softmax's denominator (gpt-oss); ``scale`` is the module's softmax scale (None when the
     module does not name it: the scale each call passes is the one used). ``v_head_size`` is
     the values' head size (0 when built: ``head_size``); multi-head latent attention's differs
-    (DeepSeek-V3: keys of 192 dims, the rotary 64 included, values of 128)."""
+    (DeepSeek-V3: keys of 192 dims, the rotary 64 included, values of 128). ``latent_rank`` > 0:
+    multi-head latent attention cached in its latent form (:mod:`paged_attention.modeling.mla`):
+    one KV head whose keys are the rotary parts (``head_size``: ``qk_rope_head_dim``) and whose
+    values are the compressed latents (``v_head_size``: ``kv_lora_rank``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -69,6 +73,7 @@ class LayerGeometry:
     logits_soft_cap: float = 0.0
     sinks: bool = False
     v_head_size: int = 0
+    latent_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.v_head_size:
@@ -104,10 +109,13 @@ class ModelGeometry:
     tensor_parallel: TensorParallel = TensorParallel()
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelGeometry:
+    def of(cls, model: torch.nn.Module, mla: str | None = None) -> ModelGeometry:
         """Read ``model`` (a transformers causal LM, or anything with its config and attention
         module attributes). Raises :class:`UnsupportedModelError` naming the reason for what
-        paged attention cannot serve, and ValueError for a tensor-parallel split it cannot."""
+        paged attention cannot serve, and ValueError for a tensor-parallel split it cannot.
+        ``mla``: how multi-head latent attention is cached, ``"latent"``, ``"expanded"`` or
+        None (latent where the model supports it), as
+        :func:`~paged_attention.modeling.mla.latent_form` reads it."""
         config = text_config(model)
         configs = layer_configs(config)
         refuse_unsupported(model, configs)
@@ -120,6 +128,7 @@ class ModelGeometry:
         parameter = next(model.parameters())
         first = layers[0]
         split = TensorParallel.of(model, first.num_heads, first.num_kv_heads, first.head_size)
+        layers = latent_form(layers, model, mla, split.size)
         if split.size > 1:
             layers = [_split(layer, index, split.size) for index, layer in enumerate(layers)]
         return cls(
@@ -150,6 +159,11 @@ class ModelGeometry:
         """The values' head size of every layer (``head_size`` but for multi-head latent
         attention), or each layer's when they differ."""
         return _one_or_each(layer.v_head_size for layer in self.layers)
+
+    @property
+    def latent(self) -> bool:
+        """Whether the layers are cached in multi-head latent attention's latent form."""
+        return any(layer.latent_rank for layer in self.layers)
 
     def released_reach(self) -> tuple[int | None, int | None]:
         """``(sliding_window, attention_chunk_size)`` a block manager may release blocks by, so
@@ -188,6 +202,11 @@ class ModelGeometry:
         CPU default is shared by the ranks (they run on one host). Every rank gets the same
         number of blocks, the smallest any rank's budget allows, so that their block managers
         decide alike; ranks given different explicit sizes raise ValueError."""
+        if self.latent and kv_cache_dtype != "auto":
+            raise ValueError(
+                f"the latent form of multi-head latent attention (mla='latent') stores the model's "
+                f"dtype, not kv_cache_dtype={kv_cache_dtype!r}: read the model with mla='expanded'"
+            )
         split = self.tensor_parallel
         memory_budget = memory_fraction = None
         if isinstance(max_memory, float):
@@ -230,6 +249,7 @@ class ModelGeometry:
             memory_budget=memory_budget,
             memory_fraction=memory_fraction,
             v_head_size=self.v_head_size,
+            kernels_read=not self.latent,
         )
 
     def _blocks_for_budget_on_every_rank(

@@ -15,7 +15,9 @@ attends over each sequence's paged context. Multi-head latent attention (DeepSee
 LongCat-Flash) hands ``update`` its compressed latents instead, and expands them into keys and
 values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``update`` returns
 this step's latents only, so the attention function receives this step's expanded keys and values,
-which the paged cache stores as any other layer's.
+which the paged cache stores as any other layer's. In the latent form (the default where the
+model supports it) the cache holds the latents themselves and attends in the absorbed form
+(:mod:`paged_attention.modeling.mla`).
 
 Every call is checked against the :class:`~paged_attention.modeling.geometry.ModelGeometry` the
 cache was built from: the layer's head counts and sizes, its logit soft-cap, its attention sinks,
@@ -37,6 +39,7 @@ import torch
 
 from paged_attention.attention import AttentionMetadata, PagedAttention
 from paged_attention.kv.cache import PagedKVCache
+from paged_attention.modeling import mla
 from paged_attention.modeling.geometry import LayerGeometry, ModelGeometry, describe_attention
 
 try:
@@ -157,6 +160,16 @@ def _expanded(module: torch.nn.Module, latent: torch.Tensor, key: torch.Tensor) 
     )
 
 
+def _hands_latents(module: torch.nn.Module, latent: torch.Tensor) -> bool:
+    """Whether ``latent`` is what a latent-form cache's ``update`` just returned for
+    ``module``'s layer (its ``expand_kv`` then hands it through unexpanded)."""
+    state = getattr(_active, "value", None)
+    if state is None or state[1] is not latent:
+        return False
+    layers = state[0].geometry.layers
+    return 0 <= module.layer_idx < len(layers) and bool(layers[module.layer_idx].latent_rank)
+
+
 @dataclass(frozen=True)
 class MaskPattern:
     """The mask transformers would build for a layer, as its mask function describes it:
@@ -258,6 +271,8 @@ class PagedCacheBase(Cache):
         self._masks_seen: dict[tuple[int, int | None], tuple[int, int]] = {}
         self._checks_steps = geometry.tensor_parallel.checks_steps
         self._checked_metadata: AttentionMetadata | None = None
+        if geometry.latent:
+            mla.pass_latents_through(model, _hands_latents)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
@@ -298,7 +313,18 @@ class PagedCacheBase(Cache):
                 f"using it has {layers}: build a PagedCache for the model it serves"
             )
         layer_idx = module.layer_idx
-        self._check_call(layer_idx, self.geometry.layers[layer_idx], query, key, value, call)
+        layer = self.geometry.layers[layer_idx]
+        if layer.latent_rank:  # key, value: the latents and rotary keys update was handed
+            mla.check_call(layer_idx, layer, module, query, key, value)
+            self._check_features(layer_idx, layer, call)
+            return mla.attend_absorbed(
+                module,
+                query,
+                key,
+                value,
+                lambda q, k, v: self._attend_layer(layer_idx, q, k, v, padding, call.scale, None),
+            )
+        self._check_call(layer_idx, layer, query, key, value, call)
         return self._attend_layer(layer_idx, query, key, value, padding, call.scale, call.sinks)
 
     def _check_call(
@@ -325,6 +351,10 @@ class PagedCacheBase(Cache):
                 f"{value.shape[1]} of size {value.shape[-1]}: build a PagedCache for the model "
                 "it serves"
             )
+        self._check_features(layer_idx, layer, call)
+
+    def _check_features(self, layer_idx: int, layer: LayerGeometry, call: LayerCall) -> None:
+        """Raise ValueError when layer ``layer_idx`` masks, caps or sinks other than read."""
         seen = self._attended(layer_idx, call)
         if seen is not None and seen != (layer.sliding_window, layer.attention_chunk_size):
             raise ValueError(
@@ -369,6 +399,9 @@ class PagedCacheBase(Cache):
         """PagedAttention over packed ``[tokens, heads, dim]`` rows described by ``metadata``."""
         if self._checks_steps and metadata is not self._checked_metadata:
             self._check_step_on_every_rank(metadata)
+        if self.geometry.layers[layer_idx].latent_rank:
+            caches = self.kv_cache.layer(layer_idx)
+            return mla.latent_paged_attention(query, key, value, *caches, metadata, scale)
         module = self._modules.get(layer_idx)
         if module is None or module.scale != float(scale):
             layer = self.geometry.layers[layer_idx]
