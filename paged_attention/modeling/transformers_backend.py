@@ -37,6 +37,7 @@ import torch
 
 from paged_attention.attention import AttentionMetadata, PagedAttention
 from paged_attention.kv.cache import PagedKVCache
+from paged_attention.modeling import kv_sharing
 from paged_attention.modeling.geometry import LayerGeometry, ModelGeometry, describe_attention
 
 try:
@@ -114,6 +115,8 @@ def paged_attention_forward(
     value ``[batch, kv_heads, q, dim]`` (this step's only); returns ``([batch, q, heads, dim],
     None)``."""
     state = getattr(_active, "value", None)
+    if state is None and (shared := kv_sharing.cache_shared_with(module, key)) is not None:
+        state = (shared, key)  # a layer reading its source layer's keys calls no update
     if state is None or not (state[1] is key or _expanded(module, state[1], key)):
         raise RuntimeError(
             f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a PagedCache as the model\'s '
@@ -249,7 +252,8 @@ class PagedCacheBase(Cache):
     def __init__(self, model: torch.nn.Module, geometry: ModelGeometry, kv: PagedKVCache) -> None:
         super().__init__(layers=[])
         self.geometry = geometry
-        self.num_layers = geometry.num_layers
+        self.num_layers = len(geometry.layers)
+        self.kv_sharing = kv_sharing.KVSharing(geometry.layers)
         self.kv_cache = kv
         self.tensor_parallel = geometry.tensor_parallel
         self._model_config = model.config
@@ -286,6 +290,7 @@ class PagedCacheBase(Cache):
             )
         self._begin_layer(layer_idx)
         _active.value = (self, key_states)
+        kv_sharing.note_update(self, layer_idx, key_states)
         return key_states, value_states
 
     def attend(self, module, query, key, value, padding, call: LayerCall) -> torch.Tensor:
@@ -387,13 +392,17 @@ class PagedCacheBase(Cache):
             self._modules[layer_idx] = module
         elif sinks is not None:  # the learned sinks, as they are now
             module.sinks = sinks.detach().to(torch.float32).flatten()
-        self.kv_cache.calibrate(layer_idx, key, value)
-        k_scale, v_scale = self.kv_cache.scales(layer_idx)
+        cached = self.kv_sharing.cache_index[layer_idx]
+        if self.kv_sharing.reuses(layer_idx):
+            key = value = None  # its source layer stored them: it only reads that layer's cache
+        else:
+            self.kv_cache.calibrate(cached, key, value)
+        k_scale, v_scale = self.kv_cache.scales(cached)
         return module(
             query,
             key,
             value,
-            self.kv_cache.layer(layer_idx),
+            self.kv_cache.layer(cached),
             metadata,
             k_scale=k_scale,
             v_scale=v_scale,
