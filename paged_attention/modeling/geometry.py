@@ -126,7 +126,7 @@ class ModelGeometry:
         # kv_sharing reads geometry's types, so it is imported where it is used
         from paged_attention.modeling.kv_sharing import with_kv_sources
 
-        layers = with_kv_sources(config, kinds, layers)
+        layers = with_kv_sources(model, config, kinds, layers)
         parameter = next(model.parameters())
         first = layers[0]
         split = TensorParallel.of(model, first.num_heads, first.num_kv_heads, first.head_size)

@@ -65,12 +65,18 @@ def kv_sources(config, kinds: list[str]) -> list[int | None]:
     return sources
 
 
-def with_kv_sources(config, kinds: list[str], layers: list[LayerGeometry]) -> list[LayerGeometry]:
-    """``layers`` with each reusing layer's :attr:`~LayerGeometry.kv_source` set
+def with_kv_sources(
+    model: torch.nn.Module, config, kinds: list[str], layers: list[LayerGeometry]
+) -> list[LayerGeometry]:
+    """``layers`` of ``model`` with each reusing layer's :attr:`~LayerGeometry.kv_source` set
     (:func:`kv_sources`). A reusing layer must read keys and values of the shape its source
-    stores (KV heads, head sizes): one that does not raises :class:`UnsupportedModelError`."""
+    stores (KV heads, head sizes), and its queries must be the step's tokens: otherwise
+    :class:`UnsupportedModelError`."""
+    sources = kv_sources(config, kinds)
+    if any(source is not None for source in sources):
+        _refuse_sliced_queries(model)
     linked = []
-    for index, (layer, source) in enumerate(zip(layers, kv_sources(config, kinds))):
+    for index, (layer, source) in enumerate(zip(layers, sources)):
         if source is not None:
             stored = layers[source]
             shape = (layer.num_kv_heads, layer.head_size, layer.v_head_size)
@@ -84,6 +90,23 @@ def with_kv_sources(config, kinds: list[str], layers: list[LayerGeometry]) -> li
             layer = replace(layer, kv_source=source)
         linked.append(layer)
     return linked
+
+
+def _refuse_sliced_queries(model: torch.nn.Module) -> None:
+    """Gemma 4's decoder computes its reusing layers for the tokens whose logits are kept only
+    (``_maybe_slice_kv_shared_inputs`` slices the hidden states and the 4D masks at the first
+    reusing layer): paged attention's layers take every token of the step and a 2D padding
+    mask, so such a model is refused rather than attended wrongly."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    if callable(getattr(decoder, "_maybe_slice_kv_shared_inputs", None)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} shares keys and values between layers and computes the "
+            "layers that reuse them for the kept logits' tokens only (it drops the step's other "
+            "query rows and slices a 4D attention mask), while paged attention attends every "
+            "token of the step over a 2D padding mask; it is served without KV sharing "
+            "(num_kv_shared_layers=0)"
+        )
 
 
 def cache_indices(layers: tuple[LayerGeometry, ...] | list[LayerGeometry]) -> tuple[int, ...]:
