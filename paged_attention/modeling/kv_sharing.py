@@ -132,6 +132,8 @@ class KVSharing:
     def __init__(self, layers: tuple[LayerGeometry, ...]) -> None:
         self.cache_index = cache_indices(layers)
         self._sources = {layer.kv_source for layer in layers} - {None}
+        self.shares = bool(self._sources)
+        """Whether any layer reads another's keys and values (else nothing is tracked)."""
         self._reuses = tuple(layer.kv_source is not None for layer in layers)
         self._layers = layers
         self._handed_on: dict[int, weakref.ref] = {}
@@ -156,7 +158,11 @@ class KVSharing:
 
 def note_update(cache, layer_idx: int, key: torch.Tensor) -> None:
     """``cache.update`` of layer ``layer_idx`` returned ``key``: remember both for the reusing
-    layers' calls (``cache.kv_sharing`` is its :class:`KVSharing`)."""
+    layers' calls (``cache.kv_sharing`` is its :class:`KVSharing`). Records nothing for a model
+    without KV sharing (no weak references in its steps, nor in what ``torch.compile``
+    traces)."""
+    if not cache.kv_sharing.shares:
+        return
     _last.cache = weakref.ref(cache)
     cache.kv_sharing.handed_on(layer_idx, key)
 

@@ -15,7 +15,10 @@ attends over each sequence's paged context. Multi-head latent attention (DeepSee
 LongCat-Flash) hands ``update`` its compressed latents instead, and expands them into keys and
 values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``update`` returns
 this step's latents only, so the attention function receives this step's expanded keys and values,
-which the paged cache stores as any other layer's.
+which the paged cache stores as any other layer's. A layer that reuses an earlier layer's keys
+and values (KV sharing, Gemma 3n) calls no ``update``: its attention call is recognised by the
+key tensor its source layer's ``update`` returned, and attends over that layer's cache without
+storing anything (:mod:`paged_attention.modeling.kv_sharing`).
 
 Every call is checked against the :class:`~paged_attention.modeling.geometry.ModelGeometry` the
 cache was built from: the layer's head counts and sizes, its logit soft-cap, its attention sinks,
