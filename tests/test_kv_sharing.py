@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from test_model_zoo import BLOCK, FULL, SLIDE, VOCAB, Zoo, build, left_padded  # noqa: E402
 
@@ -183,3 +183,18 @@ def test_the_engine_serves_gemma3n_with_the_storing_layers_blocks(gemma3n):
         gemma3n.model.set_attn_implementation(gemma3n.default)
     assert [o.outputs[0] for o in outputs] == expected
     assert engine.runner.cache.kv_sharing.cache_index == (0, 1, 2, 1, 2)
+
+
+def test_gemma3n_at_its_released_shape_caches_20_of_its_35_layers():
+    """transformers' default Gemma3nTextConfig (Gemma 3n E4B's shape): the last 15 layers read
+    layer 18's keys and values (sliding) or layer 19's (full), so a block holds 20 layers."""
+    config = transformers.Gemma3nTextConfig()
+    with torch.device("meta"):
+        model = transformers.Gemma3nForCausalLM(config)
+    geometry = ModelGeometry.of(model)
+    sources = [layer.kv_source for layer in geometry.layers]
+    assert sources[:20] == [None] * 20 and set(sources[20:]) == {18, 19}
+    assert [sources[i] for i in range(20, 35) if (i + 1) % 5 == 0] == [19, 19, 19]
+    assert geometry.num_layers == 20 and geometry.head_size == 256
+    shared = bytes_per_block(geometry.num_layers, 2, 256, 16, torch.bfloat16)
+    assert shared * 35 == bytes_per_block(35, 2, 256, 16, torch.bfloat16) * 20
