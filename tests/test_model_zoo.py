@@ -49,7 +49,8 @@ COMMON = dict(
     initializer_range=0.1,
     tie_word_embeddings=False,
 )
-MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+SLIDE, FULL = "sliding_attention", "full_attention"
+MIXED = dict(layer_types=[SLIDE, FULL], sliding_window=WINDOW)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 # Multi-head latent attention: the cache gets the compressed latents, the attention interface
 # keys of qk_nope + qk_rope dims and values of v_head_dim (DeepSeek-V3's 128 + 64 and 128), one
@@ -88,6 +89,19 @@ ZOO = {
         per_layer_config={1: {"head_dim": 64}},
         vocab_size_per_layer_input=VOCAB,
         hidden_size_per_layer_input=16,
+    ),
+    # KV sharing: the last two layers (sliding, full) attend over the keys and values layers 1
+    # and 2 store, and hold no cache of their own; AltUp, laurel, per-layer inputs, and
+    # activation sparsity on the first layer
+    "gemma3n_text": dict(
+        num_hidden_layers=5,
+        layer_types=[SLIDE, SLIDE, FULL, SLIDE, FULL],
+        sliding_window=WINDOW,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=16,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0, 0.0],
     ),
     "phi": {},
     "phi3": dict(sliding_window=WINDOW),
@@ -189,7 +203,6 @@ REFUSED = {
     "lfm2_moe": (dict(layer_types=["conv", "full_attention"]), "its 'conv' layers keep"),
     # its MLP and MoE layers hold nothing; only the Mamba ('linear_attention') ones keep state
     "nemotron_h": ({}, "its 'linear_attention' layers keep"),
-    "gemma3n_text": (dict(num_kv_shared_layers=1), "shares keys and values between layers"),
 }
 
 

@@ -9,6 +9,9 @@ layer's own shape when layers differ) and the
 :class:`~paged_attention.kv.block_manager.BlockManager` that fit it. What paged attention cannot
 serve is refused here, with the reason (:class:`UnsupportedModelError`).
 
+A layer that reads another layer's keys and values (KV sharing, Gemma 3n) has no cache of its
+own: the cache holds the storing layers (:mod:`paged_attention.modeling.kv_sharing`).
+
 The model is read by the names transformers gives its config and attention modules
 (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ``num_key_value_heads``,
 ``head_dim``, an attention module's ``layer_idx``, ``scaling`` and ``sinks``, ...), without
@@ -62,7 +65,9 @@ class LayerGeometry:
     (DeepSeek-V3: keys of 192 dims, the rotary 64 included, values of 128). ``latent_rank`` > 0:
     multi-head latent attention cached in its latent form (:mod:`paged_attention.modeling.mla`):
     one KV head whose keys are the rotary parts (``head_size``: ``qk_rope_head_dim``) and whose
-    values are the compressed latents (``v_head_size``: ``kv_lora_rank``)."""
+    values are the compressed latents (``v_head_size``: ``kv_lora_rank``). ``kv_source``: the
+    index of the layer whose keys and values this layer reads instead of storing its own (KV
+    sharing, :mod:`paged_attention.modeling.kv_sharing`); None: its own."""
 
     num_heads: int
     num_kv_heads: int
@@ -74,6 +79,7 @@ class LayerGeometry:
     sinks: bool = False
     v_head_size: int = 0
     latent_rank: int = 0
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         if not self.v_head_size:
@@ -125,6 +131,10 @@ class ModelGeometry:
             _read_layer(index, kinds[index], configs[index], modules.get(index))
             for index in range(len(configs))
         ]
+        # kv_sharing reads geometry's types, so it is imported where it is used
+        from paged_attention.modeling.kv_sharing import with_kv_sources
+
+        layers = with_kv_sources(model, config, kinds, layers)
         parameter = next(model.parameters())
         first = layers[0]
         split = TensorParallel.of(model, first.num_heads, first.num_kv_heads, first.head_size)
@@ -141,24 +151,32 @@ class ModelGeometry:
     # ------------------------------------------------------------------ views
 
     @property
+    def cached_layers(self) -> tuple[LayerGeometry, ...]:
+        """The layers whose keys and values the cache holds: every layer but those that read
+        another layer's (``kv_source``)."""
+        return tuple(layer for layer in self.layers if layer.kv_source is None)
+
+    @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """Layers of the KV cache (:attr:`cached_layers`); ``len(layers)`` counts the model's."""
+        return len(self.cached_layers)
 
     @property
     def num_kv_heads(self) -> int | tuple[int, ...]:
-        """KV heads of every layer, or each layer's when they differ (as PagedKVCache takes)."""
-        return _one_or_each(layer.num_kv_heads for layer in self.layers)
+        """KV heads of every cached layer, or each one's when they differ (as PagedKVCache
+        takes)."""
+        return _one_or_each(layer.num_kv_heads for layer in self.cached_layers)
 
     @property
     def head_size(self) -> int | tuple[int, ...]:
-        """Head size of every layer, or each layer's when they differ."""
-        return _one_or_each(layer.head_size for layer in self.layers)
+        """Head size of every cached layer, or each one's when they differ."""
+        return _one_or_each(layer.head_size for layer in self.cached_layers)
 
     @property
     def v_head_size(self) -> int | tuple[int, ...]:
-        """The values' head size of every layer (``head_size`` but for multi-head latent
-        attention), or each layer's when they differ."""
-        return _one_or_each(layer.v_head_size for layer in self.layers)
+        """The values' head size of every cached layer (``head_size`` but for multi-head latent
+        attention), or each one's when they differ."""
+        return _one_or_each(layer.v_head_size for layer in self.cached_layers)
 
     @property
     def latent(self) -> bool:
@@ -362,9 +380,10 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
     """Raise :class:`UnsupportedModelError` with the reason when paged attention cannot serve
     ``model``: an encoder-decoder, a model whose attention bypasses transformers' attention
-    interface, layers with recurrent or linear-attention state, or layers that reuse another
-    layer's keys and values. ``configs``: each layer's. (Multi-head latent attention is served:
-    its keys and values reach the attention interface expanded, each of its own head size.)"""
+    interface, or layers with recurrent or linear-attention state. ``configs``: each layer's.
+    (Multi-head latent attention is served: its keys and values reach the attention interface
+    expanded, each of its own head size; so are layers that reuse another layer's keys and
+    values, :mod:`paged_attention.modeling.kv_sharing`.)"""
     name = type(model).__name__
     config = configs[0]
     if getattr(config, "is_encoder_decoder", False):
@@ -388,15 +407,6 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             "linear-attention state instead of keys and values (as Qwen3-Next, "
             "Granite-MoE-Hybrid, Jamba, LFM2, Falcon-H1, Bamba and Zamba do), which a paged KV "
             "cache does not hold"
-        )
-    shared = getattr(config, "num_kv_shared_layers", 0) or 0
-    modes = getattr(config, "kv_sharing_modes", None) or []
-    if shared or "reuse" in modes:
-        count = shared or sum(mode == "reuse" for mode in modes)
-        raise UnsupportedModelError(
-            f"{name} shares keys and values between layers ({count} of its layers reuse another "
-            "layer's instead of storing their own, as in Gemma 3n), which a paged cache does not "
-            "support"
         )
     can_switch = getattr(type(model), "_can_set_attn_implementation", None)
     if callable(can_switch) and not can_switch():

@@ -17,7 +17,10 @@ values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``u
 this step's latents only, so the attention function receives this step's expanded keys and values,
 which the paged cache stores as any other layer's. In the latent form (the default where the
 model supports it) the cache holds the latents themselves and attends in the absorbed form
-(:mod:`paged_attention.modeling.mla`).
+(:mod:`paged_attention.modeling.mla`). A layer that reuses an earlier layer's keys
+and values (KV sharing, Gemma 3n) calls no ``update``: its attention call is recognised by the
+key tensor its source layer's ``update`` returned, and attends over that layer's cache without
+storing anything (:mod:`paged_attention.modeling.kv_sharing`).
 
 Every call is checked against the :class:`~paged_attention.modeling.geometry.ModelGeometry` the
 cache was built from: the layer's head counts and sizes, its logit soft-cap, its attention sinks,
@@ -39,7 +42,7 @@ import torch
 
 from paged_attention.attention import AttentionMetadata, PagedAttention
 from paged_attention.kv.cache import PagedKVCache
-from paged_attention.modeling import mla
+from paged_attention.modeling import kv_sharing, mla
 from paged_attention.modeling.geometry import LayerGeometry, ModelGeometry, describe_attention
 
 try:
@@ -117,6 +120,8 @@ def paged_attention_forward(
     value ``[batch, kv_heads, q, dim]`` (this step's only); returns ``([batch, q, heads, dim],
     None)``."""
     state = getattr(_active, "value", None)
+    if state is None and (shared := kv_sharing.cache_shared_with(module, key)) is not None:
+        state = (shared, key)  # a layer reading its source layer's keys calls no update
     if state is None or not (state[1] is key or _expanded(module, state[1], key)):
         raise RuntimeError(
             f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a PagedCache as the model\'s '
@@ -262,7 +267,8 @@ class PagedCacheBase(Cache):
     def __init__(self, model: torch.nn.Module, geometry: ModelGeometry, kv: PagedKVCache) -> None:
         super().__init__(layers=[])
         self.geometry = geometry
-        self.num_layers = geometry.num_layers
+        self.num_layers = len(geometry.layers)
+        self.kv_sharing = kv_sharing.KVSharing(geometry.layers)
         self.kv_cache = kv
         self.tensor_parallel = geometry.tensor_parallel
         self._model_config = model.config
@@ -301,6 +307,7 @@ class PagedCacheBase(Cache):
             )
         self._begin_layer(layer_idx)
         _active.value = (self, key_states)
+        kv_sharing.note_update(self, layer_idx, key_states)
         return key_states, value_states
 
     def attend(self, module, query, key, value, padding, call: LayerCall) -> torch.Tensor:
@@ -420,13 +427,17 @@ class PagedCacheBase(Cache):
             self._modules[layer_idx] = module
         elif sinks is not None:  # the learned sinks, as they are now
             module.sinks = sinks.detach().to(torch.float32).flatten()
-        self.kv_cache.calibrate(layer_idx, key, value)
-        k_scale, v_scale = self.kv_cache.scales(layer_idx)
+        cached = self.kv_sharing.cache_index[layer_idx]
+        if self.kv_sharing.reuses(layer_idx):
+            key = value = None  # its source layer stored them: it only reads that layer's cache
+        else:
+            self.kv_cache.calibrate(cached, key, value)
+        k_scale, v_scale = self.kv_cache.scales(cached)
         return module(
             query,
             key,
             value,
-            self.kv_cache.layer(layer_idx),
+            self.kv_cache.layer(cached),
             metadata,
             k_scale=k_scale,
             v_scale=v_scale,
