@@ -30,8 +30,10 @@ import torch
 
 from paged_attention.attention import AttentionMetadata
 from paged_attention.kv.block_manager import OutOfBlocksError, reassign
+from paged_attention.kv.state_pool import StatefulBlockManager, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
 from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
     PagedCacheBase,
@@ -41,7 +43,7 @@ from paged_attention.modeling.transformers_backend import (
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "cache_argument_name"]
 
 
-class PagedCache(PagedCacheBase):
+class PagedCache(StateCacheInterface, PagedCacheBase):
     """A ``transformers.Cache`` for ``generate()`` whose keys and values live in a
     :class:`PagedKVCache`, managed by a :class:`~paged_attention.kv.block_manager.BlockManager`.
 
@@ -65,6 +67,13 @@ class PagedCache(PagedCacheBase):
     those ``input_ids``, the first ``PagedCache`` of a model wraps the model's
     ``prepare_inputs_for_generation`` once (the wrapper only compares, at the first step of a
     ``generate`` call).
+
+    Hybrid models (LFM2, Qwen3-Next, ...: docs/models.md) keep their attention layers' keys and
+    values in the paged blocks and their conv and recurrent states in one state slot per
+    sequence (:mod:`paged_attention.kv.state_pool`), at most ``num_state_slots`` sequences at
+    once (beam search holds up to twice its beams while it reorders them). Their states cannot
+    be rolled back, so ``crop`` (assisted generation, prompt lookup) and prefix caching are
+    refused.
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class PagedCache(PagedCacheBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
         enable_prefix_caching: bool = False,
+        num_state_slots: int = 256,
     ) -> None:
         geometry = ModelGeometry.of(model)
         kv = geometry.kv_cache(
@@ -91,7 +101,11 @@ class PagedCache(PagedCacheBase):
             v_scale=v_scale,
         )
         super().__init__(model, geometry, kv)
-        self.block_manager = geometry.block_manager(kv, enable_prefix_caching)
+        self.block_manager = geometry.block_manager(kv, enable_prefix_caching, num_state_slots)
+        self._states = None
+        if geometry.state_layers:
+            store = StateStore(num_state_slots, kv.device)
+            self._states = BatchStates(geometry.state_layers, store)
         self._ids = itertools.count()
         self._rows: list[int | None] = []  # the sequence of each batch row
         self._seen = 0  # tokens per row so far, padding included
@@ -129,6 +143,9 @@ class PagedCache(PagedCacheBase):
     def reset(self) -> None:
         """Free every sequence (all blocks return to the pool) and forget the batch."""
         self.block_manager.free_many(self.block_manager.seq_ids())
+        if self._states is not None:
+            self._states.clear()
+            self.block_manager.states.drain_copies()  # of sequences now freed
         self._rows = []
         self._seen = 0
         self._fed_ids = None
@@ -147,7 +164,7 @@ class PagedCache(PagedCacheBase):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        return self._states is None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last tokens of every row (assisted generation and prompt lookup reject draft
@@ -158,6 +175,8 @@ class PagedCache(PagedCacheBase):
         written again (``BlockManager.truncate``)."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise ValueError(f"crop takes an int, got {tokens_to_remove!r}")
+        if self._states is not None:
+            self.activate_past_recording()  # raises: a hybrid model's states are not cut back
         if tokens_to_remove == 0 or not self._rows:
             return  # transformers calls crop(0) to mean "keep everything"
         keep = self._seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
@@ -186,6 +205,12 @@ class PagedCache(PagedCacheBase):
     def stats(self):
         """The block manager's stats, bytes counted with this cache's bytes per block."""
         return self.block_manager.stats(self.kv_cache.bytes_per_block)
+
+    def state_stats(self):
+        """A hybrid model's state slots (used, free, bytes per slot), or None for others."""
+        if self._states is None:
+            return None
+        return self.block_manager.state_stats(self._states.store.bytes_per_slot)
 
     # ------------------------------------------------------------------ attention
 
@@ -273,8 +298,7 @@ class PagedCache(PagedCacheBase):
             for row in created:
                 self._rows[row] = None
             for seq_id, count in reversed(appended):
-                length = self.block_manager.num_tokens(seq_id)
-                pairs += self.block_manager.truncate(seq_id, length - count, cache=False)
+                pairs += _release_unwritten(self.block_manager, seq_id, count)
             self.kv_cache.copy_blocks(pairs)
             raise
         self.kv_cache.copy_blocks(pairs)
@@ -310,10 +334,34 @@ class PagedCache(PagedCacheBase):
         """New row ``i`` continues old row ``sources[i]`` (``block_manager.reassign``)."""
         if not self._rows:
             return
-        self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
+        if self._states is None:
+            self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
+        else:
+            self._save_states()
+            self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
+            self._states.store.copy(self.block_manager.states.drain_copies())
+            slots = [self.block_manager.state_slot(s) for s in self._rows if s is not None]
+            # A row without a sequence (all padding so far) reads any slot: it stores nothing.
+            self._states.load(
+                [slots[0] if s is None else self.block_manager.state_slot(s) for s in self._rows]
+            )
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+    def _save_states(self) -> None:
+        """Write every row's conv and recurrent states into its sequence's slot, after the
+        copies forks asked for (which read slots the rows have not written yet)."""
+        manager = self.block_manager
+        self._states.store.copy(manager.states.drain_copies())
+        self._states.save([None if s is None else manager.state_slot(s) for s in self._rows])
+
+
+def _release_unwritten(manager, seq_id: int, count: int) -> list[tuple[int, int]]:
+    """Undo the last ``count`` slots reserved for ``seq_id`` before its forward pass ran."""
+    if isinstance(manager, StatefulBlockManager):
+        return manager.release_unwritten(seq_id, count)
+    return manager.truncate(seq_id, manager.num_tokens(seq_id) - count, cache=False)
 
 
 def _real_tokens(batch: int, q_len: int, attention_mask) -> torch.Tensor | None:
