@@ -172,9 +172,9 @@ def test_beam_reordering_forks_slots_and_frees_the_dropped_ones():
     ids = iter(range(10, 20))
     rows = reassign(bm, [0, 1, 2], [1, 1, 0], lambda: next(ids))
     assert rows == [1, 10, 0]
-    # the fork comes first (the child takes slot 3), then sequence 2's slot is freed
-    assert bm.states.drain_copies() == [(1, 3)]
-    assert bm.states.slot_of == {0: 0, 1: 1, 10: 3}
+    # sequence 2 is freed first, so the fork takes its slot: no more slots than beams
+    assert bm.states.drain_copies() == [(1, 2)]
+    assert bm.states.slot_of == {0: 0, 1: 1, 10: 2}
     assert bm.states.num_free() == 3
     check_invariants(bm)
 
@@ -280,7 +280,7 @@ class StatePoolMachine(RuleBasedStateMachine):
         before = state_snapshot(self.bm)
         try:
             new = reassign(self.bm, rows, sources, self._new_id)
-        except OutOfBlocksError:  # the forks ran out of slots before anything changed
+        except OutOfBlocksError:  # more forks than frees: out of slots, nothing changed
             assert state_snapshot(self.bm) == before
             return
         self.values = {seq_id: value for seq_id, value in zip(new, expected)}

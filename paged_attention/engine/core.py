@@ -32,6 +32,7 @@ from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
 from paged_attention.engine.stats import EngineStats
 from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.hybrid import refuse_packed_steps
 
 StopStringCheck = Callable[[Request, EngineSequence], bool]
 
@@ -59,6 +60,7 @@ class EngineCore:
         stop_string_hit: StopStringCheck | None = None,
     ) -> None:
         geometry = ModelGeometry.of(model)
+        refuse_packed_steps(model, geometry)
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1

@@ -30,7 +30,7 @@ import torch
 
 from paged_attention.attention import AttentionMetadata
 from paged_attention.kv.block_manager import OutOfBlocksError, reassign
-from paged_attention.kv.state_pool import StatefulBlockManager, StateStore
+from paged_attention.kv.state_pool import OutOfStateSlotsError, StatefulBlockManager, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
 from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
@@ -260,12 +260,9 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
         except OutOfBlocksError as error:
             if self._seen == 0:
                 self._rows = []
-            raise OutOfBlocksError(
-                f"PagedCache is out of KV blocks ({error}): it holds {self.kv_cache.num_blocks} "
-                f"blocks of {self.kv_cache.block_size} tokens. Give it more (PagedCache(..., "
-                "num_blocks=...) or max_memory=...) or generate fewer or shorter sequences, and "
-                "call cache.reset() before the next generate()"
-            ) from error
+                if self._states is not None:  # the layers before the first attention one ran
+                    self._states.clear()
+            raise _out_of_room(error, self.kv_cache) from error
         self._metadata = metadata
         self._token_index = (
             None if real is None else real.flatten().nonzero().squeeze(1).to(self.kv_cache.device)
@@ -355,6 +352,23 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
         manager = self.block_manager
         self._states.store.copy(manager.states.drain_copies())
         self._states.save([None if s is None else manager.state_slot(s) for s in self._rows])
+
+
+def _out_of_room(error: OutOfBlocksError, kv) -> OutOfBlocksError:
+    """The error a ``generate()`` step out of KV blocks or state slots raises, with what to do."""
+    if isinstance(error, OutOfStateSlotsError):
+        return OutOfStateSlotsError(
+            f"PagedCache is out of state slots ({error}): a hybrid model's sequence holds one "
+            "for its conv and recurrent states. Give it more (PagedCache(..., num_state_slots="
+            "...)) or generate fewer sequences at once, and call cache.reset() before the next "
+            "generate()"
+        )
+    return OutOfBlocksError(
+        f"PagedCache is out of KV blocks ({error}): it holds {kv.num_blocks} blocks of "
+        f"{kv.block_size} tokens. Give it more (PagedCache(..., num_blocks=...) or "
+        "max_memory=...) or generate fewer or shorter sequences, and call cache.reset() before "
+        "the next generate()"
+    )
 
 
 def _release_unwritten(manager, seq_id: int, count: int) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from paged_attention.kv.state_pool import StateStore
+from paged_attention.modeling.geometry import ModelGeometry, UnsupportedModelError
 
 CONV, RECURRENT = "conv", "recurrent"
 
@@ -190,3 +191,16 @@ class StateCacheInterface:
                 "generation and prompt lookup decoding (prompt_lookup_num_tokens, "
                 "assistant_model) need to reject draft tokens: generate without them"
             )
+
+
+def refuse_packed_steps(model: torch.nn.Module, geometry: ModelGeometry) -> None:
+    """The engine packs a step's sequences into one row of tokens, which a hybrid model's conv
+    and recurrent layers would read as one sequence: raise :class:`UnsupportedModelError` for
+    such a model, naming what serves it."""
+    if geometry.state_layers:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a hybrid model (layers {list(geometry.state_layers)} keep "
+            "a conv or recurrent state): the engine packs every sequence of a step into one row "
+            "of tokens, which those layers would read as one sequence. Generate with "
+            "transformers' generate() on a PagedCache instead, which serves it exactly"
+        )

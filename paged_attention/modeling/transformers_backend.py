@@ -258,6 +258,7 @@ class PagedCacheBase(Cache):
         self._masks_seen: dict[tuple[int, int | None], tuple[int, int]] = {}
         self._checks_steps = geometry.tensor_parallel.checks_steps
         self._checked_metadata: AttentionMetadata | None = None
+        self._last_update_layer: int | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
@@ -285,6 +286,7 @@ class PagedCacheBase(Cache):
                 "must be the one it was built for, with that attention implementation"
             )
         self._begin_layer(layer_idx)
+        self._last_update_layer = layer_idx
         _active.value = (self, key_states)
         return key_states, value_states
 
@@ -298,6 +300,8 @@ class PagedCacheBase(Cache):
                 f"using it has {layers}: build a PagedCache for the model it serves"
             )
         layer_idx = module.layer_idx
+        if layer_idx is None:  # an attention block shared by layers (Zamba): update named it
+            layer_idx = self._last_update_layer
         self._check_call(layer_idx, self.geometry.layers[layer_idx], query, key, value, call)
         return self._attend_layer(layer_idx, query, key, value, padding, call.scale, call.sinks)
 
