@@ -392,6 +392,29 @@ def test_hybrid_generate_matches_the_default_cache(hybrid, monkeypatch):
         )
 
 
+def test_hybrid_engine_matches_the_default_cache(hybrid):
+    """The Engine runs each chunk of a hybrid model as a pass of its own, carrying the state
+    from chunk to chunk and from step to step in the sequence's slot: with chunked prefill and
+    preemption by recompute, its greedy tokens are generate()'s on the default cache."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (21, 26, 13, 20)]
+    new = 10
+    expected = [hybrid.greedy(prompt, new) for prompt in prompts]
+    setups = {  # 12 blocks of 8 are too few for the four at once: requests are preempted
+        "chunked prefill, recompute": dict(max_num_batched_tokens=12, max_num_seqs=4),
+        "recompute": dict(num_host_blocks=48),  # no swapping: the states stay in their slots
+    }
+    for name, setup in setups.items():
+        engine = Engine(hybrid.model, num_blocks=12, block_size=BLOCK, eos_token_id=[], **setup)
+        try:
+            outputs = engine.generate(prompts, SamplingParams(new))
+        finally:
+            hybrid.model.set_attn_implementation(hybrid.default)
+        assert [o.outputs[0] for o in outputs] == expected, f"{hybrid.model_type}: {name}"
+        assert engine.stats.preemptions_by_recompute > 0 and engine.stats.swaps_out == 0, name
+        assert engine.block_manager.state_stats().used_slots == 0  # every slot back
+
+
 def test_what_a_hybrid_state_cannot_do_is_refused_with_the_reason():
     zoo = Zoo("lfm2")
     lookup_ids, _ = left_padded([5], seed=1, repeat=6)
@@ -403,8 +426,16 @@ def test_what_a_hybrid_state_cannot_do_is_refused_with_the_reason():
         cache.crop(-1)
     with pytest.raises(ValueError, match="prefix caching cannot serve a hybrid model"):
         PagedCache(zoo.model, block_size=BLOCK, num_blocks=8, enable_prefix_caching=True)
-    with pytest.raises(UnsupportedModelError, match="packs every sequence of a step into one row"):
-        Engine(zoo.model, num_blocks=8, block_size=BLOCK)
+    with pytest.raises(ValueError, match="compile=True and cuda_graphs=True"):
+        Engine(zoo.model, num_blocks=8, block_size=BLOCK, compile=True)
+    engine = Engine(zoo.model, num_blocks=8, block_size=BLOCK)
+    try:
+        assert not engine.block_manager.enable_prefix_caching  # turned off, with a warning
+        for params in (SamplingParams(4, n=2, temperature=1.0), SamplingParams(4, beam_width=2)):
+            with pytest.raises(ValueError, match="one sequence each"):
+                engine.generate([[5, 6, 7]], params)
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
 
 
 def test_a_hybrid_cache_counts_its_state_slots():

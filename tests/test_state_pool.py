@@ -118,7 +118,7 @@ def test_failed_calls_change_neither_blocks_nor_slots():
         (lambda: bm.free_many([0, 7]), UnknownSequenceError),
         (lambda: bm.truncate(0, 2), ValueError),
         (lambda: bm.swap_out([0]), SwapError),
-        (lambda: bm.release_unwritten(0, 5), ValueError),
+        (lambda: bm.truncate(0, 5, cache=False), ValueError),
     ]:
         with pytest.raises(error):
             call()
@@ -155,11 +155,11 @@ def test_what_a_recurrent_state_cannot_do_is_refused_with_the_reason():
         bm.swap_out([0])
 
 
-def test_release_unwritten_undoes_reserved_slots_and_keeps_the_state_slot():
+def test_uncomputed_slots_are_released_and_the_state_slot_kept():
     bm = manager()
     bm.allocate(0, 3)
     bm.append_slots(0, 6)
-    assert bm.release_unwritten(0, 6) == []
+    assert bm.truncate(0, 3, cache=False) == []
     assert bm.num_tokens(0) == 3 and bm.block_table(0) == [bm.block_table(0)[0]]
     assert bm.state_slot(0) == 0
     check_invariants(bm)

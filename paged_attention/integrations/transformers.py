@@ -30,7 +30,7 @@ import torch
 
 from paged_attention.attention import AttentionMetadata
 from paged_attention.kv.block_manager import OutOfBlocksError, reassign
-from paged_attention.kv.state_pool import OutOfStateSlotsError, StatefulBlockManager, StateStore
+from paged_attention.kv.state_pool import OutOfStateSlotsError, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
 from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
@@ -295,7 +295,8 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
             for row in created:
                 self._rows[row] = None
             for seq_id, count in reversed(appended):
-                pairs += _release_unwritten(self.block_manager, seq_id, count)
+                length = self.block_manager.num_tokens(seq_id)
+                pairs += self.block_manager.truncate(seq_id, length - count, cache=False)
             self.kv_cache.copy_blocks(pairs)
             raise
         self.kv_cache.copy_blocks(pairs)
@@ -369,13 +370,6 @@ def _out_of_room(error: OutOfBlocksError, kv) -> OutOfBlocksError:
         "max_memory=...) or generate fewer or shorter sequences, and call cache.reset() before "
         "the next generate()"
     )
-
-
-def _release_unwritten(manager, seq_id: int, count: int) -> list[tuple[int, int]]:
-    """Undo the last ``count`` slots reserved for ``seq_id`` before its forward pass ran."""
-    if isinstance(manager, StatefulBlockManager):
-        return manager.release_unwritten(seq_id, count)
-    return manager.truncate(seq_id, manager.num_tokens(seq_id) - count, cache=False)
 
 
 def _real_tokens(batch: int, q_len: int, attention_mask) -> torch.Tensor | None:

@@ -15,9 +15,10 @@ Three parts, as for the blocks (the manager plans, the cache executes):
   owns a :class:`StateSlots`: a slot is taken with the sequence (``allocate``, ``fork``: the
   child's slot gets a copy of the parent's state), released with it (``free``), and counted by
   ``can_allocate``. What a recurrent state cannot do is refused, naming the reason: prefix
-  caching (a cached prefix's blocks do not give the state after it), swapping and ``truncate``
-  (a state cannot be cut back to an earlier token; preempt by recompute instead). Every call
-  validates before it changes anything, blocks or slots.
+  caching (a cached prefix's blocks do not give the state after it), swapping and cutting
+  computed tokens off (``truncate`` but with ``cache=False``, which releases slots reserved
+  for tokens no forward pass computed: a state cannot be cut back; preempt by recompute
+  instead). Every call validates before it changes anything, blocks or slots.
 * :class:`StateStore`: the tensors the slots index, one per (layer, kind, index) state a layer
   keeps, allocated from the first state a layer writes (shape and dtype taken from the model)
   and grown by doubling up to ``num_slots`` rows as higher slots are used; it executes the
@@ -171,21 +172,17 @@ class StatefulBlockManager(BlockManager):
         self.states.free(seq_ids)
 
     def truncate(self, seq_id: int, num_tokens: int, *, cache: bool = True):
-        raise ValueError(
-            f"cannot cut sequence {seq_id} back to {num_tokens} tokens: the state of a hybrid "
-            "model's recurrent or convolution layers holds every token it has seen and cannot "
-            "be cut back (preempt by recompute instead; no speculative decoding or crop)"
-        )
-
-    def release_unwritten(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
-        """Undo the last ``num_tokens`` slots reserved for a sequence before the forward pass
-        that would have computed them ran (so its state never saw them); the copy-on-write
-        pairs as ``truncate`` returns them."""
-        length = self.num_tokens(seq_id)
-        num_tokens = _as_int(num_tokens, "num_tokens")
-        if num_tokens > length:
-            raise ValueError(f"sequence {seq_id} holds {length} tokens, not {num_tokens}")
-        return super().truncate(seq_id, length - num_tokens, cache=False)
+        """Only ``cache=False``: release the slots reserved for tokens no forward pass computed
+        (a step that failed; the state never saw them). Cutting computed tokens off (transformers'
+        ``crop``, rejected draft tokens) is refused: the state holds every token it has seen."""
+        if cache:
+            raise ValueError(
+                f"cannot cut sequence {seq_id} back to {num_tokens} tokens: the state of a "
+                "hybrid model's recurrent or convolution layers holds every token it has seen "
+                "and cannot be cut back (preempt by recompute instead; no speculative decoding "
+                "or crop)"
+            )
+        return super().truncate(seq_id, num_tokens, cache=False)
 
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
         return False

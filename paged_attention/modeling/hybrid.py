@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import torch
 
 from paged_attention.kv.state_pool import StateStore
-from paged_attention.modeling.geometry import ModelGeometry, UnsupportedModelError
 
 CONV, RECURRENT = "conv", "recurrent"
 
@@ -109,9 +108,15 @@ class BatchStates:
             self.store.scatter(key, [slots[row] for row in rows], tensor[index.to(tensor.device)])
 
     def load(self, slots: Sequence[int]) -> None:
-        """Make the batch the states of ``slots``, row by row."""
-        for key in list(self.tensors):
-            self.tensors[key] = self.store.gather(key, slots)
+        """Make the batch the states of ``slots``, row by row: every state the store holds,
+        each as seen by an earlier forward pass."""
+        for key in self.store.tensors:
+            tensor = self.store.gather(key, slots)
+            self.tensors[key] = tensor
+            self.previous[key] = True
+            layer, kind, index = key
+            if kind == CONV:
+                self.kernel_sizes[(layer, index)] = tensor.shape[-1]
 
     def clear(self) -> None:
         self.tensors.clear()
@@ -191,16 +196,3 @@ class StateCacheInterface:
                 "generation and prompt lookup decoding (prompt_lookup_num_tokens, "
                 "assistant_model) need to reject draft tokens: generate without them"
             )
-
-
-def refuse_packed_steps(model: torch.nn.Module, geometry: ModelGeometry) -> None:
-    """The engine packs a step's sequences into one row of tokens, which a hybrid model's conv
-    and recurrent layers would read as one sequence: raise :class:`UnsupportedModelError` for
-    such a model, naming what serves it."""
-    if geometry.state_layers:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is a hybrid model (layers {list(geometry.state_layers)} keep "
-            "a conv or recurrent state): the engine packs every sequence of a step into one row "
-            "of tokens, which those layers would read as one sequence. Generate with "
-            "transformers' generate() on a PagedCache instead, which serves it exactly"
-        )

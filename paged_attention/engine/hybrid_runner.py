@@ -1,0 +1,147 @@
+"""The engine's steps for hybrid models: attention over the paged blocks, conv and recurrent
+states in the sequences' state slots.
+
+The model runner packs a step's sequences into one row of tokens; a hybrid model's conv and
+recurrent layers would read that row as one sequence. :class:`HybridRunner` runs each chunk of a
+step (a decode token, a prompt chunk) as a forward pass of its own, batch 1: its attention reads
+the sequence's paged context as every step's does, and its state layers start from the state the
+sequence's slot holds (a chunk at position 0 from none), so a prompt computed over several steps
+carries its state from chunk to chunk. The new states are staged, and written to the slots only
+when the step succeeded (:meth:`HybridRunner.commit_states`, after the scheduler's update): a
+step that raises leaves every slot as it was, as it leaves the blocks
+(:meth:`HybridRunner.discard_states`). Copies that forks queued run after the staged states are
+written (a fork made while its parent's prompt is computed copies the state after it).
+
+What a state cannot do is refused by :func:`check_hybrid_engine`: prefix caching (turned off,
+with a warning), compiled and CUDA-graph decode steps (one batch-1 pass per chunk), and requests
+of several sequences (``n > 1``, beam search: a request preempted by recompute forks its samples
+from the prompt, a state the first sample has moved past).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from paged_attention.engine.config import EngineConfig
+from paged_attention.engine.logprobs import prompt_positions
+from paged_attention.engine.model_runner import ModelRunner, StepCache
+from paged_attention.engine.plan import SchedulerOutput
+from paged_attention.engine.request import Request
+from paged_attention.kv.cache import PagedKVCache
+from paged_attention.kv.state_pool import StateSlots, StateStore
+from paged_attention.kv.step_inputs import StepInputs, build_metadata
+from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
+
+logger = logging.getLogger(__name__)
+
+
+class HybridStepCache(StateCacheInterface, StepCache):
+    """The cache of one chunk's forward pass: paged attention as :class:`StepCache`, the conv
+    and recurrent states of one sequence in ``_states``."""
+
+    def __init__(self, model, geometry: ModelGeometry, kv: PagedKVCache, states: BatchStates):
+        super().__init__(model, geometry, kv)
+        self._states = states
+
+
+class HybridRunner(ModelRunner):
+    """A :class:`ModelRunner` for hybrid models (the module docstring). ``slots``: the state
+    slot of every sequence, as the block manager keeps them (read here; the copies forks queue
+    there are carried out here)."""
+
+    def __init__(self, model, geometry: ModelGeometry, kv: PagedKVCache, slots: StateSlots) -> None:
+        super().__init__(model, geometry, kv)
+        self.slots = slots
+        self.states = BatchStates(geometry.state_layers, StateStore(slots.num_slots, kv.device))
+        self.cache = HybridStepCache(model, geometry, kv, self.states)
+        self._staged: list[tuple[int, dict]] = []
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """The step's chunks one by one; float32 logits of the sampling rows, then of the
+        prompt rows scored for logprobs, in chunk order (as :meth:`ModelRunner.run`)."""
+        inputs = out.inputs
+        ends = np.cumsum(inputs.query_lens)
+        sampled, scored, staged = [], [], []
+        for index, chunk in enumerate(out.chunks):
+            slot = self.slots.slot(chunk.seq.seq_id)
+            self.states.clear()
+            if chunk.start:
+                self.states.load([slot])
+            rows = slice(int(ends[index] - inputs.query_lens[index]), int(ends[index]))
+            one = StepInputs(
+                inputs.query_lens[index : index + 1],
+                inputs.seq_lens[index : index + 1],
+                inputs.block_tables[index : index + 1],
+                inputs.slot_mapping[rows],
+                inputs.sliding_window,
+                inputs.attention_chunk_size,
+            )
+            tokens = chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
+            keep = [len(tokens) - 1] if chunk.samples else []
+            keep += [
+                p - chunk.start for p in prompt_positions(chunk.request, chunk.start, chunk.end)
+            ]
+            logits = self.forward(
+                torch.tensor([tokens], device=self.device),
+                torch.tensor([list(range(chunk.start, chunk.end))], device=self.device),
+                build_metadata(one, self.device),
+                torch.tensor(keep, dtype=torch.long, device=self.device),
+            )
+            sampled.append(logits[: int(chunk.samples)])
+            scored.append(logits[int(chunk.samples) :])
+            staged.append((slot, dict(self.states.tensors)))
+        self.states.clear()
+        self._staged = staged
+        return torch.cat(sampled + scored).float()
+
+    def commit_states(self) -> None:
+        """The step succeeded: its chunks' states go to their slots, then the queued copies."""
+        store = self.states.store
+        for slot, tensors in self._staged:
+            for key, tensor in tensors.items():
+                store.scatter(key, [slot], tensor)
+        self._staged = []
+        store.copy(self.slots.drain_copies())
+
+    def discard_states(self) -> None:
+        """The step failed: no slot changes, and the forks it made are undone."""
+        self._staged = []
+        self.slots.drain_copies()
+
+
+def check_hybrid_engine(model, config: EngineConfig) -> EngineConfig:
+    """``config`` as a hybrid model's engine can run it: prefix caching off (with a warning);
+    compiled or CUDA-graph decode steps refused with ValueError."""
+    name = type(model).__name__
+    if config.compile or config.cuda_graphs:
+        raise ValueError(
+            f"{name} is a hybrid model: the engine runs each of its chunks as a forward pass of "
+            "its own, which compile=True and cuda_graphs=True do not capture; pass them False"
+        )
+    if config.cache.enable_prefix_caching:
+        logger.warning(
+            "prefix caching is off for %s: a cached prefix's blocks hold its keys and values, "
+            "not the state its conv and recurrent layers reach after it",
+            name,
+        )
+        cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
+        config = dataclasses.replace(config, cache=cache)
+    return dataclasses.replace(config, cuda_graphs=False)
+
+
+def check_hybrid_request(request: Request) -> None:
+    """A hybrid model's engine serves requests of one sequence (the module docstring)."""
+    params = request.params
+    if params.num_seqs > 1:
+        how = f"a beam width of {params.beam_width}" if params.is_beam_search else f"n={params.n}"
+        raise ValueError(
+            f"request {request.request_id} runs {params.num_seqs} sequences ({how}): the engine "
+            "serves a hybrid model's requests one sequence each (n=1, no beam search), since a "
+            "request preempted by recompute forks its samples from the prompt, whose state the "
+            "first sample has moved past; generate() on a PagedCache serves n > 1 and beams"
+        )
