@@ -33,7 +33,7 @@ from paged_attention.kv.block_manager import OutOfBlocksError, reassign
 from paged_attention.kv.state_pool import OutOfStateSlotsError, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
-from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
+from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface, reassign_with_states
 from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
     PagedCacheBase,
@@ -332,27 +332,16 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
         """New row ``i`` continues old row ``sources[i]`` (``block_manager.reassign``)."""
         if not self._rows:
             return
+        new_id = functools.partial(next, self._ids)
         if self._states is None:
-            self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
+            self._rows = reassign(self.block_manager, self._rows, sources, new_id)
         else:
-            self._save_states()
-            self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
-            self._states.store.copy(self.block_manager.states.drain_copies())
-            slots = [self.block_manager.state_slot(s) for s in self._rows if s is not None]
-            # A row without a sequence (all padding so far) reads any slot: it stores nothing.
-            self._states.load(
-                [slots[0] if s is None else self.block_manager.state_slot(s) for s in self._rows]
+            self._rows = reassign_with_states(
+                self._states, self.block_manager, self._rows, sources, new_id
             )
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
-
-    def _save_states(self) -> None:
-        """Write every row's conv and recurrent states into its sequence's slot, after the
-        copies forks asked for (which read slots the rows have not written yet)."""
-        manager = self.block_manager
-        self._states.store.copy(manager.states.drain_copies())
-        self._states.save([None if s is None else manager.state_slot(s) for s in self._rows])
 
 
 def _out_of_room(error: OutOfBlocksError, kv) -> OutOfBlocksError:

@@ -14,11 +14,12 @@ rows change: beam search's reordering, a batch repeated or selected. Rolling a s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from paged_attention.kv.state_pool import StateStore
+from paged_attention.kv.block_manager import reassign
+from paged_attention.kv.state_pool import StatefulBlockManager, StateStore
 
 CONV, RECURRENT = "conv", "recurrent"
 
@@ -196,3 +197,24 @@ class StateCacheInterface:
                 "generation and prompt lookup decoding (prompt_lookup_num_tokens, "
                 "assistant_model) need to reject draft tokens: generate without them"
             )
+
+
+def reassign_with_states(
+    states: BatchStates,
+    manager: StatefulBlockManager,
+    rows: list[int | None],
+    sources: Sequence[int],
+    new_id: Callable[[], int],
+) -> list[int | None]:
+    """:func:`~paged_attention.kv.block_manager.reassign` for a batch whose states are
+    ``states``: every row's states go to its sequence's slot (after the copies earlier forks
+    queued, which read slots the rows have not written yet), the rows are reassigned (forks
+    queue copies of their parents' slots, carried out now), and the new rows' states are read
+    back. A row without a sequence (all padding so far) reads any slot: it stores nothing."""
+    states.store.copy(manager.states.drain_copies())
+    states.save([None if s is None else manager.state_slot(s) for s in rows])
+    new = reassign(manager, rows, sources, new_id)
+    states.store.copy(manager.states.drain_copies())
+    slots = [manager.state_slot(s) for s in new if s is not None]
+    states.load([slots[0] if s is None else manager.state_slot(s) for s in new])
+    return new
