@@ -8,8 +8,11 @@ chunks, soft-cap, sinks) ignoring it does. Through ``generate()`` (greedy, sampl
 left-padded batch, prompt-lookup decoding, which crops rejected drafts) and through the Engine
 (prefix caching, chunked prefill, swap and recompute preemption, released blocks), a model on a
 :class:`PagedCache` gives exactly the tokens of the same model on its default cache and attention
-implementation. The families paged attention cannot serve are refused at construction, each with
-its reason."""
+implementation. Hybrid families (attention layers beside convolution, Mamba or linear-attention
+layers with a fixed-size state per sequence) give the default cache's tokens through
+``generate()`` (greedy, sampling, beams) and through the Engine (chunked prefill, recompute
+preemption), their states in per-sequence slots. The families paged attention cannot serve are
+refused at construction, each with its reason."""
 
 from __future__ import annotations
 

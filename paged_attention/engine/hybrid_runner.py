@@ -6,7 +6,9 @@ recurrent layers would read that row as one sequence. :class:`HybridRunner` runs
 step (a decode token, a prompt chunk) as a forward pass of its own, batch 1: its attention reads
 the sequence's paged context as every step's does, and its state layers start from the state the
 sequence's slot holds (a chunk at position 0 from none), so a prompt computed over several steps
-carries its state from chunk to chunk. The new states are staged, and written to the slots only
+carries its state from chunk to chunk (for Jamba and Zamba, whose several-token Mamba scan starts
+from a zero state in transformers, a chunk that continues a state runs token by token). The new
+states are staged, and written to the slots only
 when the step succeeded (:meth:`HybridRunner.commit_states`, after the scheduler's update): a
 step that raises leaves every slot as it was, as it leaves the blocks
 (:meth:`HybridRunner.discard_states`). Copies that forks queued run after the staged states are
@@ -39,6 +41,10 @@ from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
 
 logger = logging.getLogger(__name__)
 
+# Model types whose multi-token Mamba scan ignores the state it continues (transformers' own
+# note in Jamba's mamba_scan_forward: its selective scan takes no past state).
+_SCAN_IGNORES_STATE = frozenset({"jamba", "zamba"})
+
 
 class HybridStepCache(StateCacheInterface, StepCache):
     """The cache of one chunk's forward pass: paged attention as :class:`StepCache`, the conv
@@ -60,11 +66,15 @@ class HybridRunner(ModelRunner):
         self.states = BatchStates(geometry.state_layers, StateStore(slots.num_slots, kv.device))
         self.cache = HybridStepCache(model, geometry, kv, self.states)
         self._staged: list[tuple[int, dict]] = []
+        self._inputs: StepInputs | None = None
+        # transformers' Mamba (v1) scan of several tokens starts from a zero state, whatever the
+        # cache holds: a prompt chunk that continues a state runs token by token there.
+        self.token_by_token = getattr(model.config, "model_type", None) in _SCAN_IGNORES_STATE
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The step's chunks one by one; float32 logits of the sampling rows, then of the
         prompt rows scored for logprobs, in chunk order (as :meth:`ModelRunner.run`)."""
-        inputs = out.inputs
+        inputs = self._inputs = out.inputs
         ends = np.cumsum(inputs.query_lens)
         sampled, scored, staged = [], [], []
         for index, chunk in enumerate(out.chunks):
@@ -72,32 +82,45 @@ class HybridRunner(ModelRunner):
             self.states.clear()
             if chunk.start:
                 self.states.load([slot])
-            rows = slice(int(ends[index] - inputs.query_lens[index]), int(ends[index]))
-            one = StepInputs(
-                inputs.query_lens[index : index + 1],
-                inputs.seq_lens[index : index + 1],
-                inputs.block_tables[index : index + 1],
-                inputs.slot_mapping[rows],
-                inputs.sliding_window,
-                inputs.attention_chunk_size,
-            )
-            tokens = chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
-            keep = [len(tokens) - 1] if chunk.samples else []
+            first = int(ends[index] - inputs.query_lens[index])
+            keep = [chunk.count - 1] if chunk.samples else []
             keep += [
                 p - chunk.start for p in prompt_positions(chunk.request, chunk.start, chunk.end)
             ]
-            logits = self.forward(
-                torch.tensor([tokens], device=self.device),
-                torch.tensor([list(range(chunk.start, chunk.end))], device=self.device),
-                build_metadata(one, self.device),
-                torch.tensor(keep, dtype=torch.long, device=self.device),
-            )
+            if chunk.start and chunk.count > 1 and self.token_by_token:
+                passes = [(chunk.start + i, 1, first + i) for i in range(chunk.count)]
+            else:
+                passes = [(chunk.start, chunk.count, first)]
+            logits = torch.cat(
+                [self._pass(chunk, index, start, count, row) for start, count, row in passes]
+            )[keep]
             sampled.append(logits[: int(chunk.samples)])
             scored.append(logits[int(chunk.samples) :])
             staged.append((slot, dict(self.states.tensors)))
         self.states.clear()
         self._staged = staged
         return torch.cat(sampled + scored).float()
+
+    def _pass(self, chunk, index: int, start: int, count: int, row: int) -> torch.Tensor:
+        """One forward pass over tokens ``start .. start + count`` of the ``index``-th chunk of
+        the step (its rows from ``row`` in the step's inputs); the logits of every token."""
+        inputs = self._inputs
+        seq_len = int(inputs.seq_lens[index]) - (chunk.end - start - count)
+        one = StepInputs(
+            np.array([count], dtype=np.int32),
+            np.array([seq_len], dtype=np.int32),
+            inputs.block_tables[index : index + 1],
+            inputs.slot_mapping[row : row + count],
+            inputs.sliding_window,
+            inputs.attention_chunk_size,
+        )
+        tokens = chunk.request.token_slice(chunk.seq, start, start + count)
+        return self.forward(
+            torch.tensor([tokens], device=self.device),
+            torch.tensor([list(range(start, start + count))], device=self.device),
+            build_metadata(one, self.device),
+            0,
+        )
 
     def commit_states(self) -> None:
         """The step succeeded: its chunks' states go to their slots, then the queued copies."""
