@@ -1,6 +1,7 @@
 """The engine's runner for hybrid models: a step that fails after its forward passes (here, in
 sampling) writes no state, so the retried step gives the tokens of an engine that never failed;
-the state slots are the engine's ``max_num_seqs``; prefix caching is turned off with a warning."""
+the state slots are the engine's ``max_num_seqs``, and a memory budget holds their states (measured
+from the model) before its KV blocks; prefix caching is turned off with a warning."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ pytest.importorskip("transformers")
 from test_model_zoo import BLOCK, VOCAB, Zoo  # noqa: E402
 
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
+from paged_attention.engine.config import CacheConfig  # noqa: E402
 from paged_attention.engine.core import EngineCore  # noqa: E402
-from paged_attention.engine.hybrid_runner import HybridRunner  # noqa: E402
+from paged_attention.engine.hybrid_runner import (  # noqa: E402
+    HybridRunner,
+    state_bytes_per_sequence,
+)
+from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,5 +88,29 @@ def test_the_engine_holds_a_slot_per_running_sequence_and_no_prefix_cache(lfm2, 
         assert engine.block_manager.state_stats().num_slots == 3
         assert not engine.block_manager.enable_prefix_caching
         assert "prefix caching is off" in caplog.text
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)
+
+
+def test_a_sequences_state_is_measured_from_the_model(lfm2):
+    geometry = ModelGeometry.of(lfm2.model)
+    try:
+        measured = state_bytes_per_sequence(lfm2.model, geometry)
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)
+    config = lfm2.model.config  # one conv layer: a window of conv_L_cache inputs, float32
+    assert measured == config.hidden_size * config.conv_L_cache * 4
+
+
+def test_a_memory_budget_holds_the_states_of_max_num_seqs_sequences(lfm2):
+    geometry = ModelGeometry.of(lfm2.model)
+    block = CacheConfig(block_size=BLOCK, num_blocks=1).block_bytes(geometry)
+    slot = state_bytes_per_sequence(lfm2.model, geometry)
+    budget = 40 * block
+    try:
+        engine = Engine(lfm2.model, max_memory=budget, block_size=BLOCK, max_num_seqs=8)
+        assert engine.kv_cache.num_blocks == 40 - -(-8 * slot // block)
+        with pytest.raises(ValueError, match="max_num_seqs=4096 sequences"):
+            Engine(lfm2.model, max_memory=budget, block_size=BLOCK, max_num_seqs=4096)
     finally:
         lfm2.model.set_attn_implementation(lfm2.default)

@@ -65,7 +65,7 @@ class EngineCore:
     ) -> None:
         geometry = ModelGeometry.of(model)
         if geometry.state_layers:
-            config = check_hybrid_engine(model, config)
+            config = check_hybrid_engine(model, config, geometry)
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1

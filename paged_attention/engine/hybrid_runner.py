@@ -14,10 +14,12 @@ step that raises leaves every slot as it was, as it leaves the blocks
 (:meth:`HybridRunner.discard_states`). Copies that forks queued run after the staged states are
 written (a fork made while its parent's prompt is computed copies the state after it).
 
-What a state cannot do is refused by :func:`check_hybrid_engine`: prefix caching (turned off,
-with a warning), compiled and CUDA-graph decode steps (one batch-1 pass per chunk), and requests
-of several sequences (``n > 1``, beam search: a request preempted by recompute forks its samples
-from the prompt, a state the first sample has moved past).
+:func:`check_hybrid_engine` sizes the cache for the states too (a ``max_memory`` budget holds
+``max_num_seqs`` sequences' states, measured by :func:`state_bytes_per_sequence`, and blocks
+for the rest) and refuses what a state cannot do: prefix caching (turned off, with a warning),
+compiled and CUDA-graph decode steps (one batch-1 pass per chunk), and requests of several
+sequences (``n > 1``, beam search: a request preempted by recompute forks its samples from the
+prompt, a state the first sample has moved past).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from paged_attention.kv.state_pool import StateSlots, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
 from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
+from paged_attention.modeling.transformers_backend import ATTN_IMPLEMENTATION, cache_argument_name
 
 logger = logging.getLogger(__name__)
 
@@ -137,24 +140,61 @@ class HybridRunner(ModelRunner):
         self.slots.drain_copies()
 
 
-def check_hybrid_engine(model, config: EngineConfig) -> EngineConfig:
+def check_hybrid_engine(model, config: EngineConfig, geometry: ModelGeometry) -> EngineConfig:
     """``config`` as a hybrid model's engine can run it: prefix caching off (with a warning);
-    compiled or CUDA-graph decode steps refused with ValueError."""
+    compiled or CUDA-graph decode steps refused with ValueError; a ``max_memory`` budget holds
+    the state slots of ``max_num_seqs`` sequences, and the KV blocks what is left."""
     name = type(model).__name__
     if config.compile or config.cuda_graphs:
         raise ValueError(
             f"{name} is a hybrid model: the engine runs each of its chunks as a forward pass of "
             "its own, which compile=True and cuda_graphs=True do not capture; pass them False"
         )
-    if config.cache.enable_prefix_caching:
+    cache = config.cache
+    if cache.enable_prefix_caching:
         logger.warning(
             "prefix caching is off for %s: a cached prefix's blocks hold its keys and values, "
             "not the state its conv and recurrent layers reach after it",
             name,
         )
-        cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
-        config = dataclasses.replace(config, cache=cache)
-    return dataclasses.replace(config, cuda_graphs=False)
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    if cache.max_memory is not None:
+        num_blocks, _ = cache.sizes(geometry)
+        slots = config.scheduler.max_num_seqs
+        slot_bytes = state_bytes_per_sequence(model, geometry)
+        kept = num_blocks - -(-slots * slot_bytes // cache.block_bytes(geometry))
+        if kept < 1:
+            raise ValueError(
+                f"max_memory={cache.max_memory!r} holds {num_blocks} KV blocks, but the conv and "
+                f"recurrent states of max_num_seqs={slots} sequences ({slot_bytes} bytes each) "
+                "leave none: give more memory or fewer sequences"
+            )
+        cache = dataclasses.replace(cache, num_blocks=kept, max_memory=None)
+    return dataclasses.replace(config, cache=cache, cuda_graphs=False)
+
+
+def state_bytes_per_sequence(model, geometry: ModelGeometry) -> int:
+    """Bytes of one sequence's conv and recurrent states: read from one forward pass of one
+    token over a one-block cache (the states' shapes and dtypes are the model's own)."""
+    kv = geometry.kv_cache(8, 1, None)
+    states = BatchStates(geometry.state_layers, StateStore(1, kv.device))
+    cache = HybridStepCache(model, geometry, kv, states)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    one = StepInputs(
+        np.ones(1, dtype=np.int32),
+        np.ones(1, dtype=np.int32),
+        np.zeros((1, 1), dtype=np.int32),
+        np.zeros(1, dtype=np.int64),
+    )
+    cache.metadata = build_metadata(one, geometry.device)
+    with torch.inference_mode():
+        model(
+            input_ids=torch.zeros((1, 1), dtype=torch.long, device=geometry.device),
+            position_ids=torch.zeros((1, 1), dtype=torch.long, device=geometry.device),
+            use_cache=True,
+            **{cache_argument_name(model): cache},
+        )
+    return sum(t[0].numel() * t.element_size() for t in states.tensors.values())
 
 
 def check_hybrid_request(request: Request) -> None:
