@@ -143,3 +143,24 @@ def test_chunked_layers_are_read_with_their_chunk_size():
     ]
     only_chunks = ModelGeometry.of(build("llama4_text", layer_types=["chunked_attention"] * 2))
     assert only_chunks.released_reach() == (None, CHUNK)
+
+
+@pytest.mark.parametrize(
+    "model_type, state_layers, attends",
+    [
+        ("lfm2", (0,), [False, True]),  # a conv layer, then attention
+        ("nemotron_h", (0,), [False, False, True, False]),  # Mamba, MoE, attention, MLP
+        ("falcon_h1", (0, 1), [True, True]),  # "hybrid" layers: a Mamba mixer and attention
+    ],
+)
+def test_a_hybrid_model_is_read_with_its_state_layers(model_type, state_layers, attends):
+    model = build(model_type, device="meta")
+    geometry = ModelGeometry.of(model)
+    assert geometry.state_layers == state_layers
+    kinds = model.config.layer_types
+    assert [kind in ("full_attention", "hybrid") for kind in kinds] == attends
+    assert all(layer.attends_everything for layer in geometry.layers)  # "hybrid": full
+    manager = geometry.block_manager(geometry.kv_cache(BLOCK, 8, None), False, 5)
+    assert manager.state_stats().num_slots == 5
+    with pytest.raises(ValueError, match="prefix caching cannot serve a hybrid model"):
+        geometry.block_manager(geometry.kv_cache(BLOCK, 8, None), True)

@@ -8,8 +8,11 @@ chunks, soft-cap, sinks) ignoring it does. Through ``generate()`` (greedy, sampl
 left-padded batch, prompt-lookup decoding, which crops rejected drafts) and through the Engine
 (prefix caching, chunked prefill, swap and recompute preemption, released blocks), a model on a
 :class:`PagedCache` gives exactly the tokens of the same model on its default cache and attention
-implementation. The families paged attention cannot serve are refused at construction, each with
-its reason."""
+implementation. Hybrid families (attention layers beside convolution, Mamba or linear-attention
+layers with a fixed-size state per sequence) give the default cache's tokens through
+``generate()`` (greedy, sampling, beams) and through the Engine (chunked prefill, recompute
+preemption), their states in per-sequence slots. The families paged attention cannot serve are
+refused at construction, each with its reason."""
 
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ from paged_attention.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION,
     PagedCache,
 )
-from paged_attention.kv.block_manager import RELEASED  # noqa: E402
+from paged_attention.kv.block_manager import RELEASED, OutOfBlocksError  # noqa: E402
 from paged_attention.modeling.geometry import ModelGeometry, UnsupportedModelError  # noqa: E402
+from paged_attention.modeling.hybrid import BatchStates  # noqa: E402
 from paged_attention.modeling.transformers_backend import cache_argument_name  # noqa: E402
 
 VOCAB = 128
@@ -183,39 +187,49 @@ ZOO = {
         expert_ffn_hidden_size=64,
     ),
 }
+# Hybrid families (a full-attention layer and a layer with a conv or recurrent state, or one
+# layer of both): served by generate() on a PagedCache, refused by the engine.
+HYBRID = {
+    "lfm2": dict(full_attn_idxs=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "qwen3_next": dict(
+        num_experts=4, num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"]
+    ),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "bamba": dict(attn_layer_indices=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "falcon_h1": {},  # every layer attends and runs a Mamba mixer beside
+    "nemotron_h": {},  # Mamba, MoE, attention and MLP layers
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4),
+    "olmo_hybrid": {},
+    "zamba": dict(num_hidden_layers=3),
+}
 # Per refused family: its tiny config and the reason the refusal must name.
 REFUSED = {
     "bloom": ({}, "computes attention in its own code"),
     "mpt": ({}, "computes attention in its own code"),
     "deepseek_v32": ({}, "sparse attention: a lightning indexer"),
-    "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2), "hybrid model"),
-    "granitemoehybrid": ({}, "hybrid model"),
-    "jamba": ({}, "hybrid model"),
-    "lfm2": (dict(full_attn_idxs=[1]), "hybrid model"),
-    "falcon_h1": ({}, "hybrid model"),
-    "bamba": ({}, "hybrid model"),
-    "zamba": (dict(num_hidden_layers=3), "hybrid model"),
-    "zamba2": (dict(layers_block_type=["mamba", "hybrid"]), "hybrid model"),
-    "qwen3_5_text": ({}, "hybrid model"),
-    "kimi_linear": ({}, "hybrid model"),
-    "minimax": ({}, "hybrid model"),
-    "olmo_hybrid": ({}, "hybrid model"),
-    "lfm2_moe": (dict(layer_types=["conv", "full_attention"]), "its 'conv' layers keep"),
-    # its MLP and MoE layers hold nothing; only the Mamba ('linear_attention') ones keep state
-    "nemotron_h": ({}, "its 'linear_attention' layers keep"),
+    "minimax": ({}, "a cache class of its own"),
+    "kimi_linear": ({}, "has no attention layer"),  # its default: linear-attention layers only
 }
 
 
-def build(model_type: str, device: str = "cpu", **overrides) -> torch.nn.Module:
+def build(
+    model_type: str, device: str = "cpu", family: dict | None = None, **overrides
+) -> torch.nn.Module:
     """A tiny random ``model_type`` causal LM: COMMON's keys its config class knows, then the
-    family's own settings, then ``overrides``. On the meta device it holds no weights."""
+    family's own settings (``family``, else its ZOO or HYBRID entry), then ``overrides``. On
+    the meta device it holds no weights."""
     default = AutoConfig.for_model(model_type)
     known = {*default.to_dict(), *getattr(default, "attribute_map", {})}
     derived = {
         key for key in known if getattr(getattr(type(default), key, None), "fset", 0) is None
     }
     common = {key: value for key, value in COMMON.items() if key in known - derived}
-    family = ZOO[model_type] if model_type in ZOO else REFUSED[model_type][0]
+    if family is None:
+        family = ZOO[model_type] if model_type in ZOO else HYBRID[model_type]
     config = AutoConfig.for_model(model_type, **{**common, **family, **overrides})
     torch.manual_seed(0)
     with torch.device(device):
@@ -350,9 +364,141 @@ def test_engine_matches_the_default_cache(zoo):
             assert preempted > 0, name
 
 
+@pytest.fixture(scope="module", params=sorted(HYBRID))
+def hybrid(request) -> Zoo:
+    return Zoo(request.param)
+
+
+def test_hybrid_generate_matches_the_default_cache(hybrid, monkeypatch):
+    """Keys and values in paged blocks, conv and recurrent states in state slots: greedy,
+    sampling and beam search on a left-padded batch give the default cache's tokens; both the
+    attention and the carried state matter to them."""
+    ids, mask = left_padded([5, 11, 19])
+    batch = dict(input_ids=ids, attention_mask=mask, eos_token_id=None)
+    greedy = dict(batch, max_new_tokens=12, do_sample=False)
+    expected = hybrid.generate(False, **greedy)
+    assert torch.equal(hybrid.generate(True, **greedy), expected), hybrid.model_type
+    modules = [m for m in hybrid.model.modules() if isinstance(getattr(m, "scaling", None), float)]
+    assert modules and ModelGeometry.of(hybrid.model).state_layers
+    for module in modules:
+        module.scaling *= 1.25
+    try:
+        assert not torch.equal(hybrid.generate(False, **greedy), expected)
+    finally:
+        for module in modules:
+            module.scaling /= 1.25
+    update_conv = BatchStates.update_conv
+
+    def forgetful_update_conv(self, *args):
+        self.previous.clear()
+        return update_conv(self, *args)
+
+    with monkeypatch.context() as patch:  # a cache that forgot the states between steps
+        patch.setattr(BatchStates, "get", lambda self, layer, kind, index: None)
+        patch.setattr(BatchStates, "update_conv", forgetful_update_conv)
+        assert not torch.equal(hybrid.generate(True, **greedy), expected)
+    calls = {
+        "sampling": dict(batch, max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=2),
+        "beams": dict(batch, max_new_tokens=8, num_beams=2, num_return_sequences=2),
+    }
+    for name, kwargs in calls.items():
+        expected = hybrid.generate(False, **kwargs)
+        assert torch.equal(hybrid.generate(True, **kwargs), expected), (
+            f"{hybrid.model_type}: {name}"
+        )
+
+
+def test_hybrid_engine_matches_the_default_cache(hybrid):
+    """The Engine runs each chunk of a hybrid model as a pass of its own, carrying the state
+    from chunk to chunk and from step to step in the sequence's slot: with chunked prefill and
+    preemption by recompute, its greedy tokens are generate()'s on the default cache."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (21, 26, 13, 20)]
+    new = 10
+    expected = [hybrid.greedy(prompt, new) for prompt in prompts]
+    setups = {  # 12 blocks of 8 are too few for the four at once: requests are preempted
+        "chunked prefill, recompute": dict(max_num_batched_tokens=12, max_num_seqs=4),
+        "recompute": dict(num_host_blocks=48),  # no swapping: the states stay in their slots
+    }
+    for name, setup in setups.items():
+        engine = Engine(hybrid.model, num_blocks=12, block_size=BLOCK, eos_token_id=[], **setup)
+        try:
+            outputs = engine.generate(prompts, SamplingParams(new))
+        finally:
+            hybrid.model.set_attn_implementation(hybrid.default)
+        assert [o.outputs[0] for o in outputs] == expected, f"{hybrid.model_type}: {name}"
+        assert engine.stats.preemptions_by_recompute > 0 and engine.stats.swaps_out == 0, name
+        assert engine.block_manager.state_stats().used_slots == 0  # every slot back
+
+
+def test_what_a_hybrid_state_cannot_do_is_refused_with_the_reason():
+    zoo = Zoo("lfm2")
+    lookup_ids, _ = left_padded([5], seed=1, repeat=6)
+    with pytest.raises(ValueError, match="cannot roll it back to an earlier token"):
+        zoo.generate(True, input_ids=lookup_ids, max_new_tokens=4, prompt_lookup_num_tokens=3)
+    cache = PagedCache(zoo.model, block_size=BLOCK, num_blocks=8)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="cannot roll it back"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="prefix caching cannot serve a hybrid model"):
+        PagedCache(zoo.model, block_size=BLOCK, num_blocks=8, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="compile=True and cuda_graphs=True"):
+        Engine(zoo.model, num_blocks=8, block_size=BLOCK, compile=True)
+    engine = Engine(zoo.model, num_blocks=8, block_size=BLOCK)
+    try:
+        assert not engine.block_manager.enable_prefix_caching  # turned off, with a warning
+        for params in (SamplingParams(4, n=2, temperature=1.0), SamplingParams(4, beam_width=2)):
+            with pytest.raises(ValueError, match="one sequence each"):
+                engine.generate([[5, 6, 7]], params)
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+
+
+def test_a_hybrid_cache_counts_its_state_slots():
+    zoo = Zoo("qwen3_next")
+    zoo.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedCache(zoo.model, block_size=BLOCK, num_blocks=96, num_state_slots=8)
+    ids, mask = left_padded([5, 11, 19])
+    try:
+        zoo.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            num_beams=2,
+            cache=cache,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+    stats = cache.state_stats()
+    assert (stats.num_slots, stats.used_slots, stats.free_slots) == (8, 6, 2)
+    # one linear-attention layer: its conv window and its recurrent state, per sequence
+    conv, recurrent = (cache._states.tensors[(0, kind, 0)] for kind in ("conv", "recurrent"))
+    assert stats.bytes_per_slot == (conv[0].numel() + recurrent[0].numel()) * 4
+    cache.reset()
+    assert cache.state_stats().used_slots == 0
+    too_few = PagedCache(zoo.model, block_size=BLOCK, num_blocks=96, num_state_slots=2)
+    zoo.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        with pytest.raises(OutOfBlocksError, match="state slots"):
+            zoo.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=2,
+                cache=too_few,
+                pad_token_id=0,
+            )
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+    assert too_few.state_stats().used_slots == 0
+
+
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_unsupported_families_are_refused_with_the_reason(model_type):
-    model = build(model_type, device="meta")  # refused before any weight is read
+    model = build(
+        model_type, device="meta", family=REFUSED[model_type][0]
+    )  # refused before any weight is read
     message = REFUSED[model_type][1]
     with pytest.raises(UnsupportedModelError, match=message):
         PagedCache(model, block_size=BLOCK, num_blocks=8)

@@ -24,6 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention.engine.config import EngineConfig
+from paged_attention.engine.hybrid_runner import (
+    HybridRunner,
+    check_hybrid_engine,
+    check_hybrid_request,
+)
 from paged_attention.engine.logprobs import record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
 from paged_attention.engine.request import Request
@@ -63,6 +68,8 @@ class EngineCore:
         cache = config.cache
         mla = resolve_mla(cache.mla, kv_cache_dtype=cache.kv_cache_dtype, graphs=graphs)
         geometry = ModelGeometry.of(model, mla=mla)
+        if geometry.state_layers:
+            config = check_hybrid_engine(model, config, geometry)
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
@@ -71,18 +78,26 @@ class EngineCore:
         self.model = model
         self.kv_cache = config.cache.build(geometry)
         self.block_manager = geometry.block_manager(
-            self.kv_cache, config.cache.enable_prefix_caching
+            self.kv_cache, config.cache.enable_prefix_caching, config.scheduler.max_num_seqs
         )
         self.scheduler = Scheduler(self.block_manager, config.scheduler)
-        self.runner = ModelRunner(
-            model,
-            geometry,
-            self.kv_cache,
-            decode_graphs=cuda_graphs,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            compile_decode=config.compile,
-            released=(self.block_manager.sliding_window, self.block_manager.attention_chunk_size),
-        )
+        self.hybrid: HybridRunner | None = None
+        if geometry.state_layers:  # conv and recurrent states in state slots
+            self.hybrid = HybridRunner(model, geometry, self.kv_cache, self.block_manager.states)
+            self.runner = self.hybrid
+        else:
+            self.runner = ModelRunner(
+                model,
+                geometry,
+                self.kv_cache,
+                decode_graphs=cuda_graphs,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                compile_decode=config.compile,
+                released=(
+                    self.block_manager.sliding_window,
+                    self.block_manager.attention_chunk_size,
+                ),
+            )
         self.tensor_parallel = geometry.tensor_parallel
         self.eos_token_ids = _end_tokens(model, config.eos_token_id)
         self.stop_string_hit = stop_string_hit
@@ -91,6 +106,8 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request (the input processor's)."""
+        if self.hybrid is not None:
+            check_hybrid_request(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -139,6 +156,8 @@ class EngineCore:
                 choices = self._choose_tokens(out, logits)
         except BaseException:
             self.runner.execute_block_ops([("copy", self.scheduler.rollback(out))])
+            if self.hybrid is not None:
+                self.hybrid.discard_states()
             raise
         self.stats.count_prompt_tokens(out)
         if choices is not None:
@@ -147,6 +166,8 @@ class EngineCore:
         updated = self.scheduler.update_from_output(
             out, sampled, self._finish_reason, self.eos_token_ids
         )
+        if self.hybrid is not None:
+            self.hybrid.commit_states()
         self._record_tokens(updated)
         result.updated += updated
         self.stats.record_step(self.scheduler, started)

@@ -30,8 +30,10 @@ import torch
 
 from paged_attention.attention import AttentionMetadata
 from paged_attention.kv.block_manager import OutOfBlocksError, reassign
+from paged_attention.kv.state_pool import OutOfStateSlotsError, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
+from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface, reassign_with_states
 from paged_attention.modeling.mla import resolve as resolve_mla
 from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
@@ -42,7 +44,7 @@ from paged_attention.modeling.transformers_backend import (
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "cache_argument_name"]
 
 
-class PagedCache(PagedCacheBase):
+class PagedCache(StateCacheInterface, PagedCacheBase):
     """A ``transformers.Cache`` for ``generate()`` whose keys and values live in a
     :class:`PagedKVCache`, managed by a :class:`~paged_attention.kv.block_manager.BlockManager`.
 
@@ -53,10 +55,10 @@ class PagedCache(PagedCacheBase):
     format (with fixed ``k_scale``/``v_scale``, or without them each layer's scales calibrated
     from the prompt's keys and values: :class:`~paged_attention.kv.cache.PagedKVCache`), and
     ``enable_prefix_caching`` lets sequences allocated with their token ids share cached prompt
-    blocks. ``mla`` picks how multi-head latent attention (DeepSeek-V2/V3, Kimi K2,
-    LongCat-Flash) is cached: ``"latent"`` (one compressed vector per token and layer, attended
-    in the absorbed form: :mod:`paged_attention.modeling.mla`), ``"expanded"`` (every head's key
-    and value), or None: latent unless the cache is fp8.
+    blocks. ``mla``: how multi-head latent attention (DeepSeek, LongCat-Flash) is cached:
+    ``"latent"`` (one vector per token and layer, in the absorbed form of
+    :mod:`paged_attention.modeling.mla`), ``"expanded"`` (every head's key and value), or None:
+    latent unless the cache is fp8.
 
     Supports decoder-only models whose attention goes through transformers' attention
     interface (docs/models.md: GQA/MQA, sliding windows, soft-caps, sinks, per-layer shapes),
@@ -69,6 +71,11 @@ class PagedCache(PagedCacheBase):
     those ``input_ids``, the first ``PagedCache`` of a model wraps the model's
     ``prepare_inputs_for_generation`` once (the wrapper only compares, at the first step of a
     ``generate`` call).
+
+    Hybrid models (docs/models.md) keep conv and recurrent states in one slot per sequence
+    (:mod:`paged_attention.kv.state_pool`), at most ``num_state_slots`` at once (beams hold up
+    to twice theirs while reordering); states cannot roll back, so ``crop`` and prefix caching
+    are refused.
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class PagedCache(PagedCacheBase):
         v_scale: float | None = None,
         enable_prefix_caching: bool = False,
         mla: str | None = None,
+        num_state_slots: int = 256,
     ) -> None:
         geometry = ModelGeometry.of(model, mla=resolve_mla(mla, kv_cache_dtype=kv_cache_dtype))
         kv = geometry.kv_cache(
@@ -96,7 +104,11 @@ class PagedCache(PagedCacheBase):
             v_scale=v_scale,
         )
         super().__init__(model, geometry, kv)
-        self.block_manager = geometry.block_manager(kv, enable_prefix_caching)
+        self.block_manager = geometry.block_manager(kv, enable_prefix_caching, num_state_slots)
+        self._states = None
+        if geometry.state_layers:
+            store = StateStore(num_state_slots, kv.device)
+            self._states = BatchStates(geometry.state_layers, store)
         self._ids = itertools.count()
         self._rows: list[int | None] = []  # the sequence of each batch row
         self._seen = 0  # tokens per row so far, padding included
@@ -134,6 +146,9 @@ class PagedCache(PagedCacheBase):
     def reset(self) -> None:
         """Free every sequence (all blocks return to the pool) and forget the batch."""
         self.block_manager.free_many(self.block_manager.seq_ids())
+        if self._states is not None:
+            self._states.clear()
+            self.block_manager.states.drain_copies()  # of sequences now freed
         self._rows = []
         self._seen = 0
         self._fed_ids = None
@@ -152,7 +167,7 @@ class PagedCache(PagedCacheBase):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        return self._states is None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last tokens of every row (assisted generation and prompt lookup reject draft
@@ -163,6 +178,8 @@ class PagedCache(PagedCacheBase):
         written again (``BlockManager.truncate``)."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise ValueError(f"crop takes an int, got {tokens_to_remove!r}")
+        if self._states is not None:
+            self.activate_past_recording()  # raises: a hybrid model's states are not cut back
         if tokens_to_remove == 0 or not self._rows:
             return  # transformers calls crop(0) to mean "keep everything"
         keep = self._seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
@@ -191,6 +208,12 @@ class PagedCache(PagedCacheBase):
     def stats(self):
         """The block manager's stats, bytes counted with this cache's bytes per block."""
         return self.block_manager.stats(self.kv_cache.bytes_per_block)
+
+    def state_stats(self):
+        """A hybrid model's state slots (used, free, bytes per slot), or None for others."""
+        if self._states is None:
+            return None
+        return self.block_manager.state_stats(self._states.store.bytes_per_slot)
 
     # ------------------------------------------------------------------ attention
 
@@ -240,12 +263,9 @@ class PagedCache(PagedCacheBase):
         except OutOfBlocksError as error:
             if self._seen == 0:
                 self._rows = []
-            raise OutOfBlocksError(
-                f"PagedCache is out of KV blocks ({error}): it holds {self.kv_cache.num_blocks} "
-                f"blocks of {self.kv_cache.block_size} tokens. Give it more (PagedCache(..., "
-                "num_blocks=...) or max_memory=...) or generate fewer or shorter sequences, and "
-                "call cache.reset() before the next generate()"
-            ) from error
+                if self._states is not None:  # the layers before the first attention one ran
+                    self._states.clear()
+            raise _out_of_room(error, self.kv_cache) from error
         self._metadata = metadata
         self._token_index = (
             None if real is None else real.flatten().nonzero().squeeze(1).to(self.kv_cache.device)
@@ -315,10 +335,33 @@ class PagedCache(PagedCacheBase):
         """New row ``i`` continues old row ``sources[i]`` (``block_manager.reassign``)."""
         if not self._rows:
             return
-        self._rows = reassign(self.block_manager, self._rows, sources, lambda: next(self._ids))
+        new_id = functools.partial(next, self._ids)
+        if self._states is None:
+            self._rows = reassign(self.block_manager, self._rows, sources, new_id)
+        else:
+            self._rows = reassign_with_states(
+                self._states, self.block_manager, self._rows, sources, new_id
+            )
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+
+def _out_of_room(error: OutOfBlocksError, kv) -> OutOfBlocksError:
+    """The error a ``generate()`` step out of KV blocks or state slots raises, with what to do."""
+    if isinstance(error, OutOfStateSlotsError):
+        return OutOfStateSlotsError(
+            f"PagedCache is out of state slots ({error}): a hybrid model's sequence holds one "
+            "for its conv and recurrent states. Give it more (PagedCache(..., num_state_slots="
+            "...)) or generate fewer sequences at once, and call cache.reset() before the next "
+            "generate()"
+        )
+    return OutOfBlocksError(
+        f"PagedCache is out of KV blocks ({error}): it holds {kv.num_blocks} blocks of "
+        f"{kv.block_size} tokens. Give it more (PagedCache(..., num_blocks=...) or "
+        "max_memory=...) or generate fewer or shorter sequences, and call cache.reset() before "
+        "the next generate()"
+    )
 
 
 def _real_tokens(batch: int, q_len: int, attention_mask) -> torch.Tensor | None:

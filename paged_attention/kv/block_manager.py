@@ -439,8 +439,8 @@ def reassign(
 ) -> list[int | None]:
     """Slot ``i`` continues the sequence of old slot ``sources[i]`` (beam search's reordering):
     the first slot that takes a sequence keeps it, later ones fork it (``new_id()`` names each
-    fork), and the sequences no slot takes are freed, in one ``fork_many`` and one
-    ``free_many``: no block is copied. Slots without a sequence (None) stay so. Returns the new
+    fork), and the sequences no slot takes are freed, in one ``free_many`` and then one
+    ``fork_many``: no block is copied. Slots without a sequence (None) stay so. Returns the new
     slots' sequence ids."""
     if any(not 0 <= s < len(seq_ids) for s in sources):
         raise ValueError(f"sources {list(sources)} out of range for {len(seq_ids)} slots")
@@ -455,11 +455,11 @@ def reassign(
             children.append(seq_id)
         taken.add(source)
         new.append(seq_id)
-    if parents:
-        manager.fork_many(parents, children)
     dropped = [s for slot, s in enumerate(seq_ids) if slot not in taken and s is not None]
-    if dropped:
+    if dropped:  # first, so that the forks may take what they held (a hybrid's state slots)
         manager.free_many(dropped)
+    if parents:  # never a dropped sequence: a parent is a taken one
+        manager.fork_many(parents, children)
     return new
 
 

@@ -31,6 +31,7 @@ import torch
 from paged_attention.kv import cache as _cache_module
 from paged_attention.kv.block_manager import BlockManager
 from paged_attention.kv.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from paged_attention.kv.state_pool import StatefulBlockManager
 from paged_attention.modeling.mla import latent_form
 from paged_attention.modeling.tensor_parallel import TensorParallel
 
@@ -45,6 +46,11 @@ FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attenti
 _ATTENTION_LAYER_TYPES = (FULL, SLIDING, CHUNKED)
 # Layers with neither attention nor state (Nemotron-H's MLP and MoE layers): nothing to cache.
 _NO_CACHE_LAYER_TYPES = {"mlp", "moe"}
+# Layers that keep a fixed-size state per sequence (a convolution window, a recurrent or
+# linear-attention state) as transformers' LinearAttentionLayer does; "hybrid" layers (Falcon-H1,
+# Zamba2) attend as well, over every position or a window.
+_STATE_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding"}
+_ATTENTION_OF = {"hybrid": FULL, "hybrid_sliding": SLIDING}
 # DeepSeek-V3.2's layers: latent attention over the tokens a lightning indexer selects.
 _SPARSE_INDEXED = "indexed_attention"
 
@@ -113,6 +119,8 @@ class ModelGeometry:
     dtype: torch.dtype
     device: torch.device
     tensor_parallel: TensorParallel = TensorParallel()
+    # Hybrid models: the layers that keep a conv or recurrent state (kv/state_pool.py).
+    state_layers: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, model: torch.nn.Module, mla: str | None = None) -> ModelGeometry:
@@ -128,7 +136,12 @@ class ModelGeometry:
         kinds = layer_types(configs)
         modules = attention_modules(model)
         layers = [
-            _read_layer(index, kinds[index], configs[index], modules.get(index))
+            _read_layer(
+                index,
+                _ATTENTION_OF.get(kinds[index], kinds[index]),
+                configs[index],
+                modules.get(index),
+            )
             for index in range(len(configs))
         ]
         # kv_sharing reads geometry's types, so it is imported where it is used
@@ -146,6 +159,7 @@ class ModelGeometry:
             dtype=parameter.dtype,
             device=parameter.device,
             tensor_parallel=split,
+            state_layers=tuple(i for i, kind in enumerate(kinds) if kind in _STATE_LAYER_TYPES),
         )
 
     # ------------------------------------------------------------------ views
@@ -295,15 +309,29 @@ class ModelGeometry:
             )
         return fewest
 
-    def block_manager(self, kv: PagedKVCache, enable_prefix_caching: bool) -> BlockManager:
+    def block_manager(
+        self, kv: PagedKVCache, enable_prefix_caching: bool, num_state_slots: int = 256
+    ) -> BlockManager:
         """A manager over ``kv``'s blocks. When no layer attends every position (all slide over
         windows, or attend in chunks of one size) it releases the blocks no layer reads any
-        more; not with prefix caching, whose cached blocks other sequences may still need."""
+        more; not with prefix caching, whose cached blocks other sequences may still need. A
+        hybrid model's manager also gives each sequence one of ``num_state_slots`` state slots
+        (:class:`~paged_attention.kv.state_pool.StatefulBlockManager`, which refuses prefix
+        caching)."""
         window, chunk = (None, None) if enable_prefix_caching else self.released_reach()
-        return kv.make_manager(
+        kwargs = dict(
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=window,
             attention_chunk_size=chunk,
+        )
+        if not self.state_layers:
+            return kv.make_manager(**kwargs)
+        return StatefulBlockManager(
+            kv.num_blocks,
+            kv.block_size,
+            kv.num_host_blocks,
+            num_state_slots=num_state_slots,
+            **kwargs,
         )
 
 
@@ -380,10 +408,11 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
     """Raise :class:`UnsupportedModelError` with the reason when paged attention cannot serve
     ``model``: an encoder-decoder, a model whose attention bypasses transformers' attention
-    interface, or layers with recurrent or linear-attention state. ``configs``: each layer's.
-    (Multi-head latent attention is served: its keys and values reach the attention interface
-    expanded, each of its own head size; so are layers that reuse another layer's keys and
-    values, :mod:`paged_attention.modeling.kv_sharing`.)"""
+    interface, or layers with a state other than transformers' conv and recurrent states
+    (hybrid models whose states go through that interface are served). ``configs``: each
+    layer's. (Multi-head latent attention is served: its keys and values reach the attention
+    interface expanded, each of its own head size; so are layers that reuse another layer's
+    keys and values, :mod:`paged_attention.modeling.kv_sharing`.)"""
     name = type(model).__name__
     config = configs[0]
     if getattr(config, "is_encoder_decoder", False):
@@ -399,15 +428,18 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             "every cached token of the sequence (and its latent attention has key and value "
             "heads of different sizes)"
         )
-    stateful = sorted(kinds - set(_ATTENTION_LAYER_TYPES) - _NO_CACHE_LAYER_TYPES)
-    if stateful or getattr(model, "_is_stateful", False):
-        what = ", ".join(repr(kind) for kind in stateful) or "recurrent"
+    unknown = sorted(
+        kinds - set(_ATTENTION_LAYER_TYPES) - _NO_CACHE_LAYER_TYPES - _STATE_LAYER_TYPES
+    )
+    if unknown or getattr(model, "_is_stateful", False):
+        what = ", ".join(repr(kind) for kind in unknown) or "recurrent"
         raise UnsupportedModelError(
-            f"{name} is a hybrid model: its {what} layers keep a recurrent, convolution or "
-            "linear-attention state instead of keys and values (as Qwen3-Next, "
-            "Granite-MoE-Hybrid, Jamba, LFM2, Falcon-H1, Bamba and Zamba do), which a paged KV "
-            "cache does not hold"
+            f"{name}'s {what} layers keep a state that transformers' cache interface for "
+            "conv and recurrent states (get_conv_state, update_recurrent_state, ...) does not "
+            "carry, which the paged cache's state slots hold"
         )
+    if kinds & _STATE_LAYER_TYPES:
+        _refuse_unsupported_hybrid(model, name, kinds)
     can_switch = getattr(type(model), "_can_set_attn_implementation", None)
     if callable(can_switch) and not can_switch():
         raise UnsupportedModelError(
@@ -421,6 +453,22 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             f"{name} with ALiBi (config.alibi=True) adds its position bias to a 4D attention "
             "mask, while paged attention takes a 2D padding mask and builds the causal mask from "
             "the block tables; the rotary variants of the family are served"
+        )
+
+
+def _refuse_unsupported_hybrid(model: torch.nn.Module, name: str, kinds: set[str]) -> None:
+    """A hybrid model's state layers go through transformers' cache interface for conv and
+    recurrent states, and its attention layers through the attention interface."""
+    if callable(getattr(model, "get_linear_cache", None)) or "MiniMax" in name:
+        raise UnsupportedModelError(
+            f"{name} is a hybrid model whose linear-attention layers keep their state in a cache "
+            "class of its own (get_linear_cache / set_linear_cache), not through transformers' "
+            "conv and recurrent state interface, which the paged cache's state slots serve"
+        )
+    if not kinds & (set(_ATTENTION_LAYER_TYPES) | {"hybrid", "hybrid_sliding"}):
+        raise UnsupportedModelError(
+            f"{name} has no attention layer (its layers are {sorted(kinds)}): it keeps only "
+            "fixed-size states, with no keys and values to page; use transformers' own cache"
         )
 
 

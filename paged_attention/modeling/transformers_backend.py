@@ -279,6 +279,7 @@ class PagedCacheBase(Cache):
         self._checked_metadata: AttentionMetadata | None = None
         if geometry.latent:
             mla.pass_latents_through(model, _hands_latents)
+        self._last_update_layer: int | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kw
@@ -306,6 +307,7 @@ class PagedCacheBase(Cache):
                 "must be the one it was built for, with that attention implementation"
             )
         self._begin_layer(layer_idx)
+        self._last_update_layer = layer_idx
         _active.value = (self, key_states)
         kv_sharing.note_update(self, layer_idx, key_states)
         return key_states, value_states
@@ -320,6 +322,8 @@ class PagedCacheBase(Cache):
                 f"using it has {layers}: build a PagedCache for the model it serves"
             )
         layer_idx = module.layer_idx
+        if layer_idx is None:  # an attention block shared by layers (Zamba): update named it
+            layer_idx = self._last_update_layer
         layer = self.geometry.layers[layer_idx]
         if layer.latent_rank:  # key, value: the latents and rotary keys update was handed
             mla.check_call(layer_idx, layer, module, query, key, value)

@@ -1,0 +1,116 @@
+"""The engine's runner for hybrid models: a step that fails after its forward passes (here, in
+sampling) writes no state, so the retried step gives the tokens of an engine that never failed;
+the state slots are the engine's ``max_num_seqs``, and a memory budget holds their states (measured
+from the model) before its KV blocks; prefix caching is turned off with a warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from test_model_zoo import BLOCK, VOCAB, Zoo  # noqa: E402
+
+from paged_attention.engine import Engine, SamplingParams  # noqa: E402
+from paged_attention.engine.config import CacheConfig  # noqa: E402
+from paged_attention.engine.core import EngineCore  # noqa: E402
+from paged_attention.engine.hybrid_runner import (  # noqa: E402
+    HybridRunner,
+    state_bytes_per_sequence,
+)
+from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lfm2() -> Zoo:
+    torch.set_num_threads(1)
+    return Zoo("lfm2")
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (9, 17)]
+
+
+def run(zoo: Zoo, fail_at_step: int | None = None) -> list[list[int]]:
+    """Greedy tokens of an engine (chunked prefill); sampling raises once at ``fail_at_step``
+    and the step is retried."""
+    engine = Engine(
+        zoo.model,
+        num_blocks=16,
+        block_size=BLOCK,
+        eos_token_id=[],
+        max_num_batched_tokens=8,
+        max_num_seqs=2,
+    )
+    try:
+        for prompt in prompts():
+            engine.add_request(prompt, SamplingParams(6))
+        choose, steps, failed = EngineCore._choose_tokens, [0], []
+
+        def failing_once(core, out, logits):
+            steps[0] += 1
+            if steps[0] == fail_at_step and not failed:
+                failed.append(steps[0])
+                raise RuntimeError("sampling failed")
+            return choose(core, out, logits)
+
+        outputs = {}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EngineCore, "_choose_tokens", failing_once)
+            while engine.has_unfinished():
+                try:
+                    for output in engine.step():
+                        outputs[output.request_id] = output
+                except RuntimeError as error:
+                    assert str(error) == "sampling failed"
+        assert bool(failed) == (fail_at_step is not None)
+        return [outputs[key].outputs[0] for key in sorted(outputs)]
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+
+
+@pytest.mark.parametrize("fail_at_step", [2, 4])  # a prompt chunk continuing a state; a decode
+def test_a_failed_step_writes_no_state(lfm2, fail_at_step):
+    expected = [lfm2.greedy(prompt, 6) for prompt in prompts()]
+    assert run(lfm2) == expected
+    assert run(lfm2, fail_at_step) == expected
+
+
+def test_the_engine_holds_a_slot_per_running_sequence_and_no_prefix_cache(lfm2, caplog):
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(lfm2.model, num_blocks=8, block_size=BLOCK, max_num_seqs=3)
+    try:
+        assert isinstance(engine.core.runner, HybridRunner)
+        assert engine.block_manager.state_stats().num_slots == 3
+        assert not engine.block_manager.enable_prefix_caching
+        assert "prefix caching is off" in caplog.text
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)
+
+
+def test_a_sequences_state_is_measured_from_the_model(lfm2):
+    geometry = ModelGeometry.of(lfm2.model)
+    try:
+        measured = state_bytes_per_sequence(lfm2.model, geometry)
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)
+    config = lfm2.model.config  # one conv layer: a window of conv_L_cache inputs, float32
+    assert measured == config.hidden_size * config.conv_L_cache * 4
+
+
+def test_a_memory_budget_holds_the_states_of_max_num_seqs_sequences(lfm2):
+    geometry = ModelGeometry.of(lfm2.model)
+    block = CacheConfig(block_size=BLOCK, num_blocks=1).block_bytes(geometry)
+    slot = state_bytes_per_sequence(lfm2.model, geometry)
+    budget = 40 * block
+    try:
+        engine = Engine(lfm2.model, max_memory=budget, block_size=BLOCK, max_num_seqs=8)
+        assert engine.kv_cache.num_blocks == 40 - -(-8 * slot // block)
+        with pytest.raises(ValueError, match="max_num_seqs=4096 sequences"):
+            Engine(lfm2.model, max_memory=budget, block_size=BLOCK, max_num_seqs=4096)
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)
