@@ -356,31 +356,70 @@ def test_malformed_calls_stay_content(call_format):
     assert choice["finish_reason"] == "stop"
 
 
-def test_forced_calls_are_read_as_hermes_whatever_the_parser():
-    assert answer_of(MISTRAL, "required").tool_call_format is HERMES
+def test_forced_calls_are_read_in_the_server_s_format():
+    assert answer_of(MISTRAL, "required").tool_call_format is MISTRAL
     named = {"type": "function", "function": {"name": "add"}}
-    assert answer_of(LLAMA3_JSON, named).tool_call_format is HERMES
+    assert answer_of(LLAMA3_JSON, named).tool_call_format is LLAMA3_JSON
     assert answer_of(LLAMA3_JSON, "auto").tool_call_format is LLAMA3_JSON
 
 
-@pytest.fixture(scope="module")
-def served_mistral():
+@pytest.fixture(scope="module", params=[HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
+def served_in(request):
+    """A live server on the tiny model reading calls in one format, and that format."""
     model, tokenizer = load_model("tiny")
     app = create_app(
-        make_engine(model, tokenizer), tokenizer, "tiny", max_n=4, tool_call_parser="mistral"
+        make_engine(model, tokenizer),
+        tokenizer,
+        "tiny",
+        max_n=4,
+        tool_call_parser=request.param.name,
     )
     live = LiveServer(app)
-    yield live
+    yield live, request.param
     live.stop()
 
 
-def test_a_server_with_another_parser_still_reads_forced_calls(served_mistral):
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    answer = ask(served_mistral, tool_choice=choice, temperature=1.0)
-    assert answer.choices[0].finish_reason == "tool_calls"
-    assert [name for name, _ in check_calls(answer.choices[0].message.tool_calls)] == [
-        "get_weather"
-    ]
+def forced_calls(served_in, choice) -> list[list[tuple[str, dict]]]:
+    """Each sampled answer's whole calls (validated against their function's schema), after
+    checking that its text was read as nothing but calls in the server's format. Parallel
+    calls may go on until max_tokens cuts the last one: cut before its name is complete, it
+    stays content (and the calls before it are whole); after, its name is still a tool's."""
+    found = []
+    for result in choice.choices:
+        calls = result.message.tool_calls
+        if result.finish_reason == "length" and result.message.content is None:
+            assert calls[-1].function.name in VALIDATORS
+            calls = calls[:-1]
+        elif result.finish_reason != "length":
+            assert result.finish_reason == "tool_calls"
+            assert result.message.content is None  # the whole text was read as calls
+        found.append(check_calls(calls))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_forced_named_call_follows_the_server_s_format(served_in, seed):
+    choice = {"type": "function", "function": {"name": "add"}}
+    answer = ask(served_in[0], tool_choice=choice, seed=seed, temperature=1.0, n=2)
+    for calls in forced_calls(served_in, answer):
+        assert [name for name, _ in calls] == ["add"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forced_required_calls_follow_the_server_s_format(served_in, seed):
+    answer = ask(
+        served_in[0], tool_choice="required", seed=seed, temperature=1.0, n=2, max_tokens=224
+    )
+    for calls in forced_calls(served_in, answer):
+        assert len(calls) >= 1
+        assert {name for name, _ in calls} <= set(VALIDATORS)
+
+
+def test_forced_required_calls_are_one_without_parallel_calls(served_in):
+    for seed in range(3):
+        fields = dict(tool_choice="required", parallel_tool_calls=False, seed=seed)
+        answer = ask(served_in[0], temperature=1.0, **fields)
+        assert [len(calls) for calls in forced_calls(served_in, answer)] == [1]
 
 
 def test_an_unknown_parser_is_refused():
