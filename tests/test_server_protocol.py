@@ -18,6 +18,12 @@ from paged_attention.server.protocol import (  # noqa: E402
     CompletionRequest,
     Limits,
 )
+from paged_attention.server.tool_calls import (  # noqa: E402
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    tool_call_grammar,
+)
 
 
 def chat(**fields) -> bytes:
@@ -91,6 +97,27 @@ def test_tool_call_arguments_reach_the_template_as_objects():
     call["function"]["arguments"] = "not json"
     (message,) = protocol.parse(ChatCompletionRequest, json.dumps(body).encode()).messages
     assert message.template_message()["tool_calls"][0]["function"]["arguments"] == "not json"
+
+
+@pytest.mark.parametrize("call_format", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
+def test_forced_calls_get_the_grammar_of_the_server_s_format(call_format):
+    """A forced call's grammar is the one :func:`tool_call_grammar` builds for the server's
+    format, for that function only (named) or every tool (required, parallel unless off)."""
+    parameters = {"type": "object"}
+    tools = [{"type": "function", "function": {"name": n, "parameters": parameters}} for n in "fg"]
+    limits = Limits(max_model_len=1024, max_n=8, kv_blocks=64, block_size=16)
+    named = {"type": "function", "function": {"name": "g"}}
+    cases = [
+        (named, None, [("g", parameters)], False),
+        ("required", None, [("f", parameters), ("g", parameters)], True),
+        ("required", False, [("f", parameters), ("g", parameters)], False),
+    ]
+    for choice, parallel_calls, functions, parallel in cases:
+        fields = dict(tools=tools, tool_choice=choice, parallel_tool_calls=parallel_calls)
+        request = protocol.parse(ChatCompletionRequest, chat(**fields))
+        params = protocol.sampling_params(request, 5, limits, None, call_format)
+        tag = json.loads(params.structured_output.structural_tag)
+        assert tag == tool_call_grammar(functions, parallel, call_format)
 
 
 def test_stop_strings_are_capped():

@@ -1,6 +1,7 @@
 """Reading tool calls out of a model's text (paged_attention.server.tool_calls): each format
 whole and streamed in any pieces (the streamed deltas add up to the whole answer), the JSON
-read a character at a time, the parser registry, and the grammar that forces Hermes calls."""
+read a character at a time, the parser registry, and the grammar that forces calls in each
+format."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from paged_attention.server.tool_calls import (
     LLAMA3_JSON,
     MISTRAL,
     PARSER_NAMES,
+    CallFormat,
     ToolCallReader,
     call_format,
     stream_deltas,
@@ -413,6 +415,74 @@ def test_the_command_line_offers_the_registry_s_names():
 # ---------------------------------------------------------------------- grammar
 
 
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+ADD_PARAMETERS = {
+    "type": "object",
+    "properties": {"a": DIGIT, "b": DIGIT},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+FUNCTIONS = [("add", ADD_PARAMETERS), ("now", None)]
+
+
+def forced_text(form, calls: list[tuple[str, str]]) -> str:
+    """``calls`` (name, arguments JSON) written as the grammar of ``form`` writes them."""
+    if form is HERMES:
+        tags = [f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>' for n, a in calls]
+        return "\n".join(tags)
+    if form is LLAMA3_JSON:
+        return "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in calls)
+    return (
+        "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"
+    )
+
+
+def accepts(form, parallel: bool, text: str, functions=FUNCTIONS) -> bool:
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    tag = json.dumps(tool_call_grammar(functions, parallel, form))
+    return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), text)
+
+
+FORMS = pytest.mark.parametrize("form", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
+ADD_CALL, NOW_CALL = ("add", '{"a": 1, "b": 2}'), ("now", "{}")
+
+
+@FORMS
+def test_the_grammar_writes_calls_that_the_format_s_reader_reads_back(form):
+    for parallel, calls in [(True, [ADD_CALL]), (True, [ADD_CALL, NOW_CALL, ADD_CALL])]:
+        text = forced_text(form, calls)
+        assert accepts(form, parallel, text), text
+        assert whole(text, form) == (None, calls)
+    assert accepts(form, False, forced_text(form, [NOW_CALL]))
+
+
+@FORMS
+def test_the_grammar_refuses_what_the_tools_do_not_allow(form):
+    refused = [
+        [],  # no call
+        [("add", '{"a": 1}')],  # a required argument missing
+        [("add", '{"a": 1, "b": 10}')],  # out of the schema's range
+        [("add", '{"a": 1, "b": 2, "c": 3}')],  # an argument the schema does not have
+        [("sub", "{}")],  # not a tool
+        [("now", "[]")],  # arguments that are not an object
+    ]
+    for calls in refused:
+        assert not accepts(form, True, forced_text(form, calls)), calls
+    two = forced_text(form, [ADD_CALL, NOW_CALL])
+    assert not accepts(form, False, two)  # one call only without parallel calls
+    assert not accepts(form, True, two + " trailing words")
+    assert not accepts(form, True, forced_text(form, [ADD_CALL]), [("now", None)])
+
+
+@pytest.mark.parametrize(
+    "form, other", [(HERMES, LLAMA3_JSON), (LLAMA3_JSON, MISTRAL), (MISTRAL, HERMES)]
+)
+def test_each_format_s_grammar_refuses_the_others_calls(form, other):
+    assert not accepts(form, True, forced_text(other, [ADD_CALL]))
+
+
 def test_the_grammar_names_each_tool_and_its_parameters():
     parameters = {"type": "object", "properties": {"x": {"type": "integer"}}}
     grammar = tool_call_grammar([("f", parameters), ("g", None)], parallel=False)
@@ -426,3 +496,21 @@ def test_the_grammar_names_each_tool_and_its_parameters():
     assert all(
         tag["begin"] == "<tool_call>\n" and tag["end"] == "\n</tool_call>" for tag in form["tags"]
     )
+
+
+def test_llama3_calls_carry_parameters_and_mistral_s_open_with_the_marker():
+    parameters = {"type": "object"}
+    llama = tool_call_grammar([("f", parameters)], False, LLAMA3_JSON)["format"]
+    assert llama["type"] == "json_schema"
+    assert set(llama["json_schema"]["properties"]) == {"name", "parameters"}
+    mistral = tool_call_grammar([("f", parameters)], True, MISTRAL)["format"]
+    first, calls, last = mistral["elements"]
+    assert (first["value"], last["value"]) == ("[TOOL_CALLS][", "]")
+    assert calls["elements"][1]["content"]["elements"][0]["value"] == ", "
+
+
+def test_the_grammar_needs_a_function_and_a_known_format():
+    with pytest.raises(ValueError, match="functions"):
+        tool_call_grammar([], True)
+    with pytest.raises(ValueError, match="call_format must be one of"):
+        tool_call_grammar([("f", None)], True, CallFormat("qwen", markers=("<q>",)))

@@ -27,7 +27,12 @@ from paged_attention.modeling.tiny import byte_tokenizer  # noqa: E402
 from paged_attention.server import create_app, protocol  # noqa: E402
 from paged_attention.server.answers import Answer, PromptJob  # noqa: E402
 from paged_attention.server.logprobs import TokenPieces  # noqa: E402
-from paged_attention.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL  # noqa: E402
+from paged_attention.server.tool_calls import (  # noqa: E402
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    ToolCallReader,
+)
 
 
 class Weather(pydantic.BaseModel):
@@ -356,31 +361,111 @@ def test_malformed_calls_stay_content(call_format):
     assert choice["finish_reason"] == "stop"
 
 
-def test_forced_calls_are_read_as_hermes_whatever_the_parser():
-    assert answer_of(MISTRAL, "required").tool_call_format is HERMES
+def test_forced_calls_are_read_in_the_server_s_format():
+    assert answer_of(MISTRAL, "required").tool_call_format is MISTRAL
     named = {"type": "function", "function": {"name": "add"}}
-    assert answer_of(LLAMA3_JSON, named).tool_call_format is HERMES
+    assert answer_of(LLAMA3_JSON, named).tool_call_format is LLAMA3_JSON
     assert answer_of(LLAMA3_JSON, "auto").tool_call_format is LLAMA3_JSON
 
 
-@pytest.fixture(scope="module")
-def served_mistral():
+@pytest.fixture(scope="module", params=[HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
+def served_in(request):
+    """A live server on the tiny model reading calls in one format, and that format."""
     model, tokenizer = load_model("tiny")
     app = create_app(
-        make_engine(model, tokenizer), tokenizer, "tiny", max_n=4, tool_call_parser="mistral"
+        make_engine(model, tokenizer),
+        tokenizer,
+        "tiny",
+        max_n=4,
+        tool_call_parser=request.param.name,
     )
     live = LiveServer(app)
-    yield live
+    yield live, request.param
     live.stop()
 
 
-def test_a_server_with_another_parser_still_reads_forced_calls(served_mistral):
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    answer = ask(served_mistral, tool_choice=choice, temperature=1.0)
-    assert answer.choices[0].finish_reason == "tool_calls"
-    assert [name for name, _ in check_calls(answer.choices[0].message.tool_calls)] == [
-        "get_weather"
-    ]
+# How the text of a forced answer opens in each format (the grammar allows nothing else).
+OPENINGS = {HERMES: "<tool_call>\n", LLAMA3_JSON: "{", MISTRAL: "[TOOL_CALLS][{"}
+
+
+def written_text(result) -> str:
+    """The text the model wrote (the tiny model's tokens are bytes: their logprobs' tokens
+    add up to it), without the end-of-text token that ended it."""
+    tokens = [entry.token for entry in result.logprobs.content]
+    return "".join(tokens if result.finish_reason == "length" else tokens[:-1])
+
+
+def forced_calls(served_in, choice) -> list[list[tuple[str, dict]]]:
+    """Each sampled answer's whole calls (validated against their function's schema), after
+    checking that its text is written in the server's format and read as nothing but calls.
+    Parallel calls may go on until max_tokens cuts the last one: cut before its name is
+    complete, it stays content (and the calls before it are whole); after, its name is still
+    a tool's."""
+    call_format = served_in[1]
+    found = []
+    for result in choice.choices:
+        text = written_text(result)
+        assert text.startswith(OPENINGS[call_format]), text
+        reader = ToolCallReader(call_format, parallel=True)
+        reader.feed(text, final=True)
+        calls = result.message.tool_calls
+        assert [c["function"]["name"] for c in reader.calls] == [c.function.name for c in calls]
+        if result.finish_reason == "length" and result.message.content is None:
+            assert calls[-1].function.name in VALIDATORS
+            calls = calls[:-1]
+        elif result.finish_reason != "length":
+            assert result.finish_reason == "tool_calls"
+            assert result.message.content is None  # the whole text was read as calls
+        found.append(check_calls(calls))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_forced_named_call_follows_the_server_s_format(served_in, seed):
+    choice = {"type": "function", "function": {"name": "add"}}
+    answer = ask(served_in[0], tool_choice=choice, seed=seed, temperature=1.0, n=2, logprobs=True)
+    for calls in forced_calls(served_in, answer):
+        assert [name for name, _ in calls] == ["add"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forced_required_calls_follow_the_server_s_format(served_in, seed):
+    answer = ask(
+        served_in[0],
+        tool_choice="required",
+        seed=seed,
+        temperature=1.0,
+        n=2,
+        max_tokens=224,
+        logprobs=True,
+    )
+    for calls in forced_calls(served_in, answer):
+        assert len(calls) >= 1
+        assert {name for name, _ in calls} <= set(VALIDATORS)
+
+
+def test_forced_required_calls_are_one_without_parallel_calls(served_in):
+    for seed in range(3):
+        fields = dict(tool_choice="required", parallel_tool_calls=False, seed=seed)
+        answer = ask(served_in[0], temperature=1.0, logprobs=True, **fields)
+        assert [len(calls) for calls in forced_calls(served_in, answer)] == [1]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_forced_calls_stream_in_the_server_s_format(served_in, seed):
+    """The client's stream helper gathers a streamed forced answer into the calls of the
+    same answer whole."""
+    live, _ = served_in
+    fields = dict(tool_choice="required", parallel_tool_calls=False, seed=seed, temperature=1.0)
+    whole = ask(live, **fields).choices[0]
+    options = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, **fields)
+    with live.client().chat.completions.stream(**options) as stream:
+        final = stream.get_final_completion().choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert len(check_calls(final.message.tool_calls)) == 1
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert not final.message.content
 
 
 def test_an_unknown_parser_is_refused():

@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), "
         'llama3_json ({"name", "parameters"} opening the answer or after <|python_tag|>; '
         "several separated by ;), mistral ([TOOL_CALLS][{...}]) or auto (the chat template's; "
-        "hermes when it shows none); calls forced by tool_choice are written as hermes "
-        "(default hermes)",
+        "hermes when it shows none); calls forced by tool_choice are written in the same "
+        "format (default hermes)",
     )
     parser.add_argument(
         "--shutdown-timeout",

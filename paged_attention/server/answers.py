@@ -55,11 +55,10 @@ class Answer:
         self._offsets: dict[int, CompletionLogprobs] = {}  # per choice of a stream
         self._echoed: set[int] = set()
         self._reported: set[int] = set()
-        # Tool calls are read out of the text when the model was given tools to call; the
-        # grammar of forced calls writes them in the Hermes format.
+        # Tool calls are read out of the text when the model was given tools to call (forced
+        # ones too: their grammar writes them in the same format).
         self.reads_tool_calls = self.chat and body.tool_mode != "none"
-        forced = self.chat and body.tool_mode in ("required", "named")
-        self.tool_call_format = HERMES if forced else tool_call_format
+        self.tool_call_format = tool_call_format
         self.parallel_tool_calls = getattr(body, "parallel_tool_calls", None) is not False
         self._tool_readers: dict[int, ToolCallReader] = {}  # per choice of a stream
 

@@ -315,7 +315,7 @@ class _Server:
         body = protocol.parse(ChatCompletionRequest, raw)
         self._check_model(body.model)
         ids = self.prompts.renderer.chat_ids(body.chat_prompt(), argument="messages")
-        params = protocol.sampling_params(body, len(ids), self.limits, None)
+        params = protocol.sampling_params(body, len(ids), self.limits, None, self.tool_call_format)
         return body, [PromptJob(ids, "", params)]
 
     def _prepare_completion(self, raw: bytes):

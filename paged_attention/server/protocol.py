@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from paged_attention.engine import ChatPrompt, RequestError, RequestOutput, SamplingParams
 from paged_attention.engine.request import MAX_LOGPROBS
 from paged_attention.engine.structured_output import StructuredOutputParams
-from paged_attention.server.tool_calls import tool_call_grammar
+from paged_attention.server.tool_calls import HERMES, CallFormat, tool_call_grammar
 
 FINISH_REASONS = {
     "eos": "stop",
@@ -410,8 +410,9 @@ class _Generation(StrictModel):
                 formats.append((name, functools.partial(StructuredOutputParams, **{kind: value})))
         return formats
 
-    def structured_output(self) -> StructuredOutputParams | None:
-        """The grammar the answer must follow, or None."""
+    def structured_output(self, call_format: CallFormat = HERMES) -> StructuredOutputParams | None:
+        """The grammar the answer must follow, or None (``call_format``, the format forced
+        tool calls are written in, is for chat requests)."""
         formats = self._formats()
         return formats[0][1]() if formats else None
 
@@ -504,9 +505,9 @@ class ChatCompletionRequest(_Generation):
         messages = [m.template_message() for m in self.messages]
         return ChatPrompt(messages, tools=self.template_tools)
 
-    def structured_output(self) -> StructuredOutputParams | None:
-        """The grammar the answer must follow: calls of the named tool, or of any tool with
-        ``required``; the response format's; or None."""
+    def structured_output(self, call_format: CallFormat = HERMES) -> StructuredOutputParams | None:
+        """The grammar the answer must follow: calls (in ``call_format``) of the named tool, or
+        of any tool with ``required``; the response format's; or None."""
         mode = self.tool_mode
         if mode in ("required", "named"):
             tools = [tool.function for tool in self.tools]
@@ -516,7 +517,8 @@ class ChatCompletionRequest(_Generation):
             # a named function is called once (OpenAI's rule); required honours
             # parallel_tool_calls
             parallel = mode == "required" and self.parallel_tool_calls is not False
-            return StructuredOutputParams(structural_tag=tool_call_grammar(functions, parallel))
+            grammar = tool_call_grammar(functions, parallel, call_format)
+            return StructuredOutputParams(structural_tag=grammar)
         return super().structured_output()
 
     @property
@@ -689,9 +691,11 @@ def sampling_params(
     prompt_len: int,
     limits: Limits,
     default_max_tokens: int | None,
+    tool_call_format: CallFormat = HERMES,
 ) -> SamplingParams:
-    """The engine's parameters for ``request`` with a prompt of ``prompt_len`` tokens, or the
-    APIError naming the parameter that cannot be served."""
+    """The engine's parameters for ``request`` with a prompt of ``prompt_len`` tokens (forced
+    tool calls written in ``tool_call_format``), or the APIError naming the parameter that
+    cannot be served."""
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be between 1 and {limits.max_n}, got {n}", param="n")
@@ -717,7 +721,7 @@ def sampling_params(
             stop=_stop_strings(request.stop),
             logprobs=request.logprob_counts[0],
             prompt_logprobs=request.logprob_counts[1],
-            structured_output=request.structured_output(),
+            structured_output=request.structured_output(tool_call_format),
             **_sampling_controls(request),
         )
     except RequestError as error:  # what the engine refuses beyond the checks above (the seed)

@@ -8,7 +8,8 @@
   :mod:`~paged_attention.server.tool_calls.json_scan` — one call's JSON object, read a
   character at a time;
 * :mod:`~paged_attention.server.tool_calls.grammar` — the structural tag that makes a model
-  write Hermes calls of the given tools (``tool_choice`` ``required`` or a named function).
+  write calls of the given tools in a format (``tool_choice`` ``required`` or a named
+  function).
 """
 
 from paged_attention.server.tool_calls.formats import (
