@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_attention.cli.arguments import (
+    add_compile_argument,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -86,14 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-n", type=positive_int, default=8, help="the most samples (n) one request may ask"
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="CPU: run decode steps through torch.compile, one graph per padded batch size "
-        "(1, 8, 32 and --max-num-seqs), all compiled before the server accepts requests (one to "
-        "two minutes each for SmolLM2 on two cores); 1.2-2x the eager tokens/s afterwards in "
-        "benchmarks/bench_serving.py",
-    )
+    add_compile_argument(parser)
     parser.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
@@ -248,10 +242,12 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
     """The engine the server drives, configured by the arguments: ``--num-blocks``, else a KV
     cache of ``--kv-memory`` GiB (the engine sizes it from the model's geometry)."""
     from paged_attention.engine import CacheConfig, Engine, EngineConfig, SchedulerConfig
+    from paged_attention.engine.compile_cache import compile_decode_steps
 
     memory = None
     if args.num_blocks is None:
         memory = int((args.kv_memory or DEFAULT_KV_MEMORY_GIB) * 2**30)
+    compiled = decode_compile_cache(model, args)
     try:
         config = EngineConfig(
             CacheConfig(
@@ -265,7 +261,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
             ),
-            compile=args.compile,
+            compile=compiled is not None,
         )
         engine = Engine(model, config, tokenizer=tokenizer)
     except ValueError as error:  # sizes the engine refuses, or a model it cannot serve
@@ -273,14 +269,29 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
         if message.startswith("max_memory"):
             message = f"--kv-memory {args.kv_memory or DEFAULT_KV_MEMORY_GIB:g}: {message}"
         raise UsageError(message) from None
-    if args.compile:
-        seconds = engine.compile_decode_steps()
-        logging.info(
-            "compiled decode steps for batch sizes %s in %.0f s",
-            ", ".join(map(str, seconds)),
-            sum(seconds.values()),
-        )
+    if compiled is not None:
+        compile_decode_steps(engine, compiled, logging.info)
     return engine
+
+
+def decode_compile_cache(model, args: argparse.Namespace):
+    """The compile cache of the engine's decode steps when they are to be compiled
+    (``--compile``, or by default when that cache is warm), else None (eager; by default with
+    a line saying how to compile them)."""
+    from paged_attention.engine.compile_cache import cache_to_compile_with
+
+    try:
+        return cache_to_compile_with(
+            args.model,
+            model,
+            weights=args.weights,
+            device=args.device,
+            requested=args.compile,
+            max_num_seqs=args.max_num_seqs,
+            say=logging.info,
+        )
+    except ValueError as error:
+        raise UsageError(f"--compile: {error}") from None
 
 
 def _url_host(host: str) -> str:
