@@ -130,22 +130,22 @@ def _add_security_arguments(security) -> None:
     )
 
 
+SERVE_MODULES = ("transformers", "starlette", "uvicorn", "pydantic", "prometheus_client")
+
+
 def main(args: argparse.Namespace) -> int:
     """Load the model, build the engine, serve until SIGINT/SIGTERM; returns the exit status.
     Raises UsageError for a bad argument."""
-    try:
-        import uvicorn
+    import importlib.util
 
-        from paged_attention.server import create_app
-        from paged_attention.server.graceful import GracefulServer
-    except ImportError as error:
+    # found, not imported: importing the server takes seconds, done while the model loads
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
         raise UsageError(
-            f"serve needs the 'serve' extra ({error.name} is missing): "
+            f"serve needs the 'serve' extra ({missing[0]} is missing): "
             "install paged_attention from source with the serve extra (pip install "
             "--no-build-isolation '.[serve]' in its checkout)"
-        ) from None
-    del uvicorn, create_app, GracefulServer  # imported to tell a missing extra at once
-
+        )
     if args.max_n > args.max_num_seqs:
         raise UsageError(
             f"--max-n {args.max_n}: a request's samples run at once, so it may not exceed "
@@ -165,19 +165,31 @@ def main(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
-    """Load the model and serve on ``sock`` until SIGINT/SIGTERM."""
-    import uvicorn
-
-    from paged_attention.server import create_app
-    from paged_attention.server.graceful import GracefulServer
+    """Load the model and serve on ``sock`` until SIGINT/SIGTERM. Until the engine is ready,
+    every request gets 503 (``/health``: ``{"status": "loading"}``;
+    :mod:`paged_attention.server.loading`); the engine's process loads the model while this
+    one imports the server."""
+    from paged_attention.server.loading import LoadingResponder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    # the model loads and the engine runs in a process of its own (ServeSpec builds it there)
-    # fork from the command line's fresh process; spawn when serve runs inside another program
-    fresh = getattr(args, "fresh_process", False)
-    engine, tokenizer = start_engine_process(args, "fork" if fresh else "spawn")
+    loading = LoadingResponder(sock)
+    loading.start()
+    try:
+        # the model loads and the engine runs in a process of its own (ServeSpec builds it
+        # there); fork from the command line's fresh process, spawn inside another program
+        fresh = getattr(args, "fresh_process", False)
+        engine = start_engine_process(args, "fork" if fresh else "spawn", wait=False)
+        import uvicorn
+
+        from paged_attention.server import create_app
+        from paged_attention.server.graceful import GracefulServer
+
+        engine.wait_until_ready()
+    finally:
+        loading.stop()
+    tokenizer = engine.tokenizer
     name = args.served_model_name or args.model
     try:
         app = create_app(
@@ -354,15 +366,16 @@ class ServeSpec:
         return build_engine(model, tokenizer, args), tokenizer
 
 
-def start_engine_process(args: argparse.Namespace, start_method: str = "spawn"):
-    """``serve``'s engine in its own process: ``(EngineProcess, tokenizer)``. Raises
-    ``UsageError`` for what the arguments got wrong. ``fork`` skips the child's second import
-    of torch and transformers (seconds of the start), and is safe only from a process that has
-    run no torch or tokenizer threads yet: the command line's own ``serve`` process."""
+def start_engine_process(args: argparse.Namespace, start_method: str = "spawn", wait=True):
+    """``serve``'s engine in its own process, an ``EngineProcess`` (with ``wait=False`` not
+    built yet: call its ``wait_until_ready()``). Raises ``UsageError`` for what the arguments
+    got wrong (when it waits). ``fork`` skips the child's second import of torch (seconds of
+    the start), and is safe only from a process that has run no torch or tokenizer threads yet:
+    the command line's own ``serve`` process."""
     from paged_attention.server.engine_process import EngineProcess
 
     # the parsed values only: the namespace also holds the command's parser and function
     plain = (str, int, float, bool, type(None))
     values = {name: value for name, value in vars(args).items() if isinstance(value, plain)}
-    engine = EngineProcess(ServeSpec(argparse.Namespace(**values)), start_method=start_method)
-    return engine, engine.tokenizer
+    spec = ServeSpec(argparse.Namespace(**values))
+    return EngineProcess(spec, start_method=start_method, wait=wait)
