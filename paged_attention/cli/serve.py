@@ -167,9 +167,9 @@ def main(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     """Load the model and serve on ``sock`` until SIGINT/SIGTERM. Until the engine is ready,
     every request gets 503 (``/health``: ``{"status": "loading"}``;
-    :mod:`paged_attention.server.loading`); the engine's process loads the model while this
+    :mod:`paged_attention.cli.loading`); the engine's process loads the model while this
     one imports the server."""
-    from paged_attention.server.loading import LoadingResponder
+    from paged_attention.cli.loading import LoadingResponder
 
     if args.threads:
         torch.set_num_threads(args.threads)

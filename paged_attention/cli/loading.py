@@ -5,8 +5,9 @@
 ready the server takes the same listening socket and ``/health`` answers 200.
 
 :class:`LoadingResponder` is a thread of plain sockets, not the HTTP server itself: it starts
-before the server's own modules are imported (they take seconds), so that a supervisor polling
-``/health`` sees the process alive at once. It answers one short request per connection and
+before the server's own modules (``paged_attention.server``, transformers, uvicorn) are
+imported, which takes seconds, so that a supervisor polling ``/health`` sees the process alive
+at once. It answers one short request per connection and
 closes it.
 """
 

@@ -1,4 +1,4 @@
-"""What the server answers while its engine loads (paged_attention/server/loading.py): 503 with
+"""What the server answers while its engine loads (paged_attention.cli.loading.py): 503 with
 Retry-After, /health {"status": "loading"}, other routes an OpenAI-style error; after stop the
 socket is left to the server, with the connections that arrived meanwhile in its backlog."""
 
@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
+from paged_attention.cli.loading import LoadingResponder, loading_response
 from paged_attention.cli.serve import listening_socket
-from paged_attention.server.loading import LoadingResponder, loading_response
 
 
 @pytest.fixture
