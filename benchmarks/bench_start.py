@@ -56,10 +56,16 @@ def one_start(serve_args: list[str], timeout: float, tree: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "paged_attention", "serve", "--port", str(port), *serve_args]
+    # run from the checkout: ``python -m`` puts the working directory first on the path
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     started = time.perf_counter()
     process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tree.resolve(),
     )
     try:
         answer = health = None
