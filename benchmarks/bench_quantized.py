@@ -9,7 +9,13 @@ and for 32 requests (the demo's questions through the chat template; the end-of-
 is replaced by one the answers never produce, so every answer runs all 64 tokens) and reports
 generated tokens per second, prefill included.
 
+A configuration with ``+compile`` (``gguf+compile``) runs its decode steps compiled
+(``compile=True``, through the compile cache of ``paged-attention serve --compile``: the first
+round compiles and caches them, the later ones load them), each batch in an engine of that many
+sequences, its steps compiled before the clock starts (``compile_s``: the seconds that took).
+
     python benchmarks/bench_quantized.py --rounds 2 --json docs/results/bench_quantized.json
+    python benchmarks/bench_quantized.py --configs gguf,gguf+compile --batches 1
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ def resident_mb() -> float:
     return float("nan")
 
 
-def measure(config: str, threads: int) -> dict:
+def measure(config: str, threads: int, batches: tuple[int, ...] = BATCHES) -> dict:
     import torch
 
     from paged_attention.cli.demo import QUESTIONS
-    from paged_attention.engine import Engine, SamplingParams
+    from paged_attention.engine import SamplingParams
     from paged_attention.modeling.models import load_model
 
-    weights, kernel = CONFIGS[config]
+    base, _, compiled = config.partition("+")
+    weights, kernel = CONFIGS[base]
     if kernel is not None:
         os.environ["PAGED_ATTENTION_QUANTIZED_KERNEL"] = kernel
     torch.set_num_threads(threads)
@@ -51,11 +58,13 @@ def measure(config: str, threads: int) -> dict:
     result = {"config": config, "weights": weights, "load_s": time.perf_counter() - started}
     result["rss_mb"] = resident_mb()
     never = model.config.vocab_size - 1
-    for batch in BATCHES:
+    for batch in batches:
         prompts = [
             [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)
         ]
-        engine = Engine(model, tokenizer=tokenizer, num_blocks=1024, eos_token_id=never)
+        engine = build_engine(model, tokenizer, never, batch if compiled else None, weights)
+        if compiled:
+            result[f"compile_s_{batch}"] = sum(engine.runner.graphs.compile_seconds.values())
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm up
         started = time.perf_counter()
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=TOKENS))
@@ -66,22 +75,56 @@ def measure(config: str, threads: int) -> dict:
     return result
 
 
+def build_engine(model, tokenizer, never: int, compiled_batch: int | None, weights: str):
+    """An engine over ``model``; with ``compiled_batch``, of that many sequences, its decode
+    steps compiled through the compile cache (loaded from it when warm)."""
+    from paged_attention.engine import Engine
+    from paged_attention.engine.compile_cache import (
+        CompileCache,
+        CompileKey,
+        compile_decode_steps,
+    )
+    from paged_attention.engine.model_runner import CompiledDecode
+
+    options = dict(tokenizer=tokenizer, num_blocks=1024, eos_token_id=never)
+    if compiled_batch is None:
+        return Engine(model, **options)
+    engine = Engine(model, max_num_seqs=compiled_batch, compile=True, **options)
+    sizes = CompiledDecode.sizes_for(compiled_batch)
+    cache = CompileCache(CompileKey.of("smollm2", model.dtype, weights, sizes))
+    compile_decode_steps(engine, cache, lambda line: print(line, file=sys.stderr))
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="of " + ", ".join(CONFIGS) + ", each also with +compile (gguf+compile)",
+    )
+    parser.add_argument(
+        "--batches", default=",".join(map(str, BATCHES)), help="requests at once, per row"
+    )
     parser.add_argument("--json", type=Path, help="write the rows and the machine here")
-    parser.add_argument("--child", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    batches = tuple(int(batch) for batch in args.batches.split(","))
+    for config in args.configs.split(","):
+        base, plus, suffix = config.partition("+")
+        if base not in CONFIGS or (plus and suffix != "compile"):
+            parser.error(f"--configs: unknown configuration {config!r}")
     if args.child:
-        print(json.dumps(measure(args.child, args.threads)))
+        print(json.dumps(measure(args.child, args.threads, batches)))
         return
     rows = []
     load_before = Path("/proc/loadavg").read_text().strip()
     for _ in range(args.rounds):
         for config in args.configs.split(","):
             command = [sys.executable, __file__, "--child", config, "--threads", str(args.threads)]
+            command += ["--batches", args.batches]
             out = subprocess.run(
                 command, check=True, capture_output=True, text=True, env=os.environ
             )

@@ -211,3 +211,13 @@ def test_non_utf8_input_is_a_usage_error(tmp_path, capsys, monkeypatch):
 def test_an_empty_stop_string_is_a_usage_error(capsys):
     """Defect 7: not a traceback."""
     assert "--stop" in usage_error(capsys, "--stop", "", "hi")
+
+
+def test_decode_steps_run_eagerly_by_default_until_compiled(tmp_path, capsys, monkeypatch):
+    # a cold compile cache: eager, with one line saying how to compile (--no-compile: silent)
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))
+    assert main(["chat", *TINY, "--max-tokens", "2", "Hi"]) == 0
+    hint = capsys.readouterr().err
+    assert main(["chat", *TINY, "--max-tokens", "2", "--no-compile", "Hi"]) == 0
+    assert "--compile" in hint and str(tmp_path) in hint
+    assert "compile" not in capsys.readouterr().err

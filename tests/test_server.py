@@ -859,18 +859,24 @@ def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
     assert option in error and "Traceback" not in error
 
 
-def test_serve_compile_compiles_every_batch_size_before_serving(tiny):
+def test_serve_compile_compiles_every_batch_size_before_serving(tiny, tmp_path, monkeypatch):
+    # --compile compiles (and caches); then the default compiles too, the cache being warm
     import argparse
 
     from paged_attention.cli import serve
 
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(["--model", MODEL, "--num-blocks", "16", "--max-num-seqs", "1"])
     eager = serve.build_engine(*tiny, args)
+    assert eager.runner.graphs is None  # the default, with a cold cache
     args.compile = True
     engine = serve.build_engine(*tiny, args)
     assert list(engine.runner.graphs.compile_seconds) == [1]  # before any request
+    args.compile = None
+    assert list(serve.build_engine(*tiny, args).runner.graphs.compile_seconds) == [1]
     prompt = chat_prompt(tiny[1], "Hello")
     params = SamplingParams(max_new_tokens=6)
     (compiled,), (expected,) = engine.generate([prompt], params), eager.generate([prompt], params)

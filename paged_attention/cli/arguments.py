@@ -67,3 +67,18 @@ def seed_int(text: str) -> int:
     if not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {text}")
     return value
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--compile`` / ``--no-compile``, as ``serve`` and ``chat`` take them (default: compiled
+    when cached; :mod:`paged_attention.engine.compile_cache`)."""
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU: run decode steps through torch.compile, one graph per padded batch size "
+        "(1, 8, 32 and --max-num-seqs), compiled before the first request. The first --compile "
+        "of a model takes a minute or two per batch size and caches the result in "
+        "~/.cache/paged_attention/compiled; later starts load it in seconds. Default: compiled "
+        "when that cache is warm, else eager (with a line saying so); --no-compile: eager",
+    )

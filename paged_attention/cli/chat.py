@@ -16,12 +16,19 @@ import sys
 
 import torch
 
-from paged_attention.cli.arguments import non_negative_float, positive_int, seed_int, unit_interval
+from paged_attention.cli.arguments import (
+    add_compile_argument,
+    non_negative_float,
+    positive_int,
+    seed_int,
+    unit_interval,
+)
 from paged_attention.errors import UsageError
 from paged_attention.modeling.models import add_model_arguments, add_weights_argument
 
 HELP = "chat with a model (SmolLM2-135M-Instruct by default), interactively or one-shot"
 DEFAULT_KV_TOKENS = 8192
+MAX_NUM_SEQS = 64
 INTERACTIVE_TEMPERATURE = 0.7
 INTERACTIVE_TOP_P = 0.9
 EXIT_STATUS = """exit status: 0 when every prompt was answered; 1 when a prompt could not be
@@ -79,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"device KV blocks (default: {DEFAULT_KV_TOKENS} tokens' worth)",
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
+    add_compile_argument(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -118,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine = build_engine(args)
+        # one conversation at a time, or every prompt at once: the decode steps to compile
+        engine = build_engine(args, max_num_seqs=min(len(prompts or [None]), MAX_NUM_SEQS))
         if prompts is None:
             return interactive(engine, args, sys.stdin, sys.stdout)
         return one_shot(engine, prompts, args, sys.stdout)
@@ -150,8 +159,11 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def build_engine(args: argparse.Namespace):
-    from paged_attention.engine import CacheConfig, Engine, EngineConfig
+def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
+    """The chat's engine: ``max_num_seqs`` sequences at once (the padded batch sizes of its
+    compiled decode steps, with ``--compile``)."""
+    from paged_attention.engine import CacheConfig, Engine, EngineConfig, SchedulerConfig
+    from paged_attention.engine.compile_cache import compile_decode_steps
     from paged_attention.modeling.models import ModelLoadError, load_model
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -165,13 +177,42 @@ def build_engine(args: argparse.Namespace):
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"--model {args.model}: it has no tokenizer with a chat template")
     block_size = 16
+    compiled = _decode_compile_cache(model, args, max_num_seqs)
     try:
         cache = CacheConfig(
             block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
         )
-        return Engine(model, EngineConfig(cache), tokenizer=tokenizer)
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs)
+        config = EngineConfig(cache, scheduler, compile=compiled is not None)
+        engine = Engine(model, config, tokenizer=tokenizer)
     except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {args.model}: {error}") from None
+    if compiled is not None:
+        compile_decode_steps(engine, compiled, _say)
+    return engine
+
+
+def _decode_compile_cache(model, args: argparse.Namespace, max_num_seqs: int):
+    """The compile cache to compile the decode steps through, or None: eager
+    (:func:`~paged_attention.engine.compile_cache.cache_to_compile_with`)."""
+    from paged_attention.engine.compile_cache import cache_to_compile_with
+
+    try:
+        return cache_to_compile_with(
+            args.model,
+            model,
+            weights=args.weights,
+            device=args.device,
+            requested=args.compile,
+            max_num_seqs=max_num_seqs,
+            say=_say,
+        )
+    except ValueError as error:
+        raise UsageError(f"--compile: {error}") from None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def sampling_params(args: argparse.Namespace, interactive: bool):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_attention.cli.arguments import (
+    add_compile_argument,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -87,14 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-n", type=positive_int, default=8, help="the most samples (n) one request may ask"
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="CPU: run decode steps through torch.compile, one graph per padded batch size "
-        "(1, 8, 32 and --max-num-seqs), all compiled before the server accepts requests (one to "
-        "two minutes each for SmolLM2 on two cores); 1.2-2x the eager tokens/s afterwards in "
-        "benchmarks/bench_serving.py",
-    )
+    add_compile_argument(parser)
     parser.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
@@ -147,22 +141,22 @@ def _add_security_arguments(security) -> None:
     )
 
 
+SERVE_MODULES = ("transformers", "starlette", "uvicorn", "pydantic", "prometheus_client")
+
+
 def main(args: argparse.Namespace) -> int:
     """Load the model, build the engine, serve until SIGINT/SIGTERM; returns the exit status.
     Raises UsageError for a bad argument."""
-    try:
-        import uvicorn
+    import importlib.util
 
-        from paged_attention.server import create_app
-        from paged_attention.server.graceful import GracefulServer
-    except ImportError as error:
+    # found, not imported: importing the server takes seconds, done while the model loads
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
         raise UsageError(
-            f"serve needs the 'serve' extra ({error.name} is missing): "
+            f"serve needs the 'serve' extra ({missing[0]} is missing): "
             "install paged_attention from source with the serve extra (pip install "
             "--no-build-isolation '.[serve]' in its checkout)"
-        ) from None
-    del uvicorn, create_app, GracefulServer  # imported to tell a missing extra at once
-
+        )
     if args.max_n > args.max_num_seqs:
         raise UsageError(
             f"--max-n {args.max_n}: a request's samples run at once, so it may not exceed "
@@ -182,19 +176,31 @@ def main(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
-    """Load the model and serve on ``sock`` until SIGINT/SIGTERM."""
-    import uvicorn
-
-    from paged_attention.server import create_app
-    from paged_attention.server.graceful import GracefulServer
+    """Load the model and serve on ``sock`` until SIGINT/SIGTERM. Until the engine is ready,
+    every request gets 503 (``/health``: ``{"status": "loading"}``;
+    :mod:`paged_attention.cli.loading`); the engine's process loads the model while this
+    one imports the server."""
+    from paged_attention.cli.loading import LoadingResponder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    # the model loads and the engine runs in a process of its own (ServeSpec builds it there)
-    # fork from the command line's fresh process; spawn when serve runs inside another program
-    fresh = getattr(args, "fresh_process", False)
-    engine, tokenizer = start_engine_process(args, "fork" if fresh else "spawn")
+    loading = LoadingResponder(sock)
+    loading.start()
+    try:
+        # the model loads and the engine runs in a process of its own (ServeSpec builds it
+        # there); fork from the command line's fresh process, spawn inside another program
+        fresh = getattr(args, "fresh_process", False)
+        engine = start_engine_process(args, "fork" if fresh else "spawn", wait=False)
+        import uvicorn
+
+        from paged_attention.server import create_app
+        from paged_attention.server.graceful import GracefulServer
+
+        engine.wait_until_ready()
+    finally:
+        loading.stop()
+    tokenizer = engine.tokenizer
     name = args.served_model_name or args.model
     try:
         app = create_app(
@@ -260,10 +266,12 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
     """The engine the server drives, configured by the arguments: ``--num-blocks``, else a KV
     cache of ``--kv-memory`` GiB (the engine sizes it from the model's geometry)."""
     from paged_attention.engine import CacheConfig, Engine, EngineConfig, SchedulerConfig
+    from paged_attention.engine.compile_cache import compile_decode_steps
 
     memory = None
     if args.num_blocks is None:
         memory = int((args.kv_memory or DEFAULT_KV_MEMORY_GIB) * 2**30)
+    compiled = decode_compile_cache(model, args)
     try:
         config = EngineConfig(
             CacheConfig(
@@ -277,7 +285,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
             ),
-            compile=args.compile,
+            compile=compiled is not None,
         )
         engine = Engine(model, config, tokenizer=tokenizer)
     except ValueError as error:  # sizes the engine refuses, or a model it cannot serve
@@ -285,14 +293,29 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
         if message.startswith("max_memory"):
             message = f"--kv-memory {args.kv_memory or DEFAULT_KV_MEMORY_GIB:g}: {message}"
         raise UsageError(message) from None
-    if args.compile:
-        seconds = engine.compile_decode_steps()
-        logging.info(
-            "compiled decode steps for batch sizes %s in %.0f s",
-            ", ".join(map(str, seconds)),
-            sum(seconds.values()),
-        )
+    if compiled is not None:
+        compile_decode_steps(engine, compiled, logging.info)
     return engine
+
+
+def decode_compile_cache(model, args: argparse.Namespace):
+    """The compile cache of the engine's decode steps when they are to be compiled
+    (``--compile``, or by default when that cache is warm), else None (eager; by default with
+    a line saying how to compile them)."""
+    from paged_attention.engine.compile_cache import cache_to_compile_with
+
+    try:
+        return cache_to_compile_with(
+            args.model,
+            model,
+            weights=args.weights,
+            device=args.device,
+            requested=args.compile,
+            max_num_seqs=args.max_num_seqs,
+            say=logging.info,
+        )
+    except ValueError as error:
+        raise UsageError(f"--compile: {error}") from None
 
 
 def _url_host(host: str) -> str:
@@ -355,15 +378,16 @@ class ServeSpec:
         return build_engine(model, tokenizer, args), tokenizer
 
 
-def start_engine_process(args: argparse.Namespace, start_method: str = "spawn"):
-    """``serve``'s engine in its own process: ``(EngineProcess, tokenizer)``. Raises
-    ``UsageError`` for what the arguments got wrong. ``fork`` skips the child's second import
-    of torch and transformers (seconds of the start), and is safe only from a process that has
-    run no torch or tokenizer threads yet: the command line's own ``serve`` process."""
+def start_engine_process(args: argparse.Namespace, start_method: str = "spawn", wait=True):
+    """``serve``'s engine in its own process, an ``EngineProcess`` (with ``wait=False`` not
+    built yet: call its ``wait_until_ready()``). Raises ``UsageError`` for what the arguments
+    got wrong (when it waits). ``fork`` skips the child's second import of torch (seconds of
+    the start), and is safe only from a process that has run no torch or tokenizer threads yet:
+    the command line's own ``serve`` process."""
     from paged_attention.server.engine_process import EngineProcess
 
     # the parsed values only: the namespace also holds the command's parser and function
     plain = (str, int, float, bool, type(None))
     values = {name: value for name, value in vars(args).items() if isinstance(value, plain)}
-    engine = EngineProcess(ServeSpec(argparse.Namespace(**values)), start_method=start_method)
-    return engine, engine.tokenizer
+    spec = ServeSpec(argparse.Namespace(**values))
+    return EngineProcess(spec, start_method=start_method, wait=wait)

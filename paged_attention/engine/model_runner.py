@@ -201,8 +201,12 @@ class _StaticDecode:
         self.runner = runner
         self.buffers = buffers
         self.max_seq_len = buffers.max_seq_len
-        batch = buffers.max_batch
-        self.sizes = [s for s in self.SIZES if s < batch] + [batch]
+        self.sizes = self.sizes_for(buffers.max_batch)
+
+    @classmethod
+    def sizes_for(cls, max_num_seqs: int) -> list[int]:
+        """The padded batch sizes of an engine running ``max_num_seqs`` sequences at once."""
+        return [s for s in cls.SIZES if s < max_num_seqs] + [max_num_seqs]
 
     def fits(self, out: SchedulerOutput) -> bool:
         return not out.prefill and out.inputs is not None and self.buffers.fits(out.inputs)
@@ -279,7 +283,8 @@ class CompiledDecode(_StaticDecode):
     long (one to two minutes per size for a 30-layer model on two cores; docs/performance.md),
     so the sizes are few: a step pads to the next one.
     The weights are captured when a size is compiled: an engine serves the weights it first
-    saw.
+    saw. :meth:`make_cacheable` trades the packed float weights for steps that inductor's
+    caches keep across processes (:mod:`paged_attention.engine.compile_cache`).
 
     Every size is a function with a code object of its own (dynamo keeps compiled graphs per
     code object): it holds one graph, so its later calls skip dynamo's guards (their inputs are
@@ -289,9 +294,13 @@ class CompiledDecode(_StaticDecode):
 
     SIZES = (1, 8, 32)
     INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True}
+    CACHEABLE_OPTIONS = {"cpp.weight_prepack": False}
+    """What :meth:`make_cacheable` changes: oneDNN's packed weights are mkldnn tensors, which
+    inductor's FX graph cache cannot store (it compiles such a graph without caching it)."""
 
     def __init__(self, runner: ModelRunner, buffers: StaticStepBuffers) -> None:
         super().__init__(runner, buffers)
+        self.inductor_options = dict(self.INDUCTOR_OPTIONS)
         self.compile_seconds: dict[int, float] = {}
         """Seconds the first step of each size took (compiling it, then running it)."""
         self._steps: dict[int, Callable[[int], torch.Tensor]] = {}
@@ -302,6 +311,14 @@ class CompiledDecode(_StaticDecode):
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         size = self.fill(out)
         return self._run_size(size)[: len(out.decode)].float()
+
+    def make_cacheable(self) -> None:
+        """Sizes compiled from now on are kept by inductor's on-disk caches: the float linear
+        layers multiply unpacked weights (a quantized model's layers are custom ops, which
+        nothing packs). Raises ValueError once a size has been compiled."""
+        if self._steps:
+            raise ValueError("make_cacheable must come before the first size is compiled")
+        self.inductor_options.update(self.CACHEABLE_OPTIONS)
 
     def compile_all(self) -> dict[int, float]:
         """Compiles every size not compiled yet, now, on padding rows only (they store and
@@ -323,7 +340,7 @@ class CompiledDecode(_StaticDecode):
             started = time.perf_counter()
             function = types.FunctionType(CompiledDecode._step.__code__.replace(), globals())
             step = torch.compile(types.MethodType(function, self), fullgraph=True, dynamic=False)
-            with torch._inductor.config.patch(self.INDUCTOR_OPTIONS):
+            with torch._inductor.config.patch(self.inductor_options):
                 logits = step(size)
             self._steps[size] = step
             self.compile_seconds[size] = time.perf_counter() - started

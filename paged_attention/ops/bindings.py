@@ -175,10 +175,14 @@ def num_partitions(max_seq_len: int) -> int:
 _CPU_UNITS_PER_THREAD = 4
 
 
-@torch._dynamo.assume_constant_result
 def _cpu_threads() -> int:
     # A constant to torch.compile, so that paged_attention() traces with fullgraph=True.
     return torch.get_num_threads()
+
+
+# What torch._dynamo.assume_constant_result does, without importing dynamo: a second or more
+# of every start of a program that never compiles (tests/test_attention_cpu.py traces it).
+_cpu_threads._dynamo_marked_constant = True
 
 
 def use_v2(query: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_size: int = 16) -> bool:

@@ -95,15 +95,16 @@ class _BlockPoolMirror:
 
 class EngineProcess:
     """The engine built by ``spec.build()`` in a child process started with ``start_method``
-    (see the module docstring); the constructor returns once it is built. Raises
-    ``UsageError`` or ``RuntimeError`` (with the child's message) when it could not be built.
+    (see the module docstring); the constructor returns once it is built (with ``wait=False``
+    at once: then :meth:`wait_until_ready` before anything else). Raises ``UsageError`` or
+    ``RuntimeError`` (with the child's message) when it could not be built.
 
     Its sizes are read as an engine's (``max_num_seqs``, ``max_model_len``, ``block_size``,
     ``block_manager.num_device_blocks``); ``tokenizer`` is the engine's; ``block_manager``,
     ``scheduler`` (sized ``running``/``waiting``/``swapped``) and ``stats`` (its scalar
     counters) mirror the engine's state after the last turn the owner received."""
 
-    def __init__(self, spec, *, start_method: str = "spawn") -> None:
+    def __init__(self, spec, *, start_method: str = "spawn", wait: bool = True) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         context = multiprocessing.get_context(start_method)
@@ -124,6 +125,13 @@ class EngineProcess:
         self._finalizer = weakref.finalize(
             self, _end_process, self.process, self.commands, self.results
         )
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Waits for the engine to be built (the constructor's own wait, for one built with
+        ``wait=False``: the caller does something else meanwhile, such as answering that the
+        server is loading)."""
         ready = self._wait_until_ready()
         sizes = ready.sizes
         self.max_num_seqs: int = sizes["max_num_seqs"]

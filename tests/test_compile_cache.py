@@ -1,0 +1,151 @@
+"""The compile cache of decode steps (paged_attention/engine/compile_cache.py): the tiny model
+compiled in one process is loaded by the next, which gives the eager engine's tokens without
+compiling anything again; another key is cold; the commands' choice between compiled and eager
+steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from paged_attention.engine.compile_cache import (  # noqa: E402
+    CompileCache,
+    CompileKey,
+    cache_to_compile_with,
+    eager_hint,
+    model_identity,
+    should_compile,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One process of a command: the tiny model's decode steps (batch size 1) through the cache
+# under $PAGED_ATTENTION_CACHE, then the tokens of the compiled engine and of an eager one, and
+# inductor's FX graph cache counters.
+PROCESS = """
+import json
+import torch
+from torch._dynamo.utils import counters
+from paged_attention.engine import Engine, SamplingParams
+from paged_attention.engine.compile_cache import CompileCache, CompileKey, compile_decode_steps
+from paged_attention.modeling.models import load_model
+
+torch.set_num_threads(1)
+model, _ = load_model("tiny", dtype="float32")
+cache = CompileCache(CompileKey.of("tiny", model.dtype, None, [1]))
+warm = cache.is_warm()
+prompt, params = [[5, 6, 7, 8]], SamplingParams(max_new_tokens=8)
+eager = Engine(model, num_blocks=16, max_num_seqs=1, eos_token_id=[]).generate(prompt, params)
+engine = Engine(model, num_blocks=16, max_num_seqs=1, eos_token_id=[], compile=True)
+said = []
+compile_decode_steps(engine, cache, said.append)
+compiled = engine.generate(prompt, params)
+others = [
+    CompileCache(CompileKey.of("tiny", torch.bfloat16, None, [1])),
+    CompileCache(CompileKey.of("tiny", model.dtype, None, [1, 8])),
+]
+print(json.dumps({
+    "warm": warm,
+    "said": said,
+    "eager": eager[0].outputs,
+    "compiled": compiled[0].outputs,
+    "inductor": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+    "others_warm": [other.is_warm() for other in others],
+    "directories": [str(c.directory) for c in [cache, *others]],
+}))
+"""
+
+
+def run_process(cache: Path) -> dict:
+    env = dict(os.environ, PAGED_ATTENTION_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the project's cache holds inductor's too
+    result = subprocess.run(
+        [sys.executable, "-c", PROCESS], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_compiled_steps_and_another_key_misses(tmp_path):
+    first = run_process(tmp_path)
+    assert not first["warm"] and first["said"][0].startswith("compiling decode steps")
+    assert first["inductor"].get("fxgraph_cache_miss", 0) >= 1
+    assert first["compiled"] == first["eager"]
+    entries = list((tmp_path / "compiled").glob("*/artifacts.bin"))
+    assert len(entries) == 1 and (tmp_path / "inductor").is_dir()
+
+    second = run_process(tmp_path)
+    assert second["warm"] and second["said"][0].startswith("loading compiled decode steps")
+    # every graph came from the cache: a process that ignored it would miss (and compile)
+    assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert second["inductor"].get("fxgraph_cache_bypass", 0) == 0
+    assert second["compiled"] == second["eager"] == first["eager"]
+    # another dtype, other batch sizes: other entries, cold
+    assert second["others_warm"] == [False, False]
+    assert len(set(second["directories"])) == 3
+
+
+def test_the_key_names_what_the_steps_depend_on(tmp_path):
+    key = CompileKey.of("tiny", torch.float32, "auto", [1, 8])
+    assert (key.model, key.dtype, key.weights, key.sizes) == ("tiny", "float32", "auto", (1, 8))
+    assert key.torch_version == torch.__version__
+    assert CompileKey.of("tiny", torch.float32, "auto", (1, 8)).digest() == key.digest()
+    assert CompileKey.of("tiny", torch.float32, "q8", (1, 8)).digest() != key.digest()
+    # a model file's identity changes with its contents' size and time
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    before = model_identity(str(gguf))
+    gguf.write_bytes(b"xy")
+    assert model_identity(str(gguf)) != before and str(gguf.resolve()) in before
+
+
+def test_an_empty_cache_is_cold_and_saving_nothing_writes_nothing(tmp_path):
+    cache = CompileCache(CompileKey.of("tiny", torch.float32, None, [1]), tmp_path)
+    assert not cache.is_warm() and not cache.load()
+    torch.compiler.save_cache_artifacts()  # forget what this process compiled so far
+    assert not cache.save() and not cache.is_warm()
+
+
+@pytest.mark.parametrize(
+    "requested, device, warm, expected",
+    [
+        (None, "cpu", True, True),
+        (None, "cpu", False, False),
+        (None, "cuda", True, False),
+        (True, "cpu", False, True),
+        (False, "cpu", True, False),
+    ],
+)
+def test_commands_compile_when_asked_or_when_the_cache_is_warm(requested, device, warm, expected):
+    class Cache:
+        def is_warm(self):
+            return warm
+
+    assert should_compile(requested, device, Cache()) is expected
+
+
+def test_a_cold_default_runs_eagerly_and_says_how_to_compile(tmp_path, monkeypatch):
+    from paged_attention.modeling.models import load_model
+
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))
+    model, _ = load_model("tiny", dtype="float32")
+    said = []
+    options = dict(weights=None, device="cpu", max_num_seqs=8, say=said.append)
+    assert cache_to_compile_with("tiny", model, requested=None, **options) is None
+    assert len(said) == 1 and "--compile" in said[0] and str(tmp_path) in said[0]
+    cache = cache_to_compile_with("tiny", model, requested=True, **options)
+    assert cache.key.sizes == (1, 8) and str(cache.directory).startswith(str(tmp_path))
+    assert eager_hint(cache) == said[0]
+    on_cuda = {**options, "device": "cuda"}
+    with pytest.raises(ValueError, match="for the CPU, not device cuda"):
+        cache_to_compile_with("tiny", model, requested=True, **on_cuda)
+    assert cache_to_compile_with("tiny", model, requested=None, **on_cuda) is None
