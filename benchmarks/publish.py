@@ -56,6 +56,8 @@ def kind_of(data: dict) -> str | None:
     first = rows[0] if isinstance(rows, list) and rows else {}
     if data.get("benchmark") == "bench_server_compare":
         return "server_compare"
+    if data.get("benchmark") == "bench_start":
+        return "start"
     if {"pairs", "runs"} <= data.keys():
         return "greedy_agreement"
     if {"tree", "workload"} <= first.keys():
@@ -837,6 +839,29 @@ def engine_step_section(data: dict) -> str:
     return text + table(header, body, "lllrl")
 
 
+START_MEASURES = (
+    ("first_answer_s", "first answer on /health (503 while loading, or 200)"),
+    ("health_s", "/health answers 200 (ready)"),
+    ("first_completion_s", "first completion answered"),
+)
+
+
+def start_section(data: dict) -> str:
+    groups = rounds_of(data["rows"], lambda r: (r["tree"],))
+    body = [
+        [tree, label, rounds_cell([r[key] for r in rows], 1)]
+        for (tree,), rows in groups.items()
+        for key, label in START_MEASURES
+    ]
+    rounds = max(len(rows) for rows in groups.values())
+    text = (
+        "Seconds from starting `python -m paged_attention serve` (the default model, already "
+        "converted) until the server answers, source trees alternating A B A B over "
+        f"{rounds} round{'s' if rounds != 1 else ''}, each start a fresh process.\n\n"
+    )
+    return text + table(["tree", "measure", "median s (each start)"], body, "llr")
+
+
 def agreement_remark(pairs: dict, reference: str, questions: int) -> str:
     """How our variants' first divergences from ``reference`` line up, question by question."""
     ours = [pair for name, pair in pairs.items() if name.endswith(f" vs {reference}")]
@@ -907,6 +932,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "engine_step": ("Engine: cost per step, tree against tree", engine_step_section, None),
     "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
     "quantized": ("Quantized weights end to end", quantized_section, None),
+    "start": ("Start: `serve` until it answers", start_section, None),
     "greedy_agreement": (
         "Greedy agreement: weights variants and llama-server",
         greedy_agreement_section,
