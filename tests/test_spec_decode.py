@@ -5,7 +5,11 @@ the verification rule alone is checked against the target distribution statistic
 
 import pytest
 import test_engine
+import test_engine_delivery
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,6 +21,7 @@ from paged_attention.engine import (  # noqa: E402
     SamplingParams,
     SpeculativeConfig,
 )
+from paged_attention.engine import core as core_module  # noqa: E402
 from paged_attention.engine.plan import ScheduledChunk  # noqa: E402
 from paged_attention.engine.request import Request, RequestMetrics, Sequence  # noqa: E402
 from paged_attention.engine.scheduler import Scheduler  # noqa: E402
@@ -393,13 +398,11 @@ def test_a_failed_forward_with_drafts_changes_nothing(model, fail_at):
 
 
 def test_a_failed_verification_rolls_the_step_back(model, monkeypatch):
-    import paged_attention.engine.core as core
-
     work = repetitive_prompts(4, seed=12)
     params = [SamplingParams(30), SamplingParams(30, temperature=0.5, seed=1)] * 2
     _, expected = run(model, work, params, NGRAM)
     calls = {"n": 0}
-    verify = core.verify_drafts
+    verify = core_module.verify_drafts
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -407,7 +410,7 @@ def test_a_failed_verification_rolls_the_step_back(model, monkeypatch):
             raise RuntimeError("injected failure")
         return verify(*args, **kwargs)
 
-    monkeypatch.setattr(core, "verify_drafts", failing)
+    monkeypatch.setattr(core_module, "verify_drafts", failing)
     engine = Engine(model, num_blocks=200, block_size=BLOCK, speculative=NGRAM)
     ids = [engine.add_request(p, s) for p, s in zip(work, params)]
     finished = {}
@@ -435,3 +438,59 @@ def test_decode_executors_serve_plain_steps_only(model):
     engine.generate(repetitive_prompts(2, seed=13), SamplingParams(20))
     assert calls and not any(calls)  # never asked for a step with drafts
     assert engine.stats.draft_tokens > 0
+
+
+DRAFTS_IN_DELIVERY = []  # accepted drafts per example (checked by hand: most accept some)
+
+
+class SpeculativeDelivery(test_engine_delivery.EngineDelivery):
+    """The delivery state machine (streams, step(), aborts, dropped streams, faults in the
+    forward pass and in sampling or verification) on an engine with n-gram drafts; its
+    reference run is the plain engine, so finished requests must have exactly its tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine = Engine(
+            self.model,
+            num_blocks=24,
+            block_size=BLOCK,
+            num_host_blocks=24,
+            max_num_seqs=8,
+            speculative=NGRAM,
+        )
+        self.verify = core_module.verify_drafts
+        core_module.verify_drafts = self._verify
+
+    @rule(
+        phrase=st.lists(st.integers(3, 127), min_size=2, max_size=5),
+        repeats=st.integers(3, 6),
+        params=st.sampled_from(
+            [SamplingParams(12), SamplingParams(7, temperature=0.5, seed=1, logprobs=1)]
+        ),
+    )
+    def add_repeating_request(self, phrase, repeats, params):
+        """A prompt that repeats a phrase: its drafts are often accepted."""
+        prompt = phrase * repeats
+        self.work[self.engine.add_request(prompt, params)] = (prompt, params)
+
+    def _verify(self, *args, **kwargs):
+        if self.faults.armed == "sampling":
+            self.faults.armed = None
+            raise RuntimeError("injected verification failure")
+        return self.verify(*args, **kwargs)
+
+    def teardown(self):
+        try:
+            super().teardown()
+        finally:
+            core_module.verify_drafts = self.verify
+            DRAFTS_IN_DELIVERY.append(self.engine.stats.accepted_draft_tokens)
+
+
+SpeculativeDelivery.TestCase.settings = settings(
+    max_examples=8,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_speculative_engine_delivers_every_output_exactly_once = SpeculativeDelivery.TestCase
