@@ -3,6 +3,8 @@ The reference is the plain engine: greedy requests must give exactly its tokens 
 sampled ones too, since a draft is checked against the token the plain sampler would draw);
 the verification rule alone is checked against the target distribution statistically."""
 
+import types
+
 import pytest
 import test_engine
 import test_engine_delivery
@@ -131,6 +133,28 @@ def test_engine_config_takes_a_speculative_config_or_its_fields(model):
         EngineConfig.from_kwargs(num_blocks=8, speculative={"k": 3})
     engine = Engine(model, num_blocks=8, block_size=BLOCK, speculative=NGRAM)
     assert engine.config.speculative is NGRAM
+
+
+def test_the_servers_metrics_count_drafted_and_accepted_tokens(model):
+    from paged_attention.server.metrics import ServerMetrics
+
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, speculative=NGRAM)
+    engine.add_request(repetitive_prompts(1, seed=14)[0], SamplingParams(24))
+    metrics = ServerMetrics()
+    while engine.has_unfinished():
+        metrics.on_step(engine, engine.step())
+    text = metrics.render().decode()
+    drafted = f"paged_attention_spec_decode_num_draft_tokens_total {engine.stats.draft_tokens}.0"
+    accepted = engine.stats.accepted_draft_tokens
+    assert drafted in text and accepted > 0
+    assert f"paged_attention_spec_decode_num_accepted_tokens_total {accepted}.0" in text
+
+
+def test_tensor_parallel_engines_refuse_speculation(model, monkeypatch):
+    split = types.SimpleNamespace(tensor_parallel=types.SimpleNamespace(size=2))
+    monkeypatch.setattr(core_module.ModelGeometry, "of", classmethod(lambda cls, m: split))
+    with pytest.raises(ValueError, match="speculative=None"):
+        Engine(model, num_blocks=8, block_size=BLOCK, speculative=NGRAM)
 
 
 # ------------------------------------------------------------------------------ greedy exactness

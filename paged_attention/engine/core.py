@@ -61,6 +61,11 @@ class EngineCore:
         stop_string_hit: StopStringCheck | None = None,
     ) -> None:
         geometry = ModelGeometry.of(model)
+        if config.speculative is not None and geometry.tensor_parallel.size > 1:
+            raise ValueError(
+                "speculative decoding is not supported with tensor parallelism; pass "
+                "speculative=None"
+            )
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
@@ -70,11 +75,6 @@ class EngineCore:
         self.block_manager = geometry.block_manager(
             self.kv_cache, config.cache.enable_prefix_caching
         )
-        if config.speculative is not None and geometry.tensor_parallel.size > 1:
-            raise ValueError(
-                "speculative decoding is not supported with tensor parallelism; pass "
-                "speculative=None"
-            )
         self.scheduler = Scheduler(
             self.block_manager, config.scheduler, speculative=config.speculative
         )
