@@ -518,3 +518,31 @@ SpeculativeDelivery.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_speculative_engine_delivers_every_output_exactly_once = SpeculativeDelivery.TestCase
+
+
+def test_a_cut_into_a_shared_cached_block_copies_it_first_in_the_next_step():
+    """Giving back rejected drafts may cut into a full block that the prefix cache holds and
+    another sequence shares: the sequence gets its own copy, made at the start of the next
+    step (again after a failed step), and dropped once the sequence is gone."""
+    from paged_attention.engine.plan import SchedulerOutput
+    from paged_attention.engine.spec_decode import DraftSlots
+
+    manager = BlockManager(8, 4, enable_prefix_caching=True)
+    manager.allocate(1, [3, 4, 5, 6, 7, 8, 9, 10])  # two full blocks, registered
+    manager.fork(1, 2)
+    slots = DraftSlots(manager, NGRAM)
+    slots.give_back(1, 6)
+    (pair,) = [p for _, p in slots._carried]
+    assert manager.block_table(1)[1] == pair[1] != pair[0] == manager.block_table(2)[1]
+    out = SchedulerOutput()
+    assert slots.reserve(out, 10) == 0  # no decodes: nothing drafted, the copy carried
+    assert out.block_ops == [("copy", [pair])]
+    slots.restore(out)  # the step failed: the next one copies again
+    again = SchedulerOutput()
+    slots.reserve(again, 10)
+    assert again.block_ops == [("copy", [pair])]
+    slots.restore(again)
+    manager.free(1)
+    gone = SchedulerOutput()
+    slots.reserve(gone, 10)
+    assert gone.block_ops == [] and gone.carried_copies == []
