@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
     parser.add_argument(
+        "--speculative-ngram",
+        type=positive_int,
+        metavar="K",
+        help="speculative decoding: up to K tokens per step drafted by prompt lookup (n-grams "
+        "of the prompt and answer) and verified by the model; greedy answers are unchanged",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="one-shot: one JSON object per prompt (prompt, text, finish_reason, token counts)",
@@ -151,7 +158,7 @@ def read_prompts(path: str) -> list[str]:
 
 
 def build_engine(args: argparse.Namespace):
-    from paged_attention.engine import CacheConfig, Engine, EngineConfig
+    from paged_attention.engine import CacheConfig, Engine, EngineConfig, SpeculativeConfig
     from paged_attention.modeling.models import ModelLoadError, load_model
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -169,7 +176,10 @@ def build_engine(args: argparse.Namespace):
         cache = CacheConfig(
             block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
         )
-        return Engine(model, EngineConfig(cache), tokenizer=tokenizer)
+        speculative = None
+        if args.speculative_ngram:
+            speculative = SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)
+        return Engine(model, EngineConfig(cache, speculative=speculative), tokenizer=tokenizer)
     except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {args.model}: {error}") from None
 
