@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -134,6 +135,11 @@ def run(args, model, tokenizer) -> list[dict]:
                         "load_before": before,
                         "load_after": os.getloadavg()[0],
                     }
+                )
+                print(
+                    f"{shape} round {round_index} {name}: {result['tok_per_s']:.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
                 )
     return rows
 
