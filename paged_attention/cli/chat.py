@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="K",
         help="speculative decoding: up to K tokens per step drafted by prompt lookup (n-grams "
-        "of the prompt and answer) and verified by the model; greedy answers are unchanged",
+        "of the prompt and answer) and verified by the model; greedy answers are the plain "
+        "ones up to rounding (in bfloat16 a near-tie may go the other way)",
     )
     parser.add_argument(
         "--json",
