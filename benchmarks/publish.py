@@ -814,7 +814,9 @@ def spec_decode_section(data: dict) -> str:
         "end of sequence ignored. Each configuration on a fresh engine over the same model, "
         f"alternating A B A B over {rounds} round{'s' if rounds != 1 else ''}; `single`: the "
         "requests one after another (batch 1), `batch`: all at once. Medians (each round); "
-        "drafts accepted over all rounds; requests whose tokens equal the plain run's.\n\n"
+        "drafts accepted over all rounds; runs of a request whose tokens equal the plain "
+        "run's (a multi-token query may round differently in bfloat16, so a greedy answer may "
+        "part from the plain one at a near-tie).\n\n"
     )
     return text + table(header, body, "llrrrrl")
 
