@@ -32,7 +32,8 @@ class StepUpdate:
         end_token_ids: Collection[int],
     ) -> list[Request]:
         """Give each request its ``sampled`` choice (a sampling request: a
-        :class:`~paged_attention.engine.request.Drawn`, one token per sequence, in order; a beam
+        :class:`~paged_attention.engine.request.Drawn`, one token per sequence, in order, or for
+        a drafting one a :class:`~paged_attention.engine.spec_decode.Verified`; a beam
         request: ``(continuing, finished)`` candidates, :func:`~paged_attention.engine.sampler.
         beam_candidates`). Samples fork from the prompt at their first token, beams are
         reassigned, ``finish_reason(request, seq)`` ends sequences (``end_token_ids``: what
