@@ -62,6 +62,8 @@ def kind_of(data: dict) -> str | None:
         return "greedy_agreement"
     if {"tree", "workload"} <= first.keys():
         return "engine_step"
+    if {"shape", "config", "acceptance_rate"} <= first.keys():
+        return "spec_decode"
     if {"int4pack_us", "gguf_us"} <= first.keys():
         return "gguf_linear"
     if {"config", "rss_mb", "tok_s_1"} <= first.keys():
@@ -105,6 +107,7 @@ SCRIPTS = {
     "quantized": "bench_quantized.py",
     "greedy_agreement": "greedy_agreement.py",
     "engine_step": "bench_engine_step.py",
+    "spec_decode": "bench_spec_decode.py",
 }
 
 
@@ -862,6 +865,39 @@ def start_section(data: dict) -> str:
     return text + table(["tree", "measure", "median s (each start)"], body, "llr")
 
 
+def spec_decode_section(data: dict) -> str:
+    groups = rounds_of(data["rows"], lambda r: (r["shape"], r["config"]))
+    body = []
+    for (shape, config), rows in groups.items():
+        drafted = sum(r["drafted"] for r in rows)
+        accepted = sum(r["accepted"] for r in rows)
+        rate = f"{accepted / drafted:.0%} ({accepted} of {drafted})" if drafted else "-"
+        same = (
+            f"{sum(r['same_tokens_as_plain'] for r in rows)} of {sum(r['requests'] for r in rows)}"
+        )
+        load = "; ".join(f"{r['load_before']:.1f} to {r['load_after']:.1f}" for r in rows)
+        tok_s = rounds_cell([r["tok_per_s"] for r in rows], 1)
+        steps = rounds_cell([r["steps"] for r in rows], 0)
+        body.append([shape, config, tok_s, steps, rate, same, load])
+    first = data["rows"][0]
+    rounds = max(len(rows) for rows in groups.values())
+    header = ["shape", "config", "tokens/s", "steps", "drafts accepted", "same tokens as plain",
+              "load average, each round"]  # fmt: skip
+    text = (
+        f"Speculative decoding with n-gram (prompt lookup) drafts against plain decoding, "
+        f"{data.get('model', 'smollm2')} in bfloat16, greedy: {first['requests']} chat requests "
+        f"asking to repeat a Python function with a variable renamed ({first['prompt_tokens']} "
+        f"prompt tokens in all), {first['generated'] // first['requests']} new tokens each, the "
+        "end of sequence ignored. Each configuration on a fresh engine over the same model, "
+        f"alternating A B A B over {rounds} round{'s' if rounds != 1 else ''}; `single`: the "
+        "requests one after another (batch 1), `batch`: all at once. Medians (each round); "
+        "drafts accepted over all rounds; runs of a request whose tokens equal the plain "
+        "run's (a multi-token query may round differently in bfloat16, so a greedy answer may "
+        "part from the plain one at a near-tie).\n\n"
+    )
+    return text + table(header, body, "llrrrrl")
+
+
 def agreement_remark(pairs: dict, reference: str, questions: int) -> str:
     """How our variants' first divergences from ``reference`` line up, question by question."""
     ours = [pair for name, pair in pairs.items() if name.endswith(f" vs {reference}")]
@@ -930,6 +966,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "block_manager": ("Block manager: cost per step", block_manager_section, None),
     "mla": ("Multi-head latent attention: latent and expanded caches", mla_section, None),
     "engine_step": ("Engine: cost per step, tree against tree", engine_step_section, None),
+    "spec_decode": ("Speculative decoding: n-gram drafts", spec_decode_section, None),
     "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
     "quantized": ("Quantized weights end to end", quantized_section, None),
     "start": ("Start: `serve` until it answers", start_section, None),

@@ -47,6 +47,13 @@ def test_one_shot_streams_the_greedy_answer_of_generate(capsys):
     assert out == transformers_answer(QUESTIONS[1], 12) + "\n"
 
 
+def test_speculative_ngram_changes_no_greedy_answer(capsys):
+    question = "hello hello hello hello hello hello"
+    code, out = chat(capsys, "--max-tokens", "16", "--speculative-ngram", "3", question)
+    assert code == 0
+    assert out == transformers_answer(question, 16) + "\n"
+
+
 def test_prompts_from_a_file_are_answered_together_in_order(tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(QUESTIONS[:2]) + "\n\n" + QUESTIONS[2] + "\n")
@@ -135,6 +142,7 @@ def usage_error(capsys, *args) -> str:
         (["--temperature", "-1", "hi"], "--temperature"),
         (["--top-p", "0", "hi"], "--top-p"),
         (["--max-tokens", "0", "hi"], "--max-tokens"),
+        (["--speculative-ngram", "0", "hi"], "--speculative-ngram"),
         (["--seed", str(2**64), "hi"], "--seed"),
         (["--file", "/no/such/prompts.txt"], "--file /no/such/prompts.txt"),
         (["--file", "x", "hi"], "give a prompt or --file, not both"),

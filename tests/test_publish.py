@@ -358,3 +358,40 @@ def test_a_proc_machine_record_is_named():
     assert publish.machine_of({"machine": machine}, "quantized") == (
         "Some CPU, 1 thread, load average 0.50 to 0.75"
     )
+
+
+def test_the_spec_decode_section_is_written_from_its_json(tmp_path):
+    rows = []
+    for shape in ("single", "batch"):
+        for round_index in range(2):
+            for config, drafted, accepted in (("plain", 0, 0), ("ngram k=3", 90, 60)):
+                rows.append(
+                    {"shape": shape, "config": config, "round": round_index, "requests": 4,
+                     "prompt_tokens": 600, "generated": 384, "seconds": 4.0,
+                     "tok_per_s": 100.0 + round_index + (50 if drafted else 0),
+                     "steps": 100 if drafted else 384, "drafted": drafted,
+                     "accepted": accepted,
+                     "acceptance_rate": accepted / drafted if drafted else None,
+                     "same_tokens_as_plain": 4 if not drafted else 3,
+                     "load_before": 1.0, "load_after": 2.0}
+                )  # fmt: skip
+    machine = committed("bench_decode_cpu_core.json")["machine"]
+    data = {"machine": machine, "model": "smollm2", "rows": rows}
+    assert publish.kind_of(data) == "spec_decode"
+    (tmp_path / "bench_spec_decode.json").write_text(json.dumps(data))
+    (tmp_path / "INDEX.txt").write_text(
+        "bench_spec_decode: python benchmarks/bench_spec_decode.py "
+        "--json docs/results/bench_spec_decode.json\n"
+    )
+    page = publish.benchmarks_page(
+        publish.load_results(tmp_path),
+        publish.index_commands(tmp_path),
+        publish.index_notes(tmp_path),
+    )
+    assert "Files of no known benchmark" not in page
+    assert "`python benchmarks/bench_spec_decode.py --json" in page
+    assert "96 new tokens each" in page and "over 2 rounds" in page
+    assert "| single | plain | 100.5 (100.0, 101.0) | 384 (384, 384) | - | 8 of 8 |" in page
+    assert (
+        "| batch | ngram k=3 | 150.5 (150.0, 151.0) | 100 (100, 100) | 67% (120 of 180) |" in page
+    )

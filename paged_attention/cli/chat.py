@@ -88,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
     add_compile_argument(parser)
     parser.add_argument(
+        "--speculative-ngram",
+        type=positive_int,
+        metavar="K",
+        help="speculative decoding: up to K tokens per step drafted by prompt lookup (n-grams "
+        "of the prompt and answer) and verified by the model; greedy answers are the plain "
+        "ones up to rounding (in bfloat16 a near-tie may go the other way)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="one-shot: one JSON object per prompt (prompt, text, finish_reason, token counts)",
@@ -162,7 +170,13 @@ def read_prompts(path: str) -> list[str]:
 def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
     """The chat's engine: ``max_num_seqs`` sequences at once (the padded batch sizes of its
     compiled decode steps, with ``--compile``)."""
-    from paged_attention.engine import CacheConfig, Engine, EngineConfig, SchedulerConfig
+    from paged_attention.engine import (
+        CacheConfig,
+        Engine,
+        EngineConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
     from paged_attention.engine.compile_cache import compile_decode_steps
     from paged_attention.modeling.models import ModelLoadError, load_model
 
@@ -183,7 +197,12 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
             block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
         )
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs)
-        config = EngineConfig(cache, scheduler, compile=compiled is not None)
+        speculative = None
+        if args.speculative_ngram:
+            speculative = SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)
+        config = EngineConfig(
+            cache, scheduler, compile=compiled is not None, speculative=speculative
+        )
         engine = Engine(model, config, tokenizer=tokenizer)
     except (ValueError, RuntimeError) as error:  # a model the paged cache cannot serve
         raise UsageError(f"--model {args.model}: {error}") from None

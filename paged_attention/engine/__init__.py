@@ -18,7 +18,12 @@ Parts each readable on its own (the split of nano-vllm and vLLM v1; docs/engine.
   exactly-once delivery of every output.
 """
 
-from paged_attention.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from paged_attention.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from paged_attention.engine.engine import Engine, EngineStats, RequestStream
 from paged_attention.engine.prompt_renderer import ChatPrompt, PromptRenderer
 from paged_attention.engine.request import (
@@ -44,5 +49,6 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "StructuredOutputParams",
 ]

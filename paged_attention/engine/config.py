@@ -1,6 +1,7 @@
 """An engine's settings, validated once: :class:`CacheConfig` (the paged KV cache: its size,
 block size, swap space, dtype and prefix caching), :class:`SchedulerConfig` (the sequences and
-tokens of a step) and :class:`EngineConfig`, which holds both and the execution switches.
+tokens of a step), :class:`SpeculativeConfig` (drafted tokens per step) and
+:class:`EngineConfig`, which holds them and the execution switches.
 
 Each dataclass checks its fields in ``__post_init__`` and raises ValueError (TypeError for a
 value of the wrong kind) naming the field; the parts built from a config (the KV cache, the
@@ -203,18 +204,50 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step, every decoding sequence of a request that can take them
+    (one sample, no beam search, no structured output) is fed up to ``num_speculative_tokens``
+    drafted tokens besides its last one, and keeps those the model itself would have chosen,
+    plus one token of the model's own (docs/engine.md, "Speculative decoding"). ``method``:
+    ``"ngram"`` (prompt lookup, vLLM's ``ngram``): the longest n-gram of ``prompt_lookup_max``
+    down to ``prompt_lookup_min`` tokens ending the sequence is looked up earlier in its prompt
+    and output, and the tokens that followed its first occurrence are the drafts."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    METHODS = ("ngram",)
+
+    def __post_init__(self) -> None:
+        if self.method not in self.METHODS:
+            raise ValueError(f"method must be one of {self.METHODS}, got {self.method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an :class:`~paged_attention.engine.Engine` is built from but the model and
     tokenizer: its ``cache`` and ``scheduler`` configs; ``cuda_graphs`` (``None``: on for a
     model on one CUDA device) and ``compile`` (decode steps through ``torch.compile``, a CPU
     model) for the decode steps; ``eos_token_id`` (one id or several; ``None``: the model's
-    generation config's)."""
+    generation config's); ``speculative`` (a :class:`SpeculativeConfig`, or a dict of its
+    fields; ``None``: off)."""
 
     cache: CacheConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cuda_graphs: bool | None = None
     compile: bool = False
     eos_token_id: int | tuple[int, ...] | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -237,6 +270,21 @@ class EngineConfig:
         for token in ids:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise ValueError(f"eos_token_id must hold token ids >= 0, got {token!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        speculative = self.speculative
+        if isinstance(speculative, dict):
+            try:
+                speculative = SpeculativeConfig(**speculative)
+            except TypeError as error:
+                raise TypeError(f"speculative: {error}") from None
+            object.__setattr__(self, "speculative", speculative)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(
+                "speculative must be a SpeculativeConfig, a dict of its fields or None, got "
+                f"{type(speculative).__name__}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -31,10 +31,12 @@ from paged_attention.engine.hybrid_runner import (
 )
 from paged_attention.engine.logprobs import record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
+from paged_attention.engine.plan import ScheduledChunk
 from paged_attention.engine.request import Request
 from paged_attention.engine.request import Sequence as EngineSequence
 from paged_attention.engine.sampler import beam_candidates, draw
 from paged_attention.engine.scheduler import Scheduler, SchedulerOutput
+from paged_attention.engine.spec_decode import Verified, verify_drafts
 from paged_attention.engine.stats import EngineStats
 from paged_attention.modeling.geometry import ModelGeometry
 from paged_attention.modeling.mla import resolve as resolve_mla
@@ -70,6 +72,11 @@ class EngineCore:
         geometry = ModelGeometry.of(model, mla=mla)
         if geometry.state_layers:
             config = check_hybrid_engine(model, config, geometry)
+        if config.speculative is not None and geometry.tensor_parallel.size > 1:
+            raise ValueError(
+                "speculative decoding is not supported with tensor parallelism; pass "
+                "speculative=None"
+            )
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
@@ -80,7 +87,9 @@ class EngineCore:
         self.block_manager = geometry.block_manager(
             self.kv_cache, config.cache.enable_prefix_caching, config.scheduler.max_num_seqs
         )
-        self.scheduler = Scheduler(self.block_manager, config.scheduler)
+        self.scheduler = Scheduler(
+            self.block_manager, config.scheduler, speculative=config.speculative
+        )
         self.hybrid: HybridRunner | None = None
         if geometry.state_layers:  # conv and recurrent states in state slots
             self.hybrid = HybridRunner(model, geometry, self.kv_cache, self.block_manager.states)
@@ -169,26 +178,45 @@ class EngineCore:
         if self.hybrid is not None:
             self.hybrid.commit_states()
         self._record_tokens(updated)
+        if choices is not None:
+            self.stats.count_drafts(c for _, c in choices.values() if isinstance(c, Verified))
         result.updated += updated
         self.stats.record_step(self.scheduler, started)
         return result
 
     def _choose_tokens(self, out: SchedulerOutput, logits: torch.Tensor) -> dict:
-        """Every sampling request's next tokens and every beam request's candidates, keyed by
-        ``id(request)``, touching nothing but the requests' generators, which are restored if
-        anything raises (a retried step then draws the same tokens)."""
+        """Every sampling request's next tokens (a drafting one's verified drafts and token)
+        and every beam request's candidates, keyed by ``id(request)``, touching nothing but the
+        requests' generators, which are restored if anything raises (a retried step then draws
+        the same tokens)."""
         rows: dict[int, tuple[Request, list[int]]] = {}
+        drafting: dict[int, ScheduledChunk] = {}
         row = 0
         for chunk in out.chunks:
             if chunk.samples:
-                rows.setdefault(id(chunk.request), (chunk.request, []))[1].append(row)
-                row += 1
-        sampled = [(r, rows) for r, rows in rows.values() if not r.params.is_beam_search]
-        states = [(r.generator, r.generator.get_state()) for r, _ in sampled]
+                rows.setdefault(id(chunk.request), (chunk.request, []))[1].extend(
+                    range(row, row + chunk.num_sample_rows)
+                )
+                row += chunk.num_sample_rows
+                if chunk.drafts:
+                    drafting[id(chunk.request)] = chunk
+        sampled = [
+            (r, its_rows)
+            for r, its_rows in rows.values()
+            if not r.params.is_beam_search and id(r) not in drafting
+        ]
+        verified = [
+            (r, drafting[id(r)], its_rows) for r, its_rows in rows.values() if id(r) in drafting
+        ]
+        states = [(r.generator, r.generator.get_state()) for r, *_ in sampled + verified]
         try:
-            choices = dict(
-                zip((id(r) for r, _ in sampled), draw(logits, sampled, self.eos_token_ids))
-            )
+            choices = {}
+            if sampled:
+                drawn = draw(logits, sampled, self.eos_token_ids)
+                choices.update(zip((id(r) for r, _ in sampled), drawn))
+            if verified:
+                checked = verify_drafts(logits, verified, self.eos_token_ids)
+                choices.update(zip((id(r) for r, *_ in verified), checked))
             for request, request_rows in rows.values():
                 if request.params.is_beam_search:
                     end_tokens = self.eos_token_ids | set(request.params.stop_token_ids)
@@ -233,7 +261,7 @@ class EngineCore:
         the same rejections, chunks (with the tokens they feed), copies and swaps."""
         plan = [torch.tensor([request.request_id for request, _ in out.rejected])]
         for chunk in out.chunks:
-            tokens = chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
+            tokens = chunk.fed_tokens()
             plan.append(torch.tensor([chunk.seq.seq_id, chunk.start, chunk.count, *tokens]))
         for kind, pairs in out.block_ops:
             code = ("copy", "swap_out", "swap_in").index(kind)

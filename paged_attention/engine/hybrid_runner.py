@@ -142,13 +142,19 @@ class HybridRunner(ModelRunner):
 
 def check_hybrid_engine(model, config: EngineConfig, geometry: ModelGeometry) -> EngineConfig:
     """``config`` as a hybrid model's engine can run it: prefix caching off (with a warning);
-    compiled or CUDA-graph decode steps refused with ValueError; a ``max_memory`` budget holds
-    the state slots of ``max_num_seqs`` sequences, and the KV blocks what is left."""
+    compiled or CUDA-graph decode steps and speculative decoding refused with ValueError; a
+    ``max_memory`` budget holds the state slots of ``max_num_seqs`` sequences, and the KV
+    blocks what is left."""
     name = type(model).__name__
     if config.compile or config.cuda_graphs:
         raise ValueError(
             f"{name} is a hybrid model: the engine runs each of its chunks as a forward pass of "
             "its own, which compile=True and cuda_graphs=True do not capture; pass them False"
+        )
+    if config.speculative is not None:
+        raise ValueError(
+            f"{name} is a hybrid model: its conv and recurrent states cannot be cut back past "
+            "rejected draft tokens, so speculative decoding is refused; pass speculative=None"
         )
     cache = config.cache
     if cache.enable_prefix_caching:

@@ -66,7 +66,7 @@ def record_prompt_logprobs(chunks: Sequence, logits: torch.Tensor) -> None:
     spans = [(request, positions) for request, positions in spans if positions]
     if not spans:
         return
-    first_row = sum(1 for chunk in chunks if chunk.samples)
+    first_row = sum(chunk.num_sample_rows for chunk in chunks)
     targets = [
         t
         for request, positions in spans

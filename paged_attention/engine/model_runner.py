@@ -154,8 +154,9 @@ class ModelRunner:
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The forward pass of the step's chunks; float32 logits on the model's device, one row
-        per chunk that samples (in chunk order)."""
-        if self.graphs is not None and self.graphs.fits(out):
+        per chunk that samples (in chunk order), one more per draft of a drafting chunk (a step
+        with drafts runs eagerly: its queries are several tokens long)."""
+        if self.graphs is not None and not out.has_drafts and self.graphs.fits(out):
             return self.graphs.run(out)
         tokens: list[int] = []
         positions: list[int] = []
@@ -165,10 +166,9 @@ class ModelRunner:
             first_row = len(tokens) - chunk.start  # the packed row of the chunk's position 0
             positions_scored = prompt_positions(chunk.request, chunk.start, chunk.end)
             prompt_rows += [first_row + p for p in positions_scored]
-            tokens += chunk.request.token_slice(chunk.seq, chunk.start, chunk.end)
+            tokens += chunk.fed_tokens()
             positions += range(chunk.start, chunk.end)
-            if chunk.samples:
-                sample_rows.append(len(tokens) - 1)
+            sample_rows += range(len(tokens) - chunk.num_sample_rows, len(tokens))
         logits = self.forward(
             torch.tensor([tokens], device=self.device),
             torch.tensor([positions], device=self.device),

@@ -13,13 +13,16 @@ from paged_attention.kv.step_inputs import StepInputs
 
 @dataclass
 class ScheduledChunk:
-    """Tokens ``start .. start + count - 1`` of ``seq`` are computed in this step."""
+    """Tokens ``start .. start + count - 1`` of ``seq`` are computed in this step. A decode
+    chunk with ``drafts`` (speculative decoding) feeds them after the sequence's last token:
+    ``count`` counts them, and every one of its rows is scored."""
 
     request: Request
     seq: Sequence
     start: int
     count: int
     allocated: bool = False  # the step allocated the sequence (rather than appending to it)
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -28,7 +31,18 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """The chunk computes the sequence's last token: its logits give the next one."""
-        return self.end == self.request.num_tokens(self.seq)
+        return self.end - len(self.drafts) == self.request.num_tokens(self.seq)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """The rows of logits the step keeps for this chunk: its last one if it samples, and
+        one per draft (the model's choice after each)."""
+        return 1 + len(self.drafts) if self.samples else 0
+
+    def fed_tokens(self) -> list[int]:
+        """The token ids the forward pass feeds for this chunk, drafts last."""
+        known = self.request.token_slice(self.seq, self.start, self.end - len(self.drafts))
+        return known + self.drafts if self.drafts else known
 
 
 @dataclass
@@ -49,6 +63,8 @@ class SchedulerOutput:
     rejected: list[tuple[Request, str]] = field(default_factory=list)
     # Blocks whose KV this step's prompt chunks compute (not written yet while it is planned).
     blocks_computed: set[int] = field(default_factory=set)
+    # Copies an earlier step's cut of rejected drafts left to this step ((seq_id, pair)).
+    carried_copies: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -56,7 +72,11 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.count for c in self.prefill)
+        return sum(c.count for c in self.decode) + sum(c.count for c in self.prefill)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(c.drafts for c in self.decode)
 
 
 @dataclass

@@ -16,6 +16,9 @@ Pure policy: no model and no tensors but the ones the block manager returns. Eac
    budget (``max_num_batched_tokens``) and blocks allow. A request that could never run, even
    alone with the whole pool, is rejected with the reason; one that fits later waits (and so do
    the requests behind it). Nothing new is admitted while a request is swapped out.
+4. Draft (speculative decoding): decoding sequences get slots for drafted tokens with what is
+   left of the budget and of the pool above its watermark; nothing waits or is preempted for
+   drafts.
 
 Every step's work is a list of chunks: ``count`` tokens of one sequence starting at position
 ``start``. Decodes come first, then prompt chunks, oldest request first, until the token budget
@@ -39,10 +42,11 @@ import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 
-from paged_attention.engine.config import SchedulerConfig
+from paged_attention.engine.config import SchedulerConfig, SpeculativeConfig
 from paged_attention.engine.plan import ScheduledChunk, SchedulerOutput, SchedulerStats
 from paged_attention.engine.request import Request, RequestStatus, Sequence
 from paged_attention.engine.reservations import ChunkReserver
+from paged_attention.engine.spec_decode import DraftSlots
 from paged_attention.engine.step_update import StepUpdate
 from paged_attention.kv.block_manager import (
     RELEASED,
@@ -62,10 +66,16 @@ class Scheduler:
     """Admission, resumption, preemption and the per-step token budget over ``manager``."""
 
     def __init__(
-        self, manager: BlockManager, config: SchedulerConfig | None = None, **kwargs
+        self,
+        manager: BlockManager,
+        config: SchedulerConfig | None = None,
+        *,
+        speculative: SpeculativeConfig | None = None,
+        **kwargs,
     ) -> None:
         """``config`` (or its fields as keyword arguments: ``max_num_seqs``,
-        ``max_num_batched_tokens``) is validated by :class:`SchedulerConfig`."""
+        ``max_num_batched_tokens``) is validated by :class:`SchedulerConfig`; ``speculative``:
+        drafts for decoding sequences (:class:`~paged_attention.engine.spec_decode.DraftSlots`)."""
         if config is None:
             config = SchedulerConfig(**kwargs)
         elif kwargs:
@@ -83,6 +93,7 @@ class Scheduler:
         self._admission_order: dict[int, int] = {}  # request_id -> its first admission
         self._update = StepUpdate(self)
         self._reserver = ChunkReserver(manager, self.stats)
+        self.drafts = DraftSlots(manager, speculative)
 
     # ------------------------------------------------------------------ requests
 
@@ -158,11 +169,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        limit = math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         self._resume_swapped(out)
-        budget -= self._reserve_decodes(out)
+        budget = limit - self._reserve_decodes(out)
         budget = self._continue_prefills(out, budget)
         self._admit_waiting(out, budget)
+        self.drafts.reserve(out, limit - out.num_tokens)
         out.inputs = self._step_inputs(out)
         return out
 
@@ -177,6 +189,7 @@ class Scheduler:
         copies the cache must make (a kept partly filled block that other sequences share as a
         prefix-cache entry is copied rather than rewritten)."""
         pairs = self._reserver.release(out.chunks + out.forked)
+        self.drafts.restore(out)
         for request in reversed(out.admitted):
             self.running.remove(request)
             if all(not s.tokens for s in request.seqs):  # a new request: its sequence goes too
@@ -217,7 +230,7 @@ class Scheduler:
             out.block_ops.append(("swap_in", pairs))
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
-            self._insert_by_admission(self.running, request)
+            _insert_by_admission(self._admission_order, self.running, request)
             self.stats.swaps_in += 1
             self.stats.blocks_swapped_in += len(pairs)
 
@@ -308,7 +321,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self._admission_order.setdefault(request.request_id, next(self._admissions))
-            self._insert_by_admission(self.running, request)
+            _insert_by_admission(self._admission_order, self.running, request)
             out.admitted.append(request)
             if request.metrics.first_scheduled_step is None:
                 request.metrics.num_cached_prompt_tokens = min(chunks[0].start, len(request.prompt))
@@ -338,7 +351,7 @@ class Scheduler:
             pairs = self.block_manager.swap_out(ids)
             out.block_ops.append(("swap_out", pairs))
             request.status = RequestStatus.SWAPPED
-            self._insert_by_admission(self.swapped, request)
+            _insert_by_admission(self._admission_order, self.swapped, request)
             self.stats.preemptions_by_swap += 1
             self.stats.blocks_swapped_out += len(pairs)
             return
@@ -349,7 +362,8 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.stats.preemptions_by_recompute += 1
 
-    def _insert_by_admission(self, queue: list[Request], request: Request) -> None:
-        order = self._admission_order
-        keys = [order[r.request_id] for r in queue]
-        queue.insert(bisect.bisect(keys, order[request.request_id]), request)
+
+def _insert_by_admission(order: dict[int, int], queue: list[Request], request: Request) -> None:
+    """Insert ``request`` into ``queue`` by its admission ``order`` (request id -> rank)."""
+    keys = [order[r.request_id] for r in queue]
+    queue.insert(bisect.bisect(keys, order[request.request_id]), request)

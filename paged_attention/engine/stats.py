@@ -26,6 +26,8 @@ class EngineStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     preemptions_by_recompute: int = 0  # requests preempted by freeing, recomputed later
+    draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    accepted_draft_tokens: int = 0  # of those, accepted (each saves the model a step)
     seconds: float = 0.0  # time spent in step()
     # per step: (device blocks in use, blocks a max-length contiguous reservation would hold)
     timeline: list[tuple[int, int]] = field(default_factory=list)
@@ -42,6 +44,19 @@ class EngineStats:
             chunk.request.metrics.num_computed_prompt_tokens += prompt_part
             self.prompt_tokens_computed += prompt_part
             self.recomputed_tokens += chunk.count - prompt_part
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted drafts over drafted tokens; None before any draft."""
+        if not self.draft_tokens:
+            return None
+        return self.accepted_draft_tokens / self.draft_tokens
+
+    def count_drafts(self, verified) -> None:
+        """The drafts a successful step verified (``Verified`` results)."""
+        for result in verified:
+            self.draft_tokens += result.drafted
+            self.accepted_draft_tokens += result.accepted
 
     def record_step(self, scheduler, started: float) -> None:
         """A step that began at ``started`` (``time.perf_counter()``) ended: the pool's use and

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
 from paged_attention.engine.request import Drawn, Request, Sequence
+from paged_attention.engine.spec_decode import Verified
 from paged_attention.kv.block_manager import reassign
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ class StepUpdate:
         end_token_ids: Collection[int],
     ) -> list[Request]:
         """Give each request its ``sampled`` choice (a sampling request: a
-        :class:`~paged_attention.engine.request.Drawn`, one token per sequence, in order; a beam
+        :class:`~paged_attention.engine.request.Drawn`, one token per sequence, in order, or for
+        a drafting one a :class:`~paged_attention.engine.spec_decode.Verified`; a beam
         request: ``(continuing, finished)`` candidates, :func:`~paged_attention.engine.sampler.
         beam_candidates`). Samples fork from the prompt at their first token, beams are
         reassigned, ``finish_reason(request, seq)`` ends sequences (``end_token_ids``: what
@@ -42,6 +44,8 @@ class StepUpdate:
             request.new_tokens = {}
             if request.params.is_beam_search:
                 self._update_beams(request, *choice, end_token_ids)
+            elif isinstance(choice, Verified):
+                self._update_verified(request, choice, finish_reason)
             else:
                 self._update_samples(request, choice, finish_reason)
             if not request.seqs:
@@ -67,6 +71,29 @@ class StepUpdate:
         manager.free_many(s.seq_id for s in finished)
         request.done += finished
         request.seqs = [s for s in request.seqs if s.finish_reason is None]
+
+    def _update_verified(
+        self, request: Request, verified: Verified, finish_reason: FinishReason
+    ) -> None:
+        """A drafting sequence's tokens, appended one by one until one ends it (the rest are
+        dropped); a sequence that goes on gives back the slots of its rejected drafts."""
+        seq = request.seqs[0]
+        new = request.new_tokens[seq.seq_id] = []
+        for i, token in enumerate(verified.tokens):
+            seq.tokens.append(token)
+            new.append(token)
+            if verified.logprobs is not None:
+                request.logprobs.setdefault(seq.seq_id, []).append(verified.logprobs[i])
+            seq.finish_reason = finish_reason(request, seq)
+            if seq.finish_reason is not None:
+                self.scheduler.block_manager.free(seq.seq_id)
+                request.done.append(seq)
+                request.seqs = []
+                return
+        # The fed token and the accepted drafts are computed; the model's own token is next.
+        seq.num_computed = request.num_tokens(seq) - 1
+        if verified.accepted < verified.drafted:
+            self.scheduler.drafts.give_back(seq.seq_id, seq.num_computed)
 
     def _update_beams(self, request: Request, continuing, finished, end_token_ids) -> None:
         """Keep the ``beam_width`` best continuations; a continuation ending in an end token

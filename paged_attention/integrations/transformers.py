@@ -56,9 +56,8 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
     from the prompt's keys and values: :class:`~paged_attention.kv.cache.PagedKVCache`), and
     ``enable_prefix_caching`` lets sequences allocated with their token ids share cached prompt
     blocks. ``mla``: how multi-head latent attention (DeepSeek, LongCat-Flash) is cached:
-    ``"latent"`` (one vector per token and layer, in the absorbed form of
-    :mod:`paged_attention.modeling.mla`), ``"expanded"`` (every head's key and value), or None:
-    latent unless the cache is fp8.
+    ``"latent"`` (one vector per token and layer: :mod:`paged_attention.modeling.mla`),
+    ``"expanded"`` (every head's key and value), or None: latent unless the cache is fp8.
 
     Supports decoder-only models whose attention goes through transformers' attention
     interface (docs/models.md: GQA/MQA, sliding windows, soft-caps, sinks, per-layer shapes),

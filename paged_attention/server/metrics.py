@@ -90,6 +90,8 @@ class ServerMetrics:
             "generated_tokens": stats.generated_tokens,
             "preemptions": stats.swaps_out + stats.preemptions_by_recompute,
             "steps": stats.steps,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_draft_tokens": stats.accepted_draft_tokens,
         }
 
 
@@ -137,6 +139,16 @@ class _EngineCollector:
             ("generation_tokens", "Tokens generated, over all sequences.", "generated_tokens"),
             ("num_preemptions", "Requests preempted (swapped out or recomputed).", "preemptions"),
             ("engine_steps", "Engine steps run.", "steps"),
+            (
+                "spec_decode_num_draft_tokens",
+                "Drafted tokens verified (speculative decoding).",
+                "draft_tokens",
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Drafted tokens the model accepted (speculative decoding).",
+                "accepted_draft_tokens",
+            ),
         ]
         for name, help_text, key in counters:
             yield CounterMetricFamily(PREFIX + name, help_text, value=s[key])
