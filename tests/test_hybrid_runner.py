@@ -114,3 +114,12 @@ def test_a_memory_budget_holds_the_states_of_max_num_seqs_sequences(lfm2):
             Engine(lfm2.model, max_memory=budget, block_size=BLOCK, max_num_seqs=4096)
     finally:
         lfm2.model.set_attn_implementation(lfm2.default)
+
+
+def test_speculative_decoding_is_refused_for_hybrid_models(lfm2):
+    # rejected drafts would have advanced the conv and recurrent states past the kept tokens
+    try:
+        with pytest.raises(ValueError, match="speculative decoding is refused"):
+            Engine(lfm2.model, num_blocks=8, block_size=BLOCK, speculative={})
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)

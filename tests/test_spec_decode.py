@@ -151,8 +151,8 @@ def test_the_servers_metrics_count_drafted_and_accepted_tokens(model):
 
 
 def test_tensor_parallel_engines_refuse_speculation(model, monkeypatch):
-    split = types.SimpleNamespace(tensor_parallel=types.SimpleNamespace(size=2))
-    monkeypatch.setattr(core_module.ModelGeometry, "of", classmethod(lambda cls, m: split))
+    split = types.SimpleNamespace(tensor_parallel=types.SimpleNamespace(size=2), state_layers=())
+    monkeypatch.setattr(core_module.ModelGeometry, "of", classmethod(lambda cls, m, **kw: split))
     with pytest.raises(ValueError, match="speculative=None"):
         Engine(model, num_blocks=8, block_size=BLOCK, speculative=NGRAM)
 
