@@ -859,6 +859,29 @@ def test_serve_command_refuses_bad_arguments(arguments, option, capsys):
     assert option in error and "Traceback" not in error
 
 
+def test_serve_speculative_ngram_drafts_and_keeps_the_greedy_answer(tiny, monkeypatch, tmp_path):
+    import argparse
+
+    from paged_attention.cli import serve
+
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))  # a cold compile cache: eager
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    base = ["--model", MODEL, "--num-blocks", "32"]
+    plain = serve.build_engine(*tiny, parser.parse_args(base))
+    speculative = serve.build_engine(*tiny, parser.parse_args([*base, "--speculative-ngram", "3"]))
+    assert plain.scheduler.drafts.config is None
+    assert speculative.scheduler.drafts.config.num_speculative_tokens == 3
+    prompt = list(range(10, 20)) * 4  # a prompt the answer can repeat: drafts to verify
+    params = SamplingParams(max_new_tokens=24)
+    (expected,), (drafted,) = (
+        plain.generate([prompt], params),
+        speculative.generate([prompt], params),
+    )
+    assert drafted.outputs == expected.outputs
+    assert speculative.stats.draft_tokens > 0
+
+
 def test_serve_compile_compiles_every_batch_size_before_serving(tiny, tmp_path, monkeypatch):
     # --compile compiles (and caches); then the default compiles too, the cache being warm
     import argparse

@@ -79,6 +79,28 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
         help="CPU: run decode steps through torch.compile, one graph per padded batch size "
         "(1, 8, 32 and --max-num-seqs), compiled before the first request. The first --compile "
         "of a model takes a minute or two per batch size and caches the result in "
-        "~/.cache/paged_attention/compiled; later starts load it in seconds. Default: compiled "
-        "when that cache is warm, else eager (with a line saying so); --no-compile: eager",
+        "~/.cache/paged_attention/compiled; later starts load it instead of compiling again "
+        "(the model is traced again, nothing is built again). Default: compiled when that "
+        "cache is warm, else eager (with a line saying so); --no-compile: eager",
     )
+
+
+def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
+    """``--speculative-ngram K``, as ``serve`` and ``chat`` take it (default: off)."""
+    parser.add_argument(
+        "--speculative-ngram",
+        type=positive_int,
+        metavar="K",
+        help="speculative decoding: up to K tokens per step drafted by prompt lookup (n-grams "
+        "of the prompt and answer) and verified by the model; greedy answers are the plain "
+        "ones up to rounding (in bfloat16 a near-tie may go the other way)",
+    )
+
+
+def speculative_config(args: argparse.Namespace):
+    """The engine's speculative decoding from ``--speculative-ngram``, or None (off)."""
+    from paged_attention.engine import SpeculativeConfig
+
+    if not args.speculative_ngram:
+        return None
+    return SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)

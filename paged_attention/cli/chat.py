@@ -18,9 +18,11 @@ import torch
 
 from paged_attention.cli.arguments import (
     add_compile_argument,
+    add_speculative_argument,
     non_negative_float,
     positive_int,
     seed_int,
+    speculative_config,
     unit_interval,
 )
 from paged_attention.errors import UsageError
@@ -87,14 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
     add_compile_argument(parser)
-    parser.add_argument(
-        "--speculative-ngram",
-        type=positive_int,
-        metavar="K",
-        help="speculative decoding: up to K tokens per step drafted by prompt lookup (n-grams "
-        "of the prompt and answer) and verified by the model; greedy answers are the plain "
-        "ones up to rounding (in bfloat16 a near-tie may go the other way)",
-    )
+    add_speculative_argument(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -175,7 +170,6 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
         Engine,
         EngineConfig,
         SchedulerConfig,
-        SpeculativeConfig,
     )
     from paged_attention.engine.compile_cache import compile_decode_steps
     from paged_attention.modeling.models import ModelLoadError, load_model
@@ -197,9 +191,7 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
             block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
         )
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs)
-        speculative = None
-        if args.speculative_ngram:
-            speculative = SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)
+        speculative = speculative_config(args)
         config = EngineConfig(
             cache, scheduler, compile=compiled is not None, speculative=speculative
         )

@@ -23,10 +23,12 @@ import torch
 
 from paged_attention.cli.arguments import (
     add_compile_argument,
+    add_speculative_argument,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+    speculative_config,
 )
 from paged_attention.errors import UsageError
 
@@ -89,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch")
     add_compile_argument(parser)
+    add_speculative_argument(parser)
     parser.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
@@ -286,6 +289,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
                 max_num_batched_tokens=args.max_num_batched_tokens,
             ),
             compile=compiled is not None,
+            speculative=speculative_config(args),
         )
         engine = Engine(model, config, tokenizer=tokenizer)
     except ValueError as error:  # sizes the engine refuses, or a model it cannot serve

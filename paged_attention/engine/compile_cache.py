@@ -204,7 +204,7 @@ def eager_hint(cache: CompileCache) -> str:
     return (
         "decode steps run eagerly: none are compiled for this model yet; start once with "
         "--compile to compile them (a minute or two per batch size) and cache them in "
-        f"{cache.directory}, and later starts load them in seconds"
+        f"{cache.directory}; later starts load them instead of compiling again"
     )
 
 
