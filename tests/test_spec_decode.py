@@ -15,7 +15,12 @@ from hypothesis.stateful import rule
 
 transformers = pytest.importorskip("transformers")
 
-from test_engine import BLOCK, FailOnce, assert_all_freed, prompts  # noqa: E402
+from test_engine import (  # noqa: E402
+    BLOCK,
+    assert_all_freed,
+    prompts,
+    run_through_one_failure,
+)
 
 from paged_attention.engine import (  # noqa: E402
     Engine,
@@ -403,21 +408,8 @@ def test_a_failed_forward_with_drafts_changes_nothing(model, fail_at):
     params = SamplingParams(30)
     _, expected = run(model, work, params, NGRAM)
     engine = Engine(model, num_blocks=200, block_size=BLOCK, speculative=NGRAM)
-    mlp = model.model.layers[1].mlp
-    mlp.forward = FailOnce(mlp, fail_at)
-    try:
-        ids = [engine.add_request(p, params) for p in work]
-        finished, failures = {}, 0
-        while engine.has_unfinished():
-            try:
-                finished.update((o.request_id, o) for o in engine.step() if o.finished)
-            except RuntimeError as error:
-                assert "injected failure" in str(error)
-                failures += 1
-    finally:
-        del mlp.forward
-    assert failures == 1
-    assert [finished[i].outputs for i in ids] == [o.outputs for o in expected]
+    outputs = run_through_one_failure(engine, model, [(p, params) for p in work], fail_at)
+    assert outputs == [o.outputs for o in expected]
     assert_all_freed(engine)
 
 
