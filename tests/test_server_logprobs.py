@@ -149,8 +149,12 @@ def test_chat_without_logprobs_has_none(served):
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, **fields
         )
         assert answer.choices[0].logprobs is None
-    answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True
+    answer = client.chat.completions.create(  # two tokens even where the sample is the end
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
     )
     assert [entry.top_logprobs for entry in answer.choices[0].logprobs.content] == [[], []]
 
