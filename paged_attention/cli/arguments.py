@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from paged_attention.errors import UsageError
+
 
 def positive_int(text: str) -> int:
     try:
@@ -104,3 +106,24 @@ def speculative_config(args: argparse.Namespace):
     if not args.speculative_ngram:
         return None
     return SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)
+
+
+def decode_compile_cache(model, args: argparse.Namespace, max_num_seqs: int, say):
+    """The compile cache of the engine's decode steps when they are to be compiled
+    (``--compile``, or by default when that cache is warm), else None: eager, by default with
+    a line through ``say`` saying how to compile them
+    (:func:`~paged_attention.engine.compile_cache.cache_to_compile_with`)."""
+    from paged_attention.engine.compile_cache import cache_to_compile_with
+
+    try:
+        return cache_to_compile_with(
+            args.model,
+            model,
+            weights=args.weights,
+            device=args.device,
+            requested=args.compile,
+            max_num_seqs=max_num_seqs,
+            say=say,
+        )
+    except ValueError as error:
+        raise UsageError(f"--compile: {error}") from None

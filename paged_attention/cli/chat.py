@@ -19,6 +19,7 @@ import torch
 from paged_attention.cli.arguments import (
     add_compile_argument,
     add_speculative_argument,
+    decode_compile_cache,
     non_negative_float,
     positive_int,
     seed_int,
@@ -185,7 +186,7 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"--model {args.model}: it has no tokenizer with a chat template")
     block_size = 16
-    compiled = _decode_compile_cache(model, args, max_num_seqs)
+    compiled = decode_compile_cache(model, args, max_num_seqs, _say)
     try:
         cache = CacheConfig(
             block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
@@ -201,25 +202,6 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
     if compiled is not None:
         compile_decode_steps(engine, compiled, _say)
     return engine
-
-
-def _decode_compile_cache(model, args: argparse.Namespace, max_num_seqs: int):
-    """The compile cache to compile the decode steps through, or None: eager
-    (:func:`~paged_attention.engine.compile_cache.cache_to_compile_with`)."""
-    from paged_attention.engine.compile_cache import cache_to_compile_with
-
-    try:
-        return cache_to_compile_with(
-            args.model,
-            model,
-            weights=args.weights,
-            device=args.device,
-            requested=args.compile,
-            max_num_seqs=max_num_seqs,
-            say=_say,
-        )
-    except ValueError as error:
-        raise UsageError(f"--compile: {error}") from None
 
 
 def _say(line: str) -> None:

@@ -24,6 +24,7 @@ import torch
 from paged_attention.cli.arguments import (
     add_compile_argument,
     add_speculative_argument,
+    decode_compile_cache,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -274,7 +275,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
     memory = None
     if args.num_blocks is None:
         memory = int((args.kv_memory or DEFAULT_KV_MEMORY_GIB) * 2**30)
-    compiled = decode_compile_cache(model, args)
+    compiled = decode_compile_cache(model, args, args.max_num_seqs, logging.info)
     try:
         config = EngineConfig(
             CacheConfig(
@@ -300,26 +301,6 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
     if compiled is not None:
         compile_decode_steps(engine, compiled, logging.info)
     return engine
-
-
-def decode_compile_cache(model, args: argparse.Namespace):
-    """The compile cache of the engine's decode steps when they are to be compiled
-    (``--compile``, or by default when that cache is warm), else None (eager; by default with
-    a line saying how to compile them)."""
-    from paged_attention.engine.compile_cache import cache_to_compile_with
-
-    try:
-        return cache_to_compile_with(
-            args.model,
-            model,
-            weights=args.weights,
-            device=args.device,
-            requested=args.compile,
-            max_num_seqs=args.max_num_seqs,
-            say=logging.info,
-        )
-    except ValueError as error:
-        raise UsageError(f"--compile: {error}") from None
 
 
 def _url_host(host: str) -> str:
