@@ -160,6 +160,10 @@ def test_a_hybrid_model_is_read_with_its_state_layers(model_type, state_layers, 
     kinds = model.config.layer_types
     assert [kind in ("full_attention", "hybrid") for kind in kinds] == attends
     assert all(layer.attends_everything for layer in geometry.layers)  # "hybrid": full
+    # the cache holds keys and values for the attention layers only
+    assert [layer.attends for layer in geometry.layers] == attends
+    assert geometry.num_layers == sum(attends)
+    assert geometry.kv_cache(BLOCK, 8, None).num_layers == sum(attends)
     manager = geometry.block_manager(geometry.kv_cache(BLOCK, 8, None), False, 5)
     assert manager.state_stats().num_slots == 5
     with pytest.raises(ValueError, match="prefix caching cannot serve a hybrid model"):

@@ -53,6 +53,13 @@ def test_a_reusing_layer_reads_the_last_earlier_storing_layer_of_its_kind(gemma3
     assert kv_sources(SimpleNamespace(kv_sharing_modes=[None, None]), [SLIDE, FULL]) == [None] * 2
 
 
+def test_layers_that_attend_nothing_have_no_place_in_the_cache():
+    full = LayerGeometry(num_heads=2, num_kv_heads=1, head_size=8)
+    state = LayerGeometry(num_heads=2, num_kv_heads=1, head_size=8, attends=False)
+    layers = [state, full, state, full, LayerGeometry(2, 1, 8, kv_source=3)]
+    assert cache_indices(layers) == (None, 0, None, 1, 1)
+
+
 def test_a_reusing_layer_with_nothing_to_read_is_refused():
     config = SimpleNamespace(kv_sharing_modes=["store", "reuse"])
     with pytest.raises(UnsupportedModelError, match="no earlier layer of the model stores them"):

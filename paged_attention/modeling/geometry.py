@@ -51,6 +51,9 @@ _NO_CACHE_LAYER_TYPES = {"mlp", "moe"}
 # Zamba2) attend as well, over every position or a window.
 _STATE_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding"}
 _ATTENTION_OF = {"hybrid": FULL, "hybrid_sliding": SLIDING}
+# Layers that store no keys and values: those that keep only a state ("hybrid" layers keep a
+# state and attend) and those with neither (an MLP or MoE block as a layer of its own).
+_NO_KV_LAYER_TYPES = (_STATE_LAYER_TYPES - set(_ATTENTION_OF)) | _NO_CACHE_LAYER_TYPES
 # DeepSeek-V3.2's layers: latent attention over the tokens a lightning indexer selects.
 _SPARSE_INDEXED = "indexed_attention"
 
@@ -73,7 +76,10 @@ class LayerGeometry:
     one KV head whose keys are the rotary parts (``head_size``: ``qk_rope_head_dim``) and whose
     values are the compressed latents (``v_head_size``: ``kv_lora_rank``). ``kv_source``: the
     index of the layer whose keys and values this layer reads instead of storing its own (KV
-    sharing, :mod:`paged_attention.modeling.kv_sharing`); None: its own."""
+    sharing, :mod:`paged_attention.modeling.kv_sharing`); None: its own. ``attends`` False: a
+    hybrid model's layer that attends nothing (a conv or linear-attention layer, which keeps a
+    state in a state slot, or an MLP or MoE block): the cache holds no blocks for it, and its
+    head fields are the config's."""
 
     num_heads: int
     num_kv_heads: int
@@ -86,6 +92,7 @@ class LayerGeometry:
     v_head_size: int = 0
     latent_rank: int = 0
     kv_source: int | None = None
+    attends: bool = True
 
     def __post_init__(self) -> None:
         if not self.v_head_size:
@@ -144,6 +151,10 @@ class ModelGeometry:
             )
             for index in range(len(configs))
         ]
+        layers = [
+            replace(layer, attends=False) if kinds[index] in _NO_KV_LAYER_TYPES else layer
+            for index, layer in enumerate(layers)
+        ]
         # kv_sharing reads geometry's types, so it is imported where it is used
         from paged_attention.modeling.kv_sharing import with_kv_sources
 
@@ -167,8 +178,8 @@ class ModelGeometry:
     @property
     def cached_layers(self) -> tuple[LayerGeometry, ...]:
         """The layers whose keys and values the cache holds: every layer but those that read
-        another layer's (``kv_source``)."""
-        return tuple(layer for layer in self.layers if layer.kv_source is None)
+        another layer's (``kv_source``) and those that keep only a state (``attends`` False)."""
+        return tuple(layer for layer in self.layers if layer.attends and layer.kv_source is None)
 
     @property
     def num_layers(self) -> int:
@@ -202,8 +213,8 @@ class ModelGeometry:
         that no layer reads a released block: the widest window when every layer slides, the
         chunk size when every layer attends in chunks of one size; ``(None, None)`` (release
         nothing) when some layer attends every position, or layers mix windows and chunks."""
-        windows = {layer.sliding_window for layer in self.layers}
-        chunks = {layer.attention_chunk_size for layer in self.layers}
+        windows = {layer.sliding_window for layer in self.cached_layers}
+        chunks = {layer.attention_chunk_size for layer in self.cached_layers}
         if 0 not in windows:
             return max(windows), None
         if 0 not in chunks and len(chunks) == 1:

@@ -109,13 +109,18 @@ def _refuse_sliced_queries(model: torch.nn.Module) -> None:
         )
 
 
-def cache_indices(layers: tuple[LayerGeometry, ...] | list[LayerGeometry]) -> tuple[int, ...]:
+def cache_indices(
+    layers: tuple[LayerGeometry, ...] | list[LayerGeometry],
+) -> tuple[int | None, ...]:
     """The index in the paged cache of the keys and values each layer attends over: the storing
-    layers are the cache's layers, in order; a reusing layer gets its source's."""
-    indices: list[int] = []
+    layers are the cache's layers, in order; a reusing layer gets its source's; a layer that
+    keeps only a state (``attends`` False) gets None."""
+    indices: list[int | None] = []
     stored = 0
     for layer in layers:
-        if layer.kv_source is None:
+        if not layer.attends:
+            indices.append(None)
+        elif layer.kv_source is None:
             indices.append(stored)
             stored += 1
         else:

@@ -410,8 +410,15 @@ class PagedCacheBase(Cache):
         """PagedAttention over packed ``[tokens, heads, dim]`` rows described by ``metadata``."""
         if self._checks_steps and metadata is not self._checked_metadata:
             self._check_step_on_every_rank(metadata)
+        cached = self.kv_sharing.cache_index[layer_idx]
+        if cached is None:
+            raise ValueError(
+                f"layer {layer_idx} attended through the paged cache, but the model's config "
+                "makes it a conv or linear-attention layer, for which the cache holds no keys "
+                "and values"
+            )
         if self.geometry.layers[layer_idx].latent_rank:
-            caches = self.kv_cache.layer(layer_idx)
+            caches = self.kv_cache.layer(cached)
             return mla.latent_paged_attention(query, key, value, *caches, metadata, scale)
         module = self._modules.get(layer_idx)
         if module is None or module.scale != float(scale):
@@ -431,7 +438,6 @@ class PagedCacheBase(Cache):
             self._modules[layer_idx] = module
         elif sinks is not None:  # the learned sinks, as they are now
             module.sinks = sinks.detach().to(torch.float32).flatten()
-        cached = self.kv_sharing.cache_index[layer_idx]
         if self.kv_sharing.reuses(layer_idx):
             key = value = None  # its source layer stored them: it only reads that layer's cache
         else:
