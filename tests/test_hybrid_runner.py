@@ -21,6 +21,7 @@ from paged_attention.engine.hybrid_runner import (  # noqa: E402
     HybridRunner,
     state_bytes_per_sequence,
 )
+from paged_attention.engine.scheduler import Scheduler  # noqa: E402
 from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
 
 
@@ -123,3 +124,90 @@ def test_speculative_decoding_is_refused_for_hybrid_models(lfm2):
             Engine(lfm2.model, num_blocks=8, block_size=BLOCK, speculative={})
     finally:
         lfm2.model.set_attn_implementation(lfm2.default)
+
+
+# ------------------------------------------------------------------ several sequences a request
+
+
+def full_logits(zoo: Zoo, tokens: list[int]) -> torch.Tensor:
+    """The last position's logits of ``tokens`` on transformers' default attention, no cache."""
+    with torch.inference_mode():
+        return zoo.model(torch.tensor([tokens]), use_cache=False).logits[0, -1].float()
+
+
+def reference_beam_search(zoo: Zoo, prompt, width: int, max_new_tokens: int) -> list[list[int]]:
+    """The engine's beam rules (no end token here), every beam's logits recomputed without a
+    cache."""
+    beams = [([], 0.0)]
+    for _ in range(max_new_tokens):
+        candidates = []
+        for tokens, score in beams:
+            logprobs = full_logits(zoo, prompt + tokens).log_softmax(-1)
+            candidates += [(score + lp, tokens + [t]) for t, lp in enumerate(logprobs.tolist())]
+        candidates.sort(key=lambda c: -c[0])
+        beams = [(tokens, score) for score, tokens in candidates[:width]]
+    beams.sort(key=lambda b: -b[1] / len(b[0]))
+    return [tokens for tokens, _ in beams]
+
+
+def several_sequences() -> list[tuple[list[int], SamplingParams]]:
+    gen = torch.Generator().manual_seed(9)
+    lengths = (11, 19, 6, 14)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    return [
+        (prompts[0], SamplingParams(8, n=3, temperature=1.0, seed=3)),
+        (prompts[1], SamplingParams(8, beam_width=2)),
+        (prompts[2], SamplingParams(8, n=2, temperature=0.8, top_k=20, seed=4)),
+        (prompts[3], SamplingParams(8)),
+    ]
+
+
+def serve_recording(zoo: Zoo, work, **setup):
+    """The outputs of an engine serving ``work``, every logits row it sampled from with the
+    tokens it followed, and the requests it preempted (id, live sequences, tokens each)."""
+    engine = Engine(zoo.model, block_size=BLOCK, eos_token_id=[], **setup)
+    rows, preempted = [], []
+    choose, preempt = EngineCore._choose_tokens, Scheduler._preempt
+
+    def recording_choose(core, out, logits):
+        sampling = [c for c in out.chunks if c.samples]
+        for chunk, row in zip(sampling, logits):
+            rows.append((chunk.request.prompt + chunk.seq.tokens, row.clone()))
+        return choose(core, out, logits)
+
+    def recording_preempt(scheduler, request, out):
+        preempted.append((request.request_id, len(request.seqs), len(request.seqs[0].tokens)))
+        return preempt(scheduler, request, out)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EngineCore, "_choose_tokens", recording_choose)
+            patch.setattr(Scheduler, "_preempt", recording_preempt)
+            outputs = engine.generate([p for p, _ in work], [s for _, s in work])
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+    assert engine.block_manager.state_stats().used_slots == 0
+    return [o.outputs for o in outputs], rows, preempted
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next", "jamba"])
+def test_samples_and_beams_are_exact_under_preemption(model_type):
+    """n > 1 and beams on a hybrid model: a request preempted by recompute after its samples
+    forked recomputes its first sequence to the end of the prompt, the others fork its state
+    there and recompute their own tokens. Every logits row sampled from is the default cache's
+    for the tokens it follows; seeded samples are those of a run never preempted, and beams
+    those of a cacheless reference."""
+    zoo = Zoo(model_type)
+    work = several_sequences()
+    roomy, _, unpreempted = serve_recording(zoo, work, num_blocks=64)
+    assert unpreempted == []
+    tight = dict(num_blocks=10, max_num_batched_tokens=12, max_num_seqs=8)
+    got, rows, preempted = serve_recording(zoo, work, **tight)
+    assert got == roomy
+    # preempted with several sequences that had tokens of their own: they were recomputed
+    assert any(seqs > 1 and tokens > 1 for _, seqs, tokens in preempted), preempted
+    for tokens, row in rows:
+        torch.testing.assert_close(row, full_logits(zoo, tokens), rtol=1e-4, atol=1e-4)
+    assert got[1] == reference_beam_search(zoo, work[1][0], 2, 8)
+    assert got[3] == [zoo.greedy(work[3][0], 8)]
+    assert len({tuple(s) for s in got[0]}) > 1  # the samples differ

@@ -173,9 +173,10 @@ class StatefulBlockManager(BlockManager):
 
     def truncate(self, seq_id: int, num_tokens: int, *, cache: bool = True):
         """Only ``cache=False``: release the slots reserved for tokens no forward pass computed
-        (a step that failed; the state never saw them). Cutting computed tokens off (transformers'
-        ``crop``, rejected draft tokens) is refused: the state holds every token it has seen."""
-        if cache:
+        (a step that failed; the state never saw them), or a cut of nothing (a fork at its
+        parent's length). Cutting computed tokens off (transformers' ``crop``, rejected draft
+        tokens) is refused: the state holds every token it has seen."""
+        if cache and num_tokens != self.num_tokens(seq_id):
             raise ValueError(
                 f"cannot cut sequence {seq_id} back to {num_tokens} tokens: the state of a "
                 "hybrid model's recurrent or convolution layers holds every token it has seen "
