@@ -81,6 +81,35 @@ def test_a_failed_step_writes_no_state(lfm2, fail_at_step):
     assert run(lfm2, fail_at_step) == expected
 
 
+def test_a_steps_decodes_run_as_one_batched_pass(lfm2):
+    """Sequences of different lengths decode together in one pass of one token per row (their
+    states gathered from their slots); prompt chunks run a pass each; the tokens stay exact."""
+    gen = torch.Generator().manual_seed(6)
+    work = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 12, 21)]
+    steps: list[list[tuple[int, int]]] = []  # per step: (rows, tokens a row) of each pass
+    run_step, forward_rows = HybridRunner.run, HybridRunner._forward_rows
+
+    def recording_run(runner, out):
+        steps.append([])
+        return run_step(runner, out)
+
+    def recording_forward(runner, tokens, positions, inputs):
+        steps[-1].append((len(tokens), len(tokens[0])))
+        return forward_rows(runner, tokens, positions, inputs)
+
+    engine = Engine(lfm2.model, num_blocks=16, block_size=BLOCK, eos_token_id=[])
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(HybridRunner, "run", recording_run)
+            patch.setattr(HybridRunner, "_forward_rows", recording_forward)
+            outputs = engine.generate(work, SamplingParams(6))
+    finally:
+        lfm2.model.set_attn_implementation(lfm2.default)
+    assert [o.outputs[0] for o in outputs] == [lfm2.greedy(p, 6) for p in work]
+    assert steps[0] == [(1, 5), (1, 12), (1, 21)]  # the prompts: a pass each
+    assert steps[1:] == [[(3, 1)]] * 5  # then every step decodes all three in one pass
+
+
 def test_the_engine_holds_a_slot_per_running_sequence_and_no_prefix_cache(lfm2, caplog):
     with caplog.at_level(logging.WARNING):
         engine = Engine(lfm2.model, num_blocks=8, block_size=BLOCK, max_num_seqs=3)
@@ -162,14 +191,18 @@ def several_sequences() -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-def serve_recording(zoo: Zoo, work, **setup):
+def serve_recording(zoo: Zoo, work, fail_at_step: int | None = None, **setup):
     """The outputs of an engine serving ``work``, every logits row it sampled from with the
-    tokens it followed, and the requests it preempted (id, live sequences, tokens each)."""
+    tokens it followed, and the requests it preempted (id, live sequences, tokens each).
+    Sampling raises once at ``fail_at_step`` and the step is retried."""
     engine = Engine(zoo.model, block_size=BLOCK, eos_token_id=[], **setup)
-    rows, preempted = [], []
+    rows, preempted, steps = [], [], [0]
     choose, preempt = EngineCore._choose_tokens, Scheduler._preempt
 
     def recording_choose(core, out, logits):
+        steps[0] += 1
+        if steps[0] == fail_at_step:
+            raise RuntimeError("sampling failed")
         sampling = [c for c in out.chunks if c.samples]
         for chunk, row in zip(sampling, logits):
             rows.append((chunk.request.prompt + chunk.seq.tokens, row.clone()))
@@ -179,15 +212,22 @@ def serve_recording(zoo: Zoo, work, **setup):
         preempted.append((request.request_id, len(request.seqs), len(request.seqs[0].tokens)))
         return preempt(scheduler, request, out)
 
+    ids = [engine.add_request(prompt, params) for prompt, params in work]
+    outputs = {}
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(EngineCore, "_choose_tokens", recording_choose)
             patch.setattr(Scheduler, "_preempt", recording_preempt)
-            outputs = engine.generate([p for p, _ in work], [s for _, s in work])
+            while engine.has_unfinished():
+                try:
+                    outputs.update((o.request_id, o.outputs) for o in engine.step())
+                except RuntimeError as error:
+                    assert str(error) == "sampling failed"
     finally:
         zoo.model.set_attn_implementation(zoo.default)
+    assert fail_at_step is None or steps[0] > fail_at_step
     assert engine.block_manager.state_stats().used_slots == 0
-    return [o.outputs for o in outputs], rows, preempted
+    return [outputs[i] for i in ids], rows, preempted
 
 
 @pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next", "jamba"])
@@ -211,3 +251,13 @@ def test_samples_and_beams_are_exact_under_preemption(model_type):
     assert got[1] == reference_beam_search(zoo, work[1][0], 2, 8)
     assert got[3] == [zoo.greedy(work[3][0], 8)]
     assert len({tuple(s) for s in got[0]}) > 1  # the samples differ
+
+
+@pytest.mark.parametrize("fail_at_step", [5, 9, 14])
+def test_a_failed_step_of_samples_and_beams_writes_no_state(lfm2, fail_at_step):
+    """A step that raises after its forward passes, with samples and beams forked, recomputed
+    and preempted around it: the retried run gives the tokens of a run that never failed."""
+    tight = dict(num_blocks=10, max_num_batched_tokens=12, max_num_seqs=8)
+    expected, _, _ = serve_recording(lfm2, several_sequences(), **tight)
+    got, _, preempted = serve_recording(lfm2, several_sequences(), fail_at_step, **tight)
+    assert got == expected and preempted

@@ -2,24 +2,34 @@
 states in the sequences' state slots.
 
 The model runner packs a step's sequences into one row of tokens; a hybrid model's conv and
-recurrent layers would read that row as one sequence. :class:`HybridRunner` runs each chunk of a
-step (a decode token, a prompt chunk) as a forward pass of its own, batch 1: its attention reads
-the sequence's paged context as every step's does, and its state layers start from the state the
-sequence's slot holds (a chunk at position 0 from none), so a prompt computed over several steps
-carries its state from chunk to chunk (for Jamba and Zamba, whose several-token Mamba scan starts
-from a zero state in transformers, a chunk that continues a state runs token by token). The new
-states are staged, and written to the slots only
-when the step succeeded (:meth:`HybridRunner.commit_states`, after the scheduler's update): a
-step that raises leaves every slot as it was, as it leaves the blocks
-(:meth:`HybridRunner.discard_states`). Copies that forks queued run after the staged states are
-written (a fork made while its parent's prompt is computed copies the state after it).
+recurrent layers would read that row as one sequence. :class:`HybridRunner` runs a step as
+passes whose rows are sequences: all its decodes in one pass of batch ``B``, one token a row
+(each row's states gathered from its sequence's slot into the ``[B, ...]`` tensors the model's
+layers update, as transformers' own cache keeps a batch), then each prompt chunk in a pass of
+its own, batch 1 (prompt chunks of different lengths in one batch would need padding, which
+the state layers would read). Attention reads each sequence's paged context as every step's
+does; a prompt chunk at position 0 starts from no state, a later one from the state its slot
+holds, so a prompt computed over several steps carries its state from chunk to chunk (for Jamba
+and Zamba, whose several-token Mamba scan starts from a zero state in transformers, a chunk that
+continues a state runs token by token). The new states are staged, and written to the slots
+only when the step succeeded (:meth:`HybridRunner.commit_states`, after the scheduler's
+update): a step that raises leaves every slot as it was, as it leaves the blocks
+(:meth:`HybridRunner.discard_states`).
+
+Requests of several sequences (``n > 1``, beam search) fork state slots as they fork blocks:
+the first token's samples and the beams the update reassigns copy their parent's slot after the
+step's states are written (:meth:`HybridRunner.commit_states`). A request preempted by
+recompute (hybrid sequences are never swapped) recomputes its first sequence to the end of the
+prompt and no further until its other sequences have forked from it there (the scheduler's
+:class:`~paged_attention.engine.reservations.ChunkReserver` holds it back): they copy its slot
+before the step's passes run, so each starts from the prompt's state and recomputes its own
+tokens.
 
 :func:`check_hybrid_engine` sizes the cache for the states too (a ``max_memory`` budget holds
 ``max_num_seqs`` sequences' states, measured by :func:`state_bytes_per_sequence`, and blocks
 for the rest) and refuses what a state cannot do: prefix caching (turned off, with a warning),
-compiled and CUDA-graph decode steps (one batch-1 pass per chunk), and requests of several
-sequences (``n > 1``, beam search: a request preempted by recompute forks its samples from the
-prompt, a state the first sample has moved past).
+speculative decoding (a state cannot drop rejected drafts), and compiled and CUDA-graph decode
+steps (not captured for these passes).
 """
 
 from __future__ import annotations
@@ -96,7 +106,7 @@ class HybridRunner(ModelRunner):
         :meth:`ModelRunner.run`)."""
         # Forks the scheduler made for this step (the samples or beams of a recomputed request,
         # forked from its first sequence at the end of the prompt) copy the parent's state as
-        # the last step left it, before this step moves the parent on.
+        # the last step left it; the child's passes below read their copy.
         self.states.store.copy(self.slots.drain_copies())
         staged, sampled, scored = [], [], []
         try:
@@ -209,8 +219,9 @@ def check_hybrid_engine(model, config: EngineConfig, geometry: ModelGeometry) ->
     name = type(model).__name__
     if config.compile or config.cuda_graphs:
         raise ValueError(
-            f"{name} is a hybrid model: the engine runs each of its chunks as a forward pass of "
-            "its own, which compile=True and cuda_graphs=True do not capture; pass them False"
+            f"{name} is a hybrid model: the engine runs its steps as passes whose rows are "
+            "sequences (the decodes batched, each prompt chunk alone), which compile=True and "
+            "cuda_graphs=True do not capture; pass them False"
         )
     if config.speculative is not None:
         raise ValueError(

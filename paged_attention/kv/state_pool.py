@@ -17,8 +17,9 @@ Three parts, as for the blocks (the manager plans, the cache executes):
   ``can_allocate``. What a recurrent state cannot do is refused, naming the reason: prefix
   caching (a cached prefix's blocks do not give the state after it), swapping and cutting
   computed tokens off (``truncate`` but with ``cache=False``, which releases slots reserved
-  for tokens no forward pass computed: a state cannot be cut back; preempt by recompute
-  instead). Every call validates before it changes anything, blocks or slots.
+  for tokens no forward pass computed, or to the sequence's own length, which cuts nothing: a
+  state cannot be cut back; preempt by recompute instead). Every call validates before it
+  changes anything, blocks or slots.
 * :class:`StateStore`: the tensors the slots index, one per (layer, kind, index) state a layer
   keeps, allocated from the first state a layer writes (shape and dtype taken from the model)
   and grown by doubling up to ``num_slots`` rows as higher slots are used; it executes the
