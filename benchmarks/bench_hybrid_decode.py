@@ -8,12 +8,17 @@ per second: the tokens of the steps in which every request decodes, over those s
 The two modes alternate, ``--rounds`` times each, and must give the same tokens.
 
     python benchmarks/bench_hybrid_decode.py [--models lfm2,qwen3_next,granitemoehybrid]
-        [--requests 8] [--new-tokens 48] [--rounds 3] [--threads 1]
+        [--requests 8] [--new-tokens 48] [--rounds 3] [--threads 1] [--json PATH]
+
+``--json`` also writes every round's speeds, the settings and the machine's load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import statistics
 import time
 
@@ -110,7 +115,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
+    record = {"settings": vars(args), "machine": platform.processor() or platform.machine()}
+    record["load_before"] = os.getloadavg()
     torch.set_num_threads(args.threads)
     batched = HybridRunner._decode_pass
     for model_type in args.models.split(","):
@@ -128,10 +136,15 @@ def main() -> None:
         if tokens["per sequence"] != tokens["batched"]:
             raise SystemExit(f"{model_type}: the two modes gave different tokens")
         per, both = (statistics.median(speeds[m]) for m in ("per sequence", "batched"))
+        record[model_type] = speeds
         print(
             f"{model_type}: {args.requests} requests, decode {per:.0f} tok/s one pass per "
             f"sequence, {both:.0f} tok/s batched ({both / per:.2f}x; median of {args.rounds})"
         )
+    record["load_after"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(record, file, indent=1)
 
 
 if __name__ == "__main__":
