@@ -10,8 +10,9 @@ left-padded batch, prompt-lookup decoding, which crops rejected drafts) and thro
 :class:`PagedCache` gives exactly the tokens of the same model on its default cache and attention
 implementation. Hybrid families (attention layers beside convolution, Mamba or linear-attention
 layers with a fixed-size state per sequence) give the default cache's tokens through
-``generate()`` (greedy, sampling, beams) and through the Engine (chunked prefill, recompute
-preemption), their states in per-sequence slots. The families paged attention cannot serve are
+``generate()`` (greedy, sampling, beams) and through the Engine (continuous batching with a
+step's decodes in one batched pass, chunked prefill, recompute preemption), their states in
+per-sequence slots. The families paged attention cannot serve are
 refused at construction, each with its reason."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import AutoConfig  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: E402
 
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
+from paged_attention.engine.hybrid_runner import HybridRunner  # noqa: E402
 from paged_attention.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION,
     PagedCache,
@@ -188,7 +190,7 @@ ZOO = {
     ),
 }
 # Hybrid families (a full-attention layer and a layer with a conv or recurrent state, or one
-# layer of both): served by generate() on a PagedCache, refused by the engine.
+# layer of both): served by generate() on a PagedCache and by the engine, states in slots.
 HYBRID = {
     "lfm2": dict(full_attn_idxs=[1]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
@@ -409,9 +411,10 @@ def test_hybrid_generate_matches_the_default_cache(hybrid, monkeypatch):
 
 
 def test_hybrid_engine_matches_the_default_cache(hybrid):
-    """The Engine runs each chunk of a hybrid model as a pass of its own, carrying the state
-    from chunk to chunk and from step to step in the sequence's slot: with chunked prefill and
-    preemption by recompute, its greedy tokens are generate()'s on the default cache."""
+    """The Engine runs a step's decodes of a hybrid model in one batched pass and each prompt
+    chunk in a pass of its own, carrying the state from chunk to chunk and from step to step in
+    the sequence's slot: four requests of different lengths at once, with chunked prefill and
+    preemption by recompute, give generate()'s greedy tokens on the default cache."""
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (21, 26, 13, 20)]
     new = 10
@@ -420,15 +423,25 @@ def test_hybrid_engine_matches_the_default_cache(hybrid):
         "chunked prefill, recompute": dict(max_num_batched_tokens=12, max_num_seqs=4),
         "recompute": dict(num_host_blocks=48),  # no swapping: the states stay in their slots
     }
+    forward_rows = HybridRunner._forward_rows
     for name, setup in setups.items():
         engine = Engine(hybrid.model, num_blocks=12, block_size=BLOCK, eos_token_id=[], **setup)
+        rows = []  # the rows of every pass: a step's decodes are one pass
+
+        def recording(runner, tokens, *args, rows=rows):
+            rows.append(len(tokens))
+            return forward_rows(runner, tokens, *args)
+
         try:
-            outputs = engine.generate(prompts, SamplingParams(new))
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(HybridRunner, "_forward_rows", recording)
+                outputs = engine.generate(prompts, SamplingParams(new))
         finally:
             hybrid.model.set_attn_implementation(hybrid.default)
         assert [o.outputs[0] for o in outputs] == expected, f"{hybrid.model_type}: {name}"
         assert engine.stats.preemptions_by_recompute > 0 and engine.stats.swaps_out == 0, name
         assert engine.block_manager.state_stats().used_slots == 0  # every slot back
+        assert max(rows) >= 2, name  # requests of different lengths decoded together
 
 
 def test_what_a_hybrid_state_cannot_do_is_refused_with_the_reason():
@@ -444,14 +457,11 @@ def test_what_a_hybrid_state_cannot_do_is_refused_with_the_reason():
         PagedCache(zoo.model, block_size=BLOCK, num_blocks=8, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="compile=True and cuda_graphs=True"):
         Engine(zoo.model, num_blocks=8, block_size=BLOCK, compile=True)
+    with pytest.raises(ValueError, match="speculative decoding is refused"):
+        Engine(zoo.model, num_blocks=8, block_size=BLOCK, speculative={})
     engine = Engine(zoo.model, num_blocks=8, block_size=BLOCK)
-    try:
-        assert not engine.block_manager.enable_prefix_caching  # turned off, with a warning
-        for params in (SamplingParams(4, n=2, temperature=1.0), SamplingParams(4, beam_width=2)):
-            with pytest.raises(ValueError, match="one sequence each"):
-                engine.generate([[5, 6, 7]], params)
-    finally:
-        zoo.model.set_attn_implementation(zoo.default)
+    zoo.model.set_attn_implementation(zoo.default)
+    assert not engine.block_manager.enable_prefix_caching  # turned off, with a warning
 
 
 def test_a_hybrid_cache_counts_its_state_slots():

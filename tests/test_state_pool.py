@@ -150,6 +150,8 @@ def test_what_a_recurrent_state_cannot_do_is_refused_with_the_reason():
     bm.allocate(0, 6)
     with pytest.raises(ValueError, match="cannot be cut back"):
         bm.truncate(0, 2)
+    # a fork cut to its parent's length cuts nothing (a recomputed request's samples fork so)
+    assert bm.truncate(0, 6) == [] and bm.num_tokens(0) == 6
     assert not bm.can_swap_out([0])
     with pytest.raises(SwapError, match="preempt them by recompute"):
         bm.swap_out([0])

@@ -24,11 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention.engine.config import EngineConfig
-from paged_attention.engine.hybrid_runner import (
-    HybridRunner,
-    check_hybrid_engine,
-    check_hybrid_request,
-)
+from paged_attention.engine.hybrid_runner import HybridRunner, check_hybrid_engine
 from paged_attention.engine.logprobs import record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
 from paged_attention.engine.plan import ScheduledChunk
@@ -115,8 +111,6 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request (the input processor's)."""
-        if self.hybrid is not None:
-            check_hybrid_request(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from paged_attention.engine.plan import ScheduledChunk, SchedulerOutput, SchedulerStats
 from paged_attention.engine.request import Request
 from paged_attention.kv.block_manager import AllocStatus, BlockManager, OutOfBlocksError
+from paged_attention.kv.state_pool import StatefulBlockManager
 
 
 class ChunkReserver:
@@ -29,12 +30,18 @@ class ChunkReserver:
         registered the blocks it hits). The other samples or beams of a recomputed request fork
         from its first sequence once that holds the prompt, cut back to the prompt: they share
         its blocks again, as when they were first forked, so the request fits the blocks
-        ``blocks_needed`` counted."""
+        ``blocks_needed`` counted. With a manager that keeps conv and recurrent states
+        (:class:`~paged_attention.kv.state_pool.StatefulBlockManager`), the first sequence
+        stops at the end of the prompt until every other one has forked: they copy its state
+        there (a state cannot be cut back to the prompt)."""
         manager = self.manager
         leader = request.seqs[0]
         prompt = len(request.prompt)
         reserved: list[ScheduledChunk] = []
         pairs: list[tuple[int, int]] = []
+        holds_state_at_prompt = isinstance(manager, StatefulBlockManager) and any(
+            not manager.has_seq(s.seq_id) for s in request.seqs[1:]
+        )
         try:
             for seq in request.seqs:
                 target = request.prefill_target(seq)
@@ -52,6 +59,8 @@ class ChunkReserver:
                 if target > start and budget <= 0:
                     break  # out of budget
                 count = int(min(target - start, budget))
+                if holds_state_at_prompt and seq is leader:
+                    count = min(count, max(prompt - start, 0))
                 if count == 0 and not forks:
                     continue
                 tokens = request.token_slice(seq, 0, start + count)

@@ -17,8 +17,9 @@ Three parts, as for the blocks (the manager plans, the cache executes):
   ``can_allocate``. What a recurrent state cannot do is refused, naming the reason: prefix
   caching (a cached prefix's blocks do not give the state after it), swapping and cutting
   computed tokens off (``truncate`` but with ``cache=False``, which releases slots reserved
-  for tokens no forward pass computed: a state cannot be cut back; preempt by recompute
-  instead). Every call validates before it changes anything, blocks or slots.
+  for tokens no forward pass computed, or to the sequence's own length, which cuts nothing: a
+  state cannot be cut back; preempt by recompute instead). Every call validates before it
+  changes anything, blocks or slots.
 * :class:`StateStore`: the tensors the slots index, one per (layer, kind, index) state a layer
   keeps, allocated from the first state a layer writes (shape and dtype taken from the model)
   and grown by doubling up to ``num_slots`` rows as higher slots are used; it executes the
@@ -173,9 +174,10 @@ class StatefulBlockManager(BlockManager):
 
     def truncate(self, seq_id: int, num_tokens: int, *, cache: bool = True):
         """Only ``cache=False``: release the slots reserved for tokens no forward pass computed
-        (a step that failed; the state never saw them). Cutting computed tokens off (transformers'
-        ``crop``, rejected draft tokens) is refused: the state holds every token it has seen."""
-        if cache:
+        (a step that failed; the state never saw them), or a cut of nothing (a fork at its
+        parent's length). Cutting computed tokens off (transformers' ``crop``, rejected draft
+        tokens) is refused: the state holds every token it has seen."""
+        if cache and num_tokens != self.num_tokens(seq_id):
             raise ValueError(
                 f"cannot cut sequence {seq_id} back to {num_tokens} tokens: the state of a "
                 "hybrid model's recurrent or convolution layers holds every token it has seen "

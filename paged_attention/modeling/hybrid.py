@@ -8,8 +8,10 @@ the rows of the batch a cache serves now (so a model computes exactly what it co
 default cache), and moves them to and from the sequences' state slots
 (:class:`~paged_attention.kv.state_pool.StateStore`, indexed by the slots the
 :class:`~paged_attention.kv.state_pool.StatefulBlockManager` gives each sequence) whenever the
-rows change: beam search's reordering, a batch repeated or selected. Rolling a state back
-(``crop``, which assisted generation and prompt lookup need) is refused.
+rows change: beam search's reordering, a batch repeated or selected. The engine's hybrid runner
+(:mod:`paged_attention.engine.hybrid_runner`) uses it the same way for the rows of each of its
+passes: a step's decoding sequences, or one prompt chunk. Rolling a state back (``crop``, which
+assisted generation and prompt lookup need) is refused.
 """
 
 from __future__ import annotations
