@@ -324,6 +324,23 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
             assert torch.equal(torch.from_numpy(weight), expected)
 
 
+def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped):
+    """The GGUF's layers, built once, are saved beside the converted model, and a later load
+    reads them: the same buffers as the first load's."""
+    from paged_attention.modeling.quantized import QuantizedLinear, selected_kernel
+    from paged_attention.modeling.quantized_cache import cache_file
+
+    saved = cache_file(models.converted_gguf(models.smollm2_gguf()), selected_kernel())
+    assert saved.is_file()
+    again, _ = load_model("smollm2", weights="auto")
+    first = dict(smollm2_as_shipped[0].named_buffers())
+    second = dict(again.named_buffers())
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    layers = [m for m in again.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 211
+
+
 def test_smollm2_as_shipped_agrees_with_bf16_through_the_engine(smollm2_as_shipped, smollm2):
     """Greedy tokens of the demo's questions, the GGUF's blocks against the de-quantized bf16
     model: they compute the same weights, rounded differently, so they agree up to the first

@@ -19,8 +19,6 @@ import socket
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from paged_attention.cli.arguments import (
     add_compile_argument,
     add_speculative_argument,
@@ -166,8 +164,6 @@ def main(args: argparse.Namespace) -> int:
             f"--max-n {args.max_n}: a request's samples run at once, so it may not exceed "
             f"--max-num-seqs ({args.max_num_seqs})"
         )
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but no CUDA device is available")
     # The address first: a port in use is told at once, not after the model has loaded.
     try:
         sock = listening_socket(args.host, args.port)
@@ -182,20 +178,23 @@ def main(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     """Load the model and serve on ``sock`` until SIGINT/SIGTERM. Until the engine is ready,
     every request gets 503 (``/health``: ``{"status": "loading"}``;
-    :mod:`paged_attention.cli.loading`); the engine's process loads the model while this
-    one imports the server."""
+    :mod:`paged_attention.cli.loading`); the engine's process imports torch and loads the
+    model while this one imports the server.
+
+    This process has not imported torch when it gets here from the command line (nor
+    transformers, nor the engine), so it binds and answers at once; torch is imported by the
+    engine's process, and here only by the server's modules, once the loading answers run."""
     from paged_attention.cli.loading import LoadingResponder
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    # the model loads and the engine runs in a process of its own (ServeSpec builds it there);
+    # fork from the command line's fresh process (no thread runs yet: the loading answers
+    # start after it), spawn inside another program
+    fresh = getattr(args, "fresh_process", False)
+    engine = start_engine_process(args, "fork" if fresh else "spawn", wait=False)
     loading = LoadingResponder(sock)
     loading.start()
     try:
-        # the model loads and the engine runs in a process of its own (ServeSpec builds it
-        # there); fork from the command line's fresh process, spawn inside another program
-        fresh = getattr(args, "fresh_process", False)
-        engine = start_engine_process(args, "fork" if fresh else "spawn", wait=False)
         import uvicorn
 
         from paged_attention.server import create_app
@@ -349,6 +348,8 @@ class ServeSpec:
         from paged_attention.modeling.models import load_model
 
         args = self.args
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda was given but no CUDA device is available")
         if args.threads:
             torch.set_num_threads(args.threads)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -366,9 +367,9 @@ class ServeSpec:
 def start_engine_process(args: argparse.Namespace, start_method: str = "spawn", wait=True):
     """``serve``'s engine in its own process, an ``EngineProcess`` (with ``wait=False`` not
     built yet: call its ``wait_until_ready()``). Raises ``UsageError`` for what the arguments
-    got wrong (when it waits). ``fork`` skips the child's second import of torch (seconds of
-    the start), and is safe only from a process that has run no torch or tokenizer threads yet:
-    the command line's own ``serve`` process."""
+    got wrong (when it waits). ``fork`` is safe only from a process that has run no torch or
+    tokenizer threads yet: the command line's own ``serve`` process, which forks it before it
+    imports torch (the child imports it and loads the model while the parent answers 503)."""
     from paged_attention.server.engine_process import EngineProcess
 
     # the parsed values only: the namespace also holds the command's parser and function
