@@ -71,22 +71,31 @@ def test_a_response_is_whole_http():
     assert f"Content-Length: {len(body)}".encode() in head
 
 
-HEAVY_MODULES = ("torch", "transformers", "starlette", "uvicorn", "paged_attention.engine")
+HEAVY_MODULES = ("torch", "transformers", "starlette", "uvicorn", "paged_attention.engine.engine")
 
-BEFORE_TORCH = """
-import json, sys
-from paged_attention.cli import main as command_line, serve
+ORDER = """
+import json, sys, threading
+from paged_attention.cli import loading, main as command_line, serve
 
-def serve_stub(args, sock):  # what serve() would do first: start the engine's process
-    bound = [name for name in {heavy!r} if name in sys.modules]
-    engine = serve.start_engine_process(args, "fork", wait=False)
-    started = [name for name in {heavy!r} if name in sys.modules]
-    engine.close()
-    print(json.dumps({{"bound": bound, "started": started}}))
+events = []
+real_start = loading.LoadingResponder.start
 
-serve.serve = serve_stub
+def start(self):  # the loading answers start
+    events.append(["answering", [name for name in {heavy!r} if name in sys.modules]])
+    real_start(self)
+
+def start_engine_process(args, start_method, wait):  # stands for the fork
+    modules = [name for name in {heavy!r} if name in sys.modules]
+    events.append(["engine", start_method, modules, threading.active_count()])
+    raise SystemExit(0)
+
+loading.LoadingResponder.start = start
+serve.start_engine_process = start_engine_process
 sys.argv = ["paged-attention", "serve", "--model", "tiny", "--port", "0"]
-sys.exit(command_line.main())
+try:
+    command_line.main()
+finally:
+    print(json.dumps(events))
 """
 
 
@@ -97,13 +106,16 @@ def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
     )
 
 
-def test_serve_binds_and_starts_its_engine_before_importing_torch():
-    """The command line's serve process has bound its socket and started the engine's process
-    without importing torch, transformers, the server's libraries or the engine: its first
-    answer (503) does not wait for seconds of imports."""
-    run = run_python(BEFORE_TORCH.format(heavy=HEAVY_MODULES), timeout=120)
+def test_serve_answers_before_importing_torch_and_forks_after():
+    """The command line's serve process answers 503 before it imports torch, transformers or
+    the engine; it imports what the engine's process needs before forking it (so the child
+    does not import it again), with no other thread running at the fork."""
+    run = run_python(ORDER.format(heavy=HEAVY_MODULES), timeout=180)
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout) == {"bound": [], "started": []}
+    answering, engine = json.loads(run.stdout)
+    assert answering == ["answering", []]
+    expected = ["torch", "transformers", "paged_attention.engine.engine"]
+    assert engine == ["engine", "fork", expected, 1]
 
 
 def test_serve_answers_loading_then_ready_then_stops():

@@ -162,7 +162,9 @@ def test_a_stale_or_damaged_file_is_rebuilt(small_gguf, monkeypatch, damage):
     if damage == "another key":
         rewrite_metadata(file, key=json.dumps({"layout": -1}))
     elif damage == "another layout":  # layers that do not fit this model
-        layout = {"lm_head": {"format": "Q8_0", "in": 32, "out": 96, "bias": False}}
+        layout = {
+            "lm_head": {"format": "Q8_0", "in": 32, "out": 96, "bias": False, "buffers": ["qs"]}
+        }
         rewrite_metadata(file, layers=json.dumps(layout))
     elif damage == "garbage":
         file.write_bytes(b"not a safetensors file")

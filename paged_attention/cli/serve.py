@@ -178,23 +178,21 @@ def main(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     """Load the model and serve on ``sock`` until SIGINT/SIGTERM. Until the engine is ready,
     every request gets 503 (``/health``: ``{"status": "loading"}``;
-    :mod:`paged_attention.cli.loading`); the engine's process imports torch and loads the
-    model while this one imports the server.
-
-    This process has not imported torch when it gets here from the command line (nor
-    transformers, nor the engine), so it binds and answers at once; torch is imported by the
-    engine's process, and here only by the server's modules, once the loading answers run."""
+    :mod:`paged_attention.cli.loading`): from the command line that starts before torch is
+    imported, so the first answer comes at once. The model loads in the engine's process
+    while this one imports the HTTP server."""
     from paged_attention.cli.loading import LoadingResponder
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    # the model loads and the engine runs in a process of its own (ServeSpec builds it there);
-    # fork from the command line's fresh process (no thread runs yet: the loading answers
-    # start after it), spawn inside another program
-    fresh = getattr(args, "fresh_process", False)
-    engine = start_engine_process(args, "fork" if fresh else "spawn", wait=False)
     loading = LoadingResponder(sock)
     loading.start()
     try:
+        # the model loads and the engine runs in a process of its own (ServeSpec builds it
+        # there); forked from the command line's fresh process, spawned inside another program
+        if getattr(args, "fresh_process", False):
+            loading, engine = _fork_after_imports(args, sock, loading)
+        else:
+            engine = start_engine_process(args, "spawn", wait=False)
         import uvicorn
 
         from paged_attention.server import create_app
@@ -235,6 +233,37 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
 
     server = GracefulServer(config, app.state.owner, args.shutdown_timeout, on_started=listening)
     server.run(sockets=[sock])
+
+
+ENGINE_MODULES = (
+    "torch",
+    "transformers",
+    "paged_attention.engine.engine",
+    "paged_attention.engine.compile_cache",
+    "paged_attention.modeling.models",
+    "paged_attention.modeling.quantized_cache",
+)
+"""What the engine's process imports before it loads a model: imported by ``serve``'s own
+process before it forks the engine's, so that the two do not import them twice (on a busy
+2-core machine the second import cost more than running both in parallel gained)."""
+
+
+def _fork_after_imports(args: argparse.Namespace, sock: socket.socket, loading):
+    """Import :data:`ENGINE_MODULES` while ``loading`` answers, then fork the engine's process
+    with no other thread running (``loading`` stops for the fork: connections wait in the
+    socket's backlog) and answer again. Returns ``(the new responder, the engine's
+    process)``."""
+    import importlib
+
+    from paged_attention.cli.loading import LoadingResponder
+
+    for name in ENGINE_MODULES:
+        importlib.import_module(name)
+    loading.stop()
+    engine = start_engine_process(args, "fork", wait=False)
+    loading = LoadingResponder(sock)
+    loading.start()
+    return loading, engine
 
 
 class BindError(OSError):
@@ -367,9 +396,9 @@ class ServeSpec:
 def start_engine_process(args: argparse.Namespace, start_method: str = "spawn", wait=True):
     """``serve``'s engine in its own process, an ``EngineProcess`` (with ``wait=False`` not
     built yet: call its ``wait_until_ready()``). Raises ``UsageError`` for what the arguments
-    got wrong (when it waits). ``fork`` is safe only from a process that has run no torch or
-    tokenizer threads yet: the command line's own ``serve`` process, which forks it before it
-    imports torch (the child imports it and loads the model while the parent answers 503)."""
+    got wrong (when it waits). ``fork`` skips the child's second import of torch and the engine
+    (seconds of the start), and is safe only from a process that has run no torch or
+    tokenizer threads yet: the command line's own ``serve`` process."""
     from paged_attention.server.engine_process import EngineProcess
 
     # the parsed values only: the namespace also holds the command's parser and function

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, 
 
 logger = logging.getLogger("paged_attention.modeling")
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 """Raised when what :class:`QuantizedLinear` keeps in its buffers changes meaning."""
 
 
@@ -78,19 +77,22 @@ def quantize_cached(model: nn.Module, gguf: Path, directory: Path | str) -> dict
 
 
 def _read(path: Path, key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
-    """``(layout, tensors)`` of the file at ``path`` written under ``key``, else None."""
-    from safetensors import safe_open
+    """``(layout, tensors)`` of the file at ``path`` written under ``key``, else None. The
+    file is read whole (0.1-0.2 s of CPU for SmolLM2's 110 MiB), not mapped: a mapped file's
+    pages would be faulted in one by one by the first steps instead."""
+    from safetensors.torch import load
 
     if not path.is_file():
         return None
     try:
-        with safe_open(str(path), framework="pt") as file:
-            metadata = file.metadata() or {}
-            if metadata.get("key") != key:
-                logger.info("%s was written by another version or machine: rebuilding it", path)
-                return None
-            layout = json.loads(metadata["layers"])
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
+        data = path.read_bytes()
+        header_size = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__") or {}
+        if metadata.get("key") != key:
+            logger.info("%s was written by another version or machine: rebuilding it", path)
+            return None
+        layout = json.loads(metadata["layers"])
+        tensors = load(data)
     except Exception as error:  # a damaged file fails in the reader's own ways: rebuild it
         logger.warning("cannot read %s (%s): rebuilding it", path, error)
         return None
@@ -111,11 +113,8 @@ def _layers_for(model: nn.Module, saved, kernel: str) -> dict[str, QuantizedLine
             )
             if not fits:
                 return None
-            buffers = {
-                key[len(name) + 1 :]: tensor
-                for key, tensor in tensors.items()
-                if key.startswith(name + ".") and "." not in key[len(name) + 1 :]
-            }
+            # in the layer's own order: its state dict's keys stay those of a fresh build
+            buffers = {buffer: tensors[f"{name}.{buffer}"] for buffer in spec["buffers"]}
             bias = linear.bias if spec["bias"] else None
             layers[name] = QuantizedLinear(
                 buffers, spec["in"], spec["out"], spec["format"], kernel, bias
@@ -126,7 +125,7 @@ def _layers_for(model: nn.Module, saved, kernel: str) -> dict[str, QuantizedLine
 
 
 def _write(path: Path, key: str, layers: dict[str, QuantizedLinear]) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {
         f"{name}.{buffer}": tensor.contiguous()
@@ -139,18 +138,17 @@ def _write(path: Path, key: str, layers: dict[str, QuantizedLinear]) -> None:
             "in": layer.in_features,
             "out": layer.out_features,
             "bias": layer.bias is not None,
+            "buffers": [buffer for buffer, _ in layer.named_buffers(recurse=False)],
         }
         for name, layer in layers.items()
     }
-    staging = None
+    # a name of this process's own (created with the umask's permissions, as the converted
+    # model's other files), renamed into place when whole
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(handle)
-        save_file(tensors, staging, metadata={"key": key, "layers": json.dumps(layout)})
+        staging.write_bytes(save(tensors, metadata={"key": key, "layers": json.dumps(layout)}))
         os.replace(staging, path)
-        staging = None
     except OSError as error:
         logger.warning("cannot save the quantized layers in %s: %s", path.parent, error)
     finally:
-        if staging is not None:
-            Path(staging).unlink(missing_ok=True)
+        staging.unlink(missing_ok=True)
