@@ -28,7 +28,8 @@ Needs the ``serve`` extra, installed from source (``pip install --no-build-isola
 import importlib
 
 # Imported when first used (PEP 562): serve starts the engine's process from
-# paged_attention.server.engine_process before it imports Starlette, torch and the engine.
+# paged_attention.server.engine_process before it imports Starlette and the server's modules
+# (the forked child need not hold them).
 _EXPORTS = {
     "create_app": "paged_attention.server.app",
     "EngineOwner": "paged_attention.server.engine_owner",

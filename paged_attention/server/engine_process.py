@@ -16,8 +16,8 @@ halved a single request's tokens/s (docs/performance.md, "The server's engine pr
   yet run torch's OpenMP pool, the tokenizers' thread pool or CUDA: a child forked after them
   can hang in its first parallel region, and a server started inside a larger program (the
   tests run ``serve`` in their own process) cannot promise that, so ``fork`` is an option for
-  a caller that can: ``serve`` run from the command line forks it before it has imported torch
-  or started any thread;
+  a caller that can: ``serve`` run from the command line forks it once it has imported what
+  the engine needs, with no other thread running;
 * :class:`~paged_attention.server.process_owner.ProcessEngineOwner` (in a module of its own,
   since it needs the engine's modules and starting the child does not): the
   :class:`~paged_attention.server.engine_owner.EngineOwner`

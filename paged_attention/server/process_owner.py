@@ -3,8 +3,8 @@
 :class:`ProcessEngineOwner` forwards the handlers' commands to the child and turns each turn's
 compact deltas back into whole outputs (:class:`OutputAssembler`).
 
-Apart from :mod:`~paged_attention.server.engine_process` so that starting the child needs
-neither the engine's modules nor torch: ``serve`` starts it before it imports them.
+Apart from :mod:`~paged_attention.server.engine_process`, whose launcher needs neither the
+engine's modules nor torch (a spawned child imports only what its ``build()`` needs).
 """
 
 from __future__ import annotations
