@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-import paged_attention
+import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 from paged_attention.cli import machine
 from paged_attention.cli.machine import (
     CUDA_CALLS_PER_SAMPLE,

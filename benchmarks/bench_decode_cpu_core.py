@@ -45,7 +45,7 @@ from bench_decode import (
     method_ours,
 )
 
-import paged_attention  # noqa: F401  (registers torch.ops.paged_attention)
+import paged_attention.ops.bindings  # noqa: F401  (registers torch.ops.paged_attention)
 from paged_attention.cli.machine import (
     ReadLimit,
     describe_machine,

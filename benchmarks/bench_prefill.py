@@ -59,7 +59,7 @@ from bench_decode import (
     machine_info,
 )
 
-import paged_attention
+import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 from paged_attention.cli.machine import describe_machine, seconds_per_call, synchronize
 
 

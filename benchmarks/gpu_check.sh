@@ -450,7 +450,7 @@ from bench_decode import (  # noqa: E402
     read_limit,
 )
 
-import paged_attention  # noqa: E402
+import paged_attention.ops.bindings  # noqa: E402  (registers torch.ops.paged_attention)
 
 dev = torch.device("cuda")
 shape = Shape()

@@ -20,7 +20,7 @@ from conftest import make_paged_kv, make_paged_kv_of_value_size
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import paged_attention
+import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention

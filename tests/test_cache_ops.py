@@ -4,7 +4,7 @@ and their argument checks."""
 import pytest
 import torch
 
-import paged_attention
+import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import paged_attention  # noqa: F401  (registers torch.ops.paged_attention)
+import paged_attention.ops.bindings  # noqa: F401  (registers torch.ops.paged_attention)
 
 ops = torch.ops.paged_attention
 VARIANTS = ("amx", "avx512bf16", "reference")

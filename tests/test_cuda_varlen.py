@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import make_paged_kv
 
-import paged_attention
+import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 import paged_attention.ops.bindings as pa_ops
 from paged_attention.attention import PagedAttention
 from paged_attention.kv.cache import PagedKVCache

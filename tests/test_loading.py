@@ -1,18 +1,27 @@
 """What the server answers while its engine loads (paged_attention.cli.loading.py): 503 with
 Retry-After, /health {"status": "loading"}, other routes an OpenAI-style error; after stop the
-socket is left to the server, with the connections that arrived meanwhile in its backlog."""
+socket is left to the server, with the connections that arrived meanwhile in its backlog. And
+``serve`` from the command line: it binds before importing torch, answers 503 then 200."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from paged_attention.cli.loading import LoadingResponder, loading_response
 from paged_attention.cli.serve import listening_socket
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -60,3 +69,89 @@ def test_a_response_is_whole_http():
     head, _, body = loading_response("/health?x=1").partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and json.loads(body) == {"status": "loading"}
     assert f"Content-Length: {len(body)}".encode() in head
+
+
+HEAVY_MODULES = ("torch", "transformers", "starlette", "uvicorn", "paged_attention.engine.engine")
+
+ORDER = """
+import json, sys, threading
+from paged_attention.cli import loading, main as command_line, serve
+
+events = []
+real_start = loading.LoadingResponder.start
+
+def start(self):  # the loading answers start
+    events.append(["answering", [name for name in {heavy!r} if name in sys.modules]])
+    real_start(self)
+
+def start_engine_process(args, start_method, wait):  # stands for the fork
+    modules = [name for name in {heavy!r} if name in sys.modules]
+    events.append(["engine", start_method, modules, threading.active_count()])
+    raise SystemExit(0)
+
+loading.LoadingResponder.start = start
+serve.start_engine_process = start_engine_process
+sys.argv = ["paged-attention", "serve", "--model", "tiny", "--port", "0"]
+try:
+    command_line.main()
+finally:
+    print(json.dumps(events))
+"""
+
+
+def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, **kwargs
+    )
+
+
+def test_serve_answers_before_importing_torch_and_forks_after():
+    """The command line's serve process answers 503 before it imports torch, transformers or
+    the engine; it imports what the engine's process needs before forking it (so the child
+    does not import it again), with no other thread running at the fork."""
+    run = run_python(ORDER.format(heavy=HEAVY_MODULES), timeout=180)
+    assert run.returncode == 0, run.stderr
+    answering, engine = json.loads(run.stdout)
+    assert answering == ["answering", []]
+    expected = ["torch", "transformers", "paged_attention.engine.engine"]
+    assert engine == ["engine", "fork", expected, 1]
+
+
+def test_serve_answers_loading_then_ready_then_stops():
+    """From the command line: /health answers 503 {"status": "loading"} while the engine's
+    process loads, then 200; Ctrl-C then stops it with exit status 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "paged_attention", "serve", "--model", "tiny"]
+    command += ["--port", str(port), "--num-blocks", "64", "--log-level", "warning"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(command, env=environment, start_new_session=True)
+    answers = []
+    try:
+        deadline = time.monotonic() + 180
+        while not answers or answers[-1][0] != 200:
+            assert server.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, f"not ready: {answers[-3:]}"
+            answer = health(port)
+            if answer is not None and (not answers or answers[-1] != answer):
+                answers.append(answer)
+            time.sleep(0.02)
+        assert answers == [(503, {"status": "loading"}), (200, {"status": "ok"})]
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.wait(60) == 0
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def health(port: int) -> tuple[int, dict] | None:
+    """``/health``'s status and body; None while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None

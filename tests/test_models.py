@@ -324,6 +324,26 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
             assert torch.equal(torch.from_numpy(weight), expected)
 
 
+def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped):
+    """The GGUF's layers, built once, are saved beside the converted model, and a load that
+    reads them has the buffers of a fresh build from the GGUF file, exactly."""
+    from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, selected_kernel
+    from paged_attention.modeling.quantized_cache import cache_file
+
+    saved = cache_file(models.converted_gguf(models.smollm2_gguf()), selected_kernel())
+    assert saved.is_file()
+    cached, _ = load_model("smollm2", weights="auto")  # the file is there: read, not built
+    fresh, _ = load_model("smollm2", weights="bf16")
+    quantize_model(fresh, "auto", models.smollm2_gguf())
+    ours = {n: m for n, m in cached.named_modules() if isinstance(m, QuantizedLinear)}
+    theirs = {n: m for n, m in fresh.named_modules() if isinstance(m, QuantizedLinear)}
+    assert list(ours) == list(theirs) and len(ours) == 211
+    for name, layer in ours.items():
+        expected = dict(theirs[name].named_buffers())
+        assert list(dict(layer.named_buffers())) == list(expected)
+        assert all(torch.equal(b, expected[k]) for k, b in layer.named_buffers()), name
+
+
 def test_smollm2_as_shipped_agrees_with_bf16_through_the_engine(smollm2_as_shipped, smollm2):
     """Greedy tokens of the demo's questions, the GGUF's blocks against the de-quantized bf16
     model: they compute the same weights, rounded differently, so they agree up to the first

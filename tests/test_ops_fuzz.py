@@ -61,7 +61,7 @@ def _child(report_path: str, current_path: str, examples: int) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import make_paged_kv
 
-    import paged_attention
+    import paged_attention.ops.bindings  # registers torch.ops.paged_attention
     from paged_attention.ops import reference
 
     ops = torch.ops.paged_attention

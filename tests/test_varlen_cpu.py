@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import make_paged_kv, make_paged_kv_of_value_size
 
-import paged_attention
+import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 from paged_attention.ops import reference
 
 ops = torch.ops.paged_attention

@@ -46,6 +46,8 @@ def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
 def kernel_variants() -> dict:
     """The CPU kernels' variants a call makes now: the vector instruction set and the bf16 product
     (csrc/cpu/variants.h), and the bf16 products this CPU runs."""
+    import paged_attention.ops.bindings  # noqa: F401  (registers torch.ops.paged_attention)
+
     ops = torch.ops.paged_attention
     vector, bf16_matmul = ops._cpu_kernel_variants()
     return dict(vector=vector, bf16_matmul=bf16_matmul, bf16_matmuls_usable=ops._cpu_bf16_matmuls())

@@ -4,29 +4,35 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from paged_attention.errors import UsageError
 
+COMMANDS = ("demo", "chat", "serve")
+DEMO_HELP = "serve a seeded workload with continuous batching in a small KV budget"
+
 
 def main(argv: list[str] | None = None) -> int:
-    from paged_attention.cli import chat, demo, serve
-
+    words = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="paged-attention", description="PagedAttention tools")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser(
-        "demo",
-        help="serve a seeded workload with continuous batching in a small KV budget",
-        description=demo.__doc__.split("\n\n")[0],
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.main, parser=demo_parser)
-    chat_parser = commands.add_parser("chat", help=chat.HELP, description=chat.__doc__)
-    chat.add_arguments(chat_parser)
-    chat_parser.set_defaults(run=chat.main, parser=chat_parser)
-    serve_parser = commands.add_parser("serve", help=serve.HELP, description=serve.__doc__)
-    serve.add_arguments(serve_parser)
-    serve_parser.set_defaults(run=serve.main, parser=serve_parser)
+    # Only the command asked for is imported (serve answers /health before torch is imported;
+    # demo imports the whole engine); without one (--help, a typo) every command is, so that
+    # argparse lists them all.
+    asked = words[0] if words and words[0] in COMMANDS else None
+    for name in COMMANDS:
+        if asked is not None and name != asked:
+            commands.add_parser(name)  # never parsed: the command line names another
+            continue
+        module = importlib.import_module(f"paged_attention.cli.{name}")
+        if name == "demo":
+            help_text, description = DEMO_HELP, module.__doc__.split("\n\n")[0]
+        else:
+            help_text, description = module.HELP, module.__doc__
+        command = commands.add_parser(name, help=help_text, description=description)
+        module.add_arguments(command)
+        command.set_defaults(run=module.main, parser=command)
     args = parser.parse_args(argv)
     # a process of its own (the command line): serve may fork its engine process from it
     args.fresh_process = argv is None

@@ -19,8 +19,6 @@ import socket
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from paged_attention.cli.arguments import (
     add_compile_argument,
     add_speculative_argument,
@@ -166,8 +164,6 @@ def main(args: argparse.Namespace) -> int:
             f"--max-n {args.max_n}: a request's samples run at once, so it may not exceed "
             f"--max-num-seqs ({args.max_num_seqs})"
         )
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but no CUDA device is available")
     # The address first: a port in use is told at once, not after the model has loaded.
     try:
         sock = listening_socket(args.host, args.port)
@@ -182,20 +178,21 @@ def main(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     """Load the model and serve on ``sock`` until SIGINT/SIGTERM. Until the engine is ready,
     every request gets 503 (``/health``: ``{"status": "loading"}``;
-    :mod:`paged_attention.cli.loading`); the engine's process loads the model while this
-    one imports the server."""
+    :mod:`paged_attention.cli.loading`): from the command line that starts before torch is
+    imported, so the first answer comes at once. The model loads in the engine's process
+    while this one imports the HTTP server."""
     from paged_attention.cli.loading import LoadingResponder
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     loading = LoadingResponder(sock)
     loading.start()
     try:
         # the model loads and the engine runs in a process of its own (ServeSpec builds it
-        # there); fork from the command line's fresh process, spawn inside another program
-        fresh = getattr(args, "fresh_process", False)
-        engine = start_engine_process(args, "fork" if fresh else "spawn", wait=False)
+        # there); forked from the command line's fresh process, spawned inside another program
+        if getattr(args, "fresh_process", False):
+            loading, engine = _fork_after_imports(args, sock, loading)
+        else:
+            engine = start_engine_process(args, "spawn", wait=False)
         import uvicorn
 
         from paged_attention.server import create_app
@@ -236,6 +233,37 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
 
     server = GracefulServer(config, app.state.owner, args.shutdown_timeout, on_started=listening)
     server.run(sockets=[sock])
+
+
+ENGINE_MODULES = (
+    "torch",
+    "transformers",
+    "paged_attention.engine.engine",
+    "paged_attention.engine.compile_cache",
+    "paged_attention.modeling.models",
+    "paged_attention.modeling.quantized_cache",
+)
+"""What the engine's process imports before it loads a model: imported by ``serve``'s own
+process before it forks the engine's, so that the two do not import them twice (on a busy
+2-core machine the second import cost more than running both in parallel gained)."""
+
+
+def _fork_after_imports(args: argparse.Namespace, sock: socket.socket, loading):
+    """Import :data:`ENGINE_MODULES` while ``loading`` answers, then fork the engine's process
+    with no other thread running (``loading`` stops for the fork: connections wait in the
+    socket's backlog) and answer again. Returns ``(the new responder, the engine's
+    process)``."""
+    import importlib
+
+    from paged_attention.cli.loading import LoadingResponder
+
+    for name in ENGINE_MODULES:
+        importlib.import_module(name)
+    loading.stop()
+    engine = start_engine_process(args, "fork", wait=False)
+    loading = LoadingResponder(sock)
+    loading.start()
+    return loading, engine
 
 
 class BindError(OSError):
@@ -349,6 +377,8 @@ class ServeSpec:
         from paged_attention.modeling.models import load_model
 
         args = self.args
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda was given but no CUDA device is available")
         if args.threads:
             torch.set_num_threads(args.threads)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -366,9 +396,9 @@ class ServeSpec:
 def start_engine_process(args: argparse.Namespace, start_method: str = "spawn", wait=True):
     """``serve``'s engine in its own process, an ``EngineProcess`` (with ``wait=False`` not
     built yet: call its ``wait_until_ready()``). Raises ``UsageError`` for what the arguments
-    got wrong (when it waits). ``fork`` skips the child's second import of torch (seconds of
-    the start), and is safe only from a process that has run no torch or tokenizer threads yet:
-    the command line's own ``serve`` process."""
+    got wrong (when it waits). ``fork`` skips the child's second import of torch and the engine
+    (seconds of the start), and is safe only from a process that has run no torch or
+    tokenizer threads yet: the command line's own ``serve`` process."""
     from paged_attention.server.engine_process import EngineProcess
 
     # the parsed values only: the namespace also holds the command's parser and function

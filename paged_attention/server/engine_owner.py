@@ -11,7 +11,7 @@ request it belongs to.
   the interpreter and the cores with the event loop, which costs a single request about half
   of the engine's offline speed on a 2-core machine (docs/performance.md);
 * an :class:`~paged_attention.server.engine_process.EngineProcess`: in a process of its own
-  (:class:`~paged_attention.server.engine_process.ProcessEngineOwner`), as vLLM's EngineCore
+  (:class:`~paged_attention.server.process_owner.ProcessEngineOwner`), as vLLM's EngineCore
   runs. ``paged-attention serve`` does this.
 
 Either way the engine's :class:`~paged_attention.engine.output_processor.OutputProcessor` routes
@@ -106,7 +106,8 @@ class EngineOwner(abc.ABC):
 
     def __new__(cls, engine=None, on_step=None):
         if cls is EngineOwner:
-            from paged_attention.server.engine_process import EngineProcess, ProcessEngineOwner
+            from paged_attention.server.engine_process import EngineProcess
+            from paged_attention.server.process_owner import ProcessEngineOwner
 
             cls = ProcessEngineOwner if isinstance(engine, EngineProcess) else ThreadEngineOwner
         return super().__new__(cls)

@@ -27,8 +27,10 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from paged_attention.engine import RequestOutput
+if TYPE_CHECKING:  # imported by the engine's process only, by building the engine
+    from paged_attention.engine import RequestOutput
 
 logger = logging.getLogger("paged_attention.server")
 

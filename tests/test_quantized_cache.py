@@ -1,0 +1,223 @@
+"""paged_attention.modeling.quantized_cache: the quantized layers saved beside a converted model
+equal a fresh build from the GGUF file, are read instead of the file once saved, and a stale,
+damaged or ill-fitting file is rebuilt; a cache that cannot be written still quantizes."""
+
+import json
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+
+from paged_attention.modeling.quantized import (  # noqa: E402
+    LLAMA_PROJECTIONS,
+    QuantizedLinear,
+    quantize_model,
+    selected_kernel,
+)
+from paged_attention.modeling.quantized_cache import (  # noqa: E402
+    cache_file,
+    cache_key,
+    quantize_cached,
+)
+
+FORMAT_OF = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1"}
+
+
+def small_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def small_gguf(tmp_path):
+    """A Llama GGUF file of small_llama()'s projections and LM head in several formats (and one
+    projection in float32, which stays a float layer)."""
+    model = small_llama()
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    for index, layer in enumerate(model.model.layers):
+        for key, module_path in LLAMA_PROJECTIONS.items():
+            weight = layer.get_submodule(module_path).weight.detach().float().numpy()
+            name = f"blk.{index}.{key}.weight"
+            if key == "ffn_down" and index == 1:
+                writer.add_tensor(name, weight)  # float32: not quantized by "auto"
+                continue
+            fmt = GGMLQuantizationType[FORMAT_OF.get(key, "Q8_0")]
+            writer.add_tensor(name, quants.quantize(weight, fmt), raw_dtype=fmt)
+    head = model.lm_head.weight.detach().float().numpy()
+    writer.add_tensor(
+        "output.weight",
+        quants.quantize(head, GGMLQuantizationType.Q8_0),
+        raw_dtype=GGMLQuantizationType.Q8_0,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    directory = tmp_path / "converted"
+    directory.mkdir()
+    return path, directory
+
+
+def layers_of(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def assert_same_layers(ours, fresh):
+    assert list(ours) == list(fresh)
+    for name, layer in ours.items():
+        other = fresh[name]
+        assert (layer.format, layer.kernel, layer.in_features, layer.out_features) == (
+            other.format,
+            other.kernel,
+            other.in_features,
+            other.out_features,
+        )
+        buffers, expected = dict(layer.named_buffers()), dict(other.named_buffers())
+        assert list(buffers) == list(expected)
+        for key, tensor in buffers.items():
+            assert tensor.dtype == expected[key].dtype and torch.equal(tensor, expected[key]), key
+
+
+def logits(model):
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_saved_layers_equal_a_fresh_build_and_are_read_instead_of_the_file(small_gguf, monkeypatch):
+    path, directory = small_gguf
+    fresh = small_llama()
+    counts = quantize_model(fresh, "auto", path)
+    assert counts == {"Q4_1": 4, "Q4_0": 2, "Q8_0": 8}  # 13 projections and the head
+    first = small_llama()
+    assert quantize_cached(first, path, directory) == counts
+    assert cache_file(directory, selected_kernel()).is_file()
+    assert_same_layers(layers_of(first), layers_of(fresh))
+
+    def no_file(*args, **kwargs):
+        raise AssertionError("the GGUF file was read although its layers were saved")
+
+    monkeypatch.setattr("paged_attention.modeling.gguf_file.GGUFFile", no_file)
+    second = small_llama()
+    assert quantize_cached(second, path, directory) == counts
+    assert_same_layers(layers_of(second), layers_of(fresh))
+    assert isinstance(second.model.layers[1].mlp.down_proj, torch.nn.Linear)  # float in the file
+    torch.testing.assert_close(logits(second), logits(fresh), rtol=0, atol=0)
+
+
+def rewrite_metadata(file, **changes):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    save_file(tensors, str(file), metadata={**metadata, **changes})
+
+
+def built_from_the_file(path, directory, monkeypatch):
+    """Quantize through the cache, counting the GGUF file's reads."""
+    from paged_attention.modeling import gguf_file
+
+    reads = []
+    real = gguf_file.GGUFFile
+
+    def counted(*args):
+        reads.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(gguf_file, "GGUFFile", counted)
+    model = small_llama()
+    quantize_cached(model, path, directory)
+    monkeypatch.setattr(gguf_file, "GGUFFile", real)
+    return model, len(reads)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["another key", "another layout", "garbage", "truncated"],
+)
+def test_a_stale_or_damaged_file_is_rebuilt(small_gguf, monkeypatch, damage):
+    path, directory = small_gguf
+    fresh = small_llama()
+    quantize_model(fresh, "auto", path)
+    _, reads = built_from_the_file(path, directory, monkeypatch)
+    assert reads == 1
+    file = cache_file(directory, selected_kernel())
+    if damage == "another key":
+        rewrite_metadata(file, key=json.dumps({"layout": -1}))
+    elif damage == "another layout":  # layers that do not fit this model
+        layout = {
+            "lm_head": {"format": "Q8_0", "in": 32, "out": 96, "bias": False, "buffers": ["qs"]}
+        }
+        rewrite_metadata(file, layers=json.dumps(layout))
+    elif damage == "garbage":
+        file.write_bytes(b"not a safetensors file")
+    else:
+        file.write_bytes(file.read_bytes()[:1000])
+    model, reads = built_from_the_file(path, directory, monkeypatch)
+    assert reads == 1  # rebuilt from the GGUF file
+    assert_same_layers(layers_of(model), layers_of(fresh))
+    _, reads = built_from_the_file(path, directory, monkeypatch)
+    assert reads == 0  # and saved again, under the running key
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        assert handle.metadata()["key"] == cache_key(selected_kernel())
+
+
+def test_the_key_names_what_the_layout_depends_on():
+    key = json.loads(cache_key("gguf"))
+    assert key["kernel"] == "gguf" and key["torch"] == torch.__version__
+    assert {"layout", "package", "cpu"} <= set(key)
+    assert cache_key("gguf") != cache_key("int4pack")
+
+
+def test_each_kernel_has_its_file(small_gguf, monkeypatch):
+    path, directory = small_gguf
+    for kernel in ("gguf", "int4pack"):
+        monkeypatch.setenv("PAGED_ATTENTION_QUANTIZED_KERNEL", kernel)
+        fresh = small_llama()
+        quantize_model(fresh, "auto", path)
+        model = small_llama()
+        quantize_cached(model, path, directory)
+        assert cache_file(directory, kernel).is_file()
+        assert {layer.kernel for layer in layers_of(model).values()} == {kernel}
+        assert_same_layers(layers_of(model), layers_of(fresh))
+
+
+def test_a_cache_that_cannot_be_written_still_quantizes(small_gguf, caplog):
+    path, directory = small_gguf
+    missing = directory / "gone"  # no such directory: the save fails
+    model = small_llama()
+    fresh = small_llama()
+    assert quantize_cached(model, path, missing) == quantize_model(fresh, "auto", path)
+    assert_same_layers(layers_of(model), layers_of(fresh))
+    assert "cannot save the quantized layers" in caplog.text
+    assert not list(directory.iterdir())
+
+
+def test_every_shipped_projection_and_the_head_are_saved(small_gguf):
+    from safetensors import safe_open
+
+    path, directory = small_gguf
+    quantize_cached(small_llama(), path, directory)
+    with safe_open(str(cache_file(directory, selected_kernel())), framework="pt") as handle:
+        saved = set(json.loads(handle.metadata()["layers"]))
+    expected = {f"model.layers.{i}.{p}" for i in range(2) for p in LLAMA_PROJECTIONS.values()}
+    assert saved == expected - {"model.layers.1.mlp.down_proj"} | {"lm_head"}
