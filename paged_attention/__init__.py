@@ -1,15 +1,31 @@
 """PagedAttention for PyTorch: a KV cache kept in fixed-size blocks addressed by block tables.
 
-The names below are imported when first used (PEP 562), so that ``import paged_attention`` and
-the command line (``python -m paged_attention serve`` answers before torch is imported) stay
-cheap. ``torch.ops.paged_attention.*`` are the raw ops: they are registered by
-:mod:`paged_attention.ops.bindings`, which any of the names below imports (or
-``import paged_attention.ops.bindings`` directly).
+``import paged_attention`` registers the raw ops, ``torch.ops.paged_attention.*``
+(:mod:`paged_attention.ops.bindings`); the names below are imported when first used (PEP 562),
+so that importing the package does not import transformers or the engine. One process defers
+the ops too: the ``serve`` command started from the command line (``paged-attention serve``,
+``python -m paged_attention serve``), which binds its address and answers 503 "loading" before
+it imports torch (the ops are registered when it imports the engine, a moment later).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+
+def _is_serve_command_line() -> bool:
+    """Whether this process is the command line's ``serve``: ``python -m`` sets ``sys.argv[0]``
+    to ``"-m"`` while it imports the package, a console script to the script's path."""
+    argv = sys.argv
+    if len(argv) < 2 or argv[1] != "serve":
+        return False
+    return argv[0] == "-m" or os.path.basename(argv[0]) == "paged-attention"
+
+
+if not _is_serve_command_line():
+    importlib.import_module("paged_attention.ops.bindings")
 
 __version__ = "0.1.0"
 

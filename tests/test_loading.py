@@ -75,6 +75,7 @@ HEAVY_MODULES = ("torch", "transformers", "starlette", "uvicorn", "paged_attenti
 
 ORDER = """
 import json, sys, threading
+sys.argv = ["paged-attention", "serve", "--model", "tiny", "--port", "0"]
 from paged_attention.cli import loading, main as command_line, serve
 
 events = []
@@ -155,3 +156,16 @@ def health(port: int) -> tuple[int, dict] | None:
         return error.code, json.loads(error.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return None
+
+
+def test_importing_the_package_registers_the_ops_but_not_the_engine():
+    """``import paged_attention`` is enough for ``torch.ops.paged_attention.*`` (the README's
+    example); transformers and the engine wait for the names that need them."""
+    code = (
+        "import sys, paged_attention, torch\n"
+        "print(torch.ops.paged_attention.reshape_and_cache.default.name())\n"
+        "print(sorted(m for m in ('transformers', 'paged_attention.engine') if m in sys.modules))"
+    )
+    run = run_python(code, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["paged_attention::reshape_and_cache", "[]"]
