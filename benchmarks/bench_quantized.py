@@ -91,7 +91,7 @@ def build_engine(model, tokenizer, never: int, compiled_batch: int | None, weigh
         return Engine(model, **options)
     engine = Engine(model, max_num_seqs=compiled_batch, compile=True, **options)
     sizes = CompiledDecode.sizes_for(compiled_batch)
-    cache = CompileCache(CompileKey.of("smollm2", model.dtype, weights, sizes))
+    cache = CompileCache(CompileKey.of("smollm2", model, weights, sizes))
     compile_decode_steps(engine, cache, lambda line: print(line, file=sys.stderr))
     return engine
 
