@@ -280,14 +280,14 @@ class CompiledDecode(_StaticDecode):
     another (``enable_concat_linear``); the norms, rotary embeddings and activations fuse into
     a few loops, and ``cpp_wrapper`` calls a step's kernels from C++ instead of Python. A size
     is compiled at its first step, or every size at once by :meth:`compile_all`; compiling takes
-    long (one to two minutes per size for a 30-layer model on two cores; docs/performance.md),
+    long (minutes per size for a 30-layer model on two cores; docs/performance.md),
     so the sizes are few: a step pads to the next one.
     The weights are captured when a size is compiled: an engine serves the weights it first
     saw. :meth:`make_cacheable` trades freezing (the packed float weights, the concatenated
     projections) for steps that AOTAutograd's and inductor's caches keep across processes
-    (:mod:`paged_attention.engine.compile_cache`): their weights are inputs, which also makes
-    the first compile shorter. A quantized model's linear layers are custom ops that freezing
-    neither packs nor concatenates, so for it the steps run as fast either way.
+    (:mod:`paged_attention.engine.compile_cache`): their weights are inputs. A quantized
+    model's linear layers are custom ops that freezing neither packs nor concatenates, so for
+    it the steps run the same kernels either way.
 
     Every size is a function with a code object of its own (dynamo keeps compiled graphs per
     code object): it holds one graph, so its later calls skip dynamo's guards (their inputs are
