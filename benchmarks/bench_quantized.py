@@ -12,7 +12,9 @@ generated tokens per second, prefill included.
 A configuration with ``+compile`` (``gguf+compile``) runs its decode steps compiled
 (``compile=True``, through the compile cache of ``paged-attention serve --compile``: the first
 round compiles and caches them, the later ones load them), each batch in an engine of that many
-sequences, its steps compiled before the clock starts (``compile_s``: the seconds that took).
+sequences, its steps compiled before the clock starts (``compile_s``: the seconds that took;
+``dynamo_s`` and ``aot_s``: of them, dynamo's and AOTAutograd's tracing; ``aot_cache``: how
+AOTAutograd's cache answered).
 
     python benchmarks/bench_quantized.py --rounds 2 --json docs/results/bench_quantized.json
     python benchmarks/bench_quantized.py --configs gguf,gguf+compile --batches 1
@@ -65,6 +67,7 @@ def measure(config: str, threads: int, batches: tuple[int, ...] = BATCHES) -> di
         engine = build_engine(model, tokenizer, never, batch if compiled else None, weights)
         if compiled:
             result[f"compile_s_{batch}"] = sum(engine.runner.graphs.compile_seconds.values())
+            result.update({f"{k}_{batch}": v for k, v in compile_breakdown().items()})
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm up
         started = time.perf_counter()
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=TOKENS))
@@ -73,6 +76,19 @@ def measure(config: str, threads: int, batches: tuple[int, ...] = BATCHES) -> di
         result[f"tok_s_{batch}"] = generated / seconds
         model.set_attn_implementation("sdpa")
     return result
+
+
+def compile_breakdown() -> dict:
+    """Seconds dynamo traced and AOTAutograd traced (or loaded) the compiled steps so far in
+    this process, and how AOTAutograd's cache answered (``hit``, ``miss``, ``bypass``)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    aot = counters["aot_autograd"]
+    return {
+        "dynamo_s": sum(compilation_time_metrics.get("bytecode_tracing", [])),
+        "aot_s": sum(compilation_time_metrics.get("create_aot_dispatcher_function", [])),
+        "aot_cache": ",".join(k.removeprefix("autograd_cache_") for k in aot if "cache_" in k),
+    }
 
 
 def build_engine(model, tokenizer, never: int, compiled_batch: int | None, weights: str):
@@ -91,7 +107,7 @@ def build_engine(model, tokenizer, never: int, compiled_batch: int | None, weigh
         return Engine(model, **options)
     engine = Engine(model, max_num_seqs=compiled_batch, compile=True, **options)
     sizes = CompiledDecode.sizes_for(compiled_batch)
-    cache = CompileCache(CompileKey.of("smollm2", model.dtype, weights, sizes))
+    cache = CompileCache(CompileKey.of("smollm2", model, weights, sizes))
     compile_decode_steps(engine, cache, lambda line: print(line, file=sys.stderr))
     return engine
 

@@ -1,7 +1,7 @@
 """The compile cache of decode steps (paged_attention/engine/compile_cache.py): the tiny model
 compiled in one process is loaded by the next, which gives the eager engine's tokens without
-compiling anything again; another key is cold; the commands' choice between compiled and eager
-steps."""
+compiling anything again (nor tracing it through AOTAutograd again); another key is cold; the
+commands' choice between compiled and eager steps."""
 
 from __future__ import annotations
 
@@ -22,14 +22,16 @@ from paged_attention.engine.compile_cache import (  # noqa: E402
     cache_to_compile_with,
     eager_hint,
     model_identity,
+    quantized_kernels,
     should_compile,
 )
+from paged_attention.modeling.quantized import QuantizedLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # One process of a command: the tiny model's decode steps (batch size 1) through the cache
 # under $PAGED_ATTENTION_CACHE, then the tokens of the compiled engine and of an eager one, and
-# inductor's FX graph cache counters.
+# the counters of inductor's FX graph cache and of AOTAutograd's cache.
 PROCESS = """
 import json
 import torch
@@ -40,7 +42,7 @@ from paged_attention.modeling.models import load_model
 
 torch.set_num_threads(1)
 model, _ = load_model("tiny", dtype="float32")
-cache = CompileCache(CompileKey.of("tiny", model.dtype, None, [1]))
+cache = CompileCache(CompileKey.of("tiny", model, None, [1]))
 warm = cache.is_warm()
 prompt, params = [[5, 6, 7, 8]], SamplingParams(max_new_tokens=8)
 eager = Engine(model, num_blocks=16, max_num_seqs=1, eos_token_id=[]).generate(prompt, params)
@@ -49,8 +51,8 @@ said = []
 compile_decode_steps(engine, cache, said.append)
 compiled = engine.generate(prompt, params)
 others = [
-    CompileCache(CompileKey.of("tiny", torch.bfloat16, None, [1])),
-    CompileCache(CompileKey.of("tiny", model.dtype, None, [1, 8])),
+    CompileCache(CompileKey.of("tiny", load_model("tiny", dtype="bfloat16")[0], None, [1])),
+    CompileCache(CompileKey.of("tiny", model, None, [1, 8])),
 ]
 print(json.dumps({
     "warm": warm,
@@ -58,6 +60,7 @@ print(json.dumps({
     "eager": eager[0].outputs,
     "compiled": compiled[0].outputs,
     "inductor": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+    "aot_autograd": dict(counters["aot_autograd"]),
     "others_warm": [other.is_warm() for other in others],
     "directories": [str(c.directory) for c in [cache, *others]],
 }))
@@ -88,6 +91,11 @@ def test_a_second_process_loads_the_compiled_steps_and_another_key_misses(tmp_pa
     assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
     assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert second["inductor"].get("fxgraph_cache_bypass", 0) == 0
+    # nor was the graph traced through AOTAutograd again (frozen weights would bypass its cache)
+    assert first["aot_autograd"].get("autograd_cache_saved", 0) >= 1
+    assert second["aot_autograd"].get("autograd_cache_hit", 0) >= 1
+    assert second["aot_autograd"].get("autograd_cache_miss", 0) == 0
+    assert second["aot_autograd"].get("autograd_cache_bypass", 0) == 0
     assert second["compiled"] == second["eager"] == first["eager"]
     # another dtype, other batch sizes: other entries, cold
     assert second["others_warm"] == [False, False]
@@ -95,11 +103,14 @@ def test_a_second_process_loads_the_compiled_steps_and_another_key_misses(tmp_pa
 
 
 def test_the_key_names_what_the_steps_depend_on(tmp_path):
-    key = CompileKey.of("tiny", torch.float32, "auto", [1, 8])
+    from paged_attention.modeling.models import load_model
+
+    model, _ = load_model("tiny", dtype="float32")
+    key = CompileKey.of("tiny", model, "auto", [1, 8])
     assert (key.model, key.dtype, key.weights, key.sizes) == ("tiny", "float32", "auto", (1, 8))
-    assert key.torch_version == torch.__version__
-    assert CompileKey.of("tiny", torch.float32, "auto", (1, 8)).digest() == key.digest()
-    assert CompileKey.of("tiny", torch.float32, "q8", (1, 8)).digest() != key.digest()
+    assert key.torch_version == torch.__version__ and key.quantized_kernel == "none"
+    assert CompileKey.of("tiny", model, "auto", (1, 8)).digest() == key.digest()
+    assert CompileKey.of("tiny", model, "q8", (1, 8)).digest() != key.digest()
     # a model file's identity changes with its contents' size and time
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"x")
@@ -108,8 +119,30 @@ def test_the_key_names_what_the_steps_depend_on(tmp_path):
     assert model_identity(str(gguf)) != before and str(gguf.resolve()) in before
 
 
+def test_the_key_holds_the_kernel_the_layers_run_not_the_variable_that_chose_it(monkeypatch):
+    from paged_attention.modeling.models import load_model
+
+    model, _ = load_model("tiny", dtype="float32")
+    assert quantized_kernels(model) == "none"
+    layers = model.model.layers
+    layers[0].mlp.down_proj = QuantizedLinear({}, 32, 32, "Q8_0", kernel="gguf")
+    assert quantized_kernels(model) == "gguf"
+    keys = {}
+    for variable in ("auto", "gguf", "int4pack"):
+        # the variable chooses the kernel of layers built from now on, not of these
+        monkeypatch.setenv("PAGED_ATTENTION_QUANTIZED_KERNEL", variable)
+        keys[variable] = CompileKey.of("tiny", model, "auto", [1]).digest()
+    assert len(set(keys.values())) == 1
+    layers[1].mlp.down_proj = QuantizedLinear({}, 32, 32, "Q8_0", kernel="int4pack")
+    assert quantized_kernels(model) == "gguf,int4pack"
+    assert CompileKey.of("tiny", model, "auto", [1]).digest() != keys["gguf"]
+
+
 def test_an_empty_cache_is_cold_and_saving_nothing_writes_nothing(tmp_path):
-    cache = CompileCache(CompileKey.of("tiny", torch.float32, None, [1]), tmp_path)
+    from paged_attention.modeling.models import load_model
+
+    model, _ = load_model("tiny", dtype="float32")
+    cache = CompileCache(CompileKey.of("tiny", model, None, [1]), tmp_path)
     assert not cache.is_warm() and not cache.load()
     torch.compiler.save_cache_artifacts()  # forget what this process compiled so far
     assert not cache.save() and not cache.is_warm()

@@ -221,7 +221,9 @@ def test_compiled_decode_steps_match_generate_and_pad_to_few_sizes():
     seconds = engine.compile_decode_steps()
     assert sorted(seconds) == [1, 8] and seconds[8] == compiled.compile_seconds[8]
     after = engine.kv_cache.key_caches + engine.kv_cache.value_caches
-    assert all(torch.equal(a, b) for a, b in zip(caches, after))
+    # blocks no request has written hold whatever torch.empty left there, NaN among it
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(caches, after))
+    assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(caches, after))
     assert engine.compile_decode_steps() == seconds  # nothing left to compile
     alone = engine.generate([prompts[1][:7]], SamplingParams(9))[0]
     assert alone.outputs == [hf_greedy(model, prompts[1][:7], 9, eos_token_id=None)]

@@ -80,10 +80,11 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU: run decode steps through torch.compile, one graph per padded batch size "
         "(1, 8, 32 and --max-num-seqs), compiled before the first request. The first --compile "
-        "of a model takes a minute or two per batch size and caches the result in "
-        "~/.cache/paged_attention/compiled; later starts load it instead of compiling again "
-        "(the model is traced again, nothing is built again). Default: compiled when that "
-        "cache is warm, else eager (with a line saying so); --no-compile: eager",
+        "of a model takes minutes per batch size on a small CPU (building the C++) and caches "
+        "the result in ~/.cache/paged_attention; later starts load it instead of compiling "
+        "again (only dynamo traces the model again: seconds; docs/performance.md). Default: "
+        "compiled when that cache is warm, else eager (with a line saying so); --no-compile: "
+        "eager",
     )
 
 

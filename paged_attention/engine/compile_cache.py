@@ -2,23 +2,30 @@
 loads what the first one compiled instead of compiling it again.
 
 Compiling the decode step of one padded batch size
-(:class:`~paged_attention.engine.decode_executors.CompiledDecode`) takes one to two minutes for a
-30-layer model on two cores, nearly all of it inductor generating C++ and the C++ compiler
-building it. Inductor keeps what it built in its own on-disk caches, keyed by the graph, the
-shapes and its configuration (the frozen weights' values are not part of that key: a hit takes
-them from the model of the process that loads it). ``torch.compiler.save_cache_artifacts()``
-returns those entries of one process as bytes and ``load_cache_artifacts`` puts them back into
-another's caches, so the other process's compile finds them: tracing the model again takes
-seconds, the C++ is neither generated nor built again.
+(:class:`~paged_attention.engine.model_runner.CompiledDecode`) goes through three stages, each
+with a cache of its own: dynamo traces the Python into a graph, AOTAutograd traces that graph
+into ATen operations (its cache keeps the result), inductor generates C++ from it and the C++
+compiler builds it (inductor's FX graph cache keeps the generated code, its code cache the built
+library). For a 30-layer model on two cores the last stage takes minutes, the first two tens of
+seconds. ``torch.compiler.save_cache_artifacts()`` returns the AOTAutograd and FX graph cache
+entries of one process as bytes and ``load_cache_artifacts`` puts them back into another's
+caches, so the other process's compile finds them: only dynamo traces again (seconds).
+
+The steps compiled here have no frozen weights
+(:meth:`~paged_attention.engine.model_runner.CompiledDecode.make_cacheable`): AOTAutograd
+keeps no graph whose weights are constants, so with frozen weights a later process traced
+the model through AOTAutograd again and ran freezing's passes over it again (about half of
+a warm start's time).
 
 :class:`CompileCache` keeps those bytes in one file per configuration under the project's cache
 directory (:func:`~paged_attention.modeling.models.cache_root`: ``$PAGED_ATTENTION_CACHE``, else
 ``$XDG_CACHE_HOME/paged_attention``, else ``~/.cache/paged_attention``), in ``compiled/``. The
 configuration (:class:`CompileKey`) is what changes the compiled steps or whether they exist:
 the model (its file's path, size and modification time), its dtype, what its linear layers hold
-(``--weights`` and the quantized kernel), the padded batch sizes, the torch version and the
-CPU's vector instruction set. A file is written whole under a temporary name and renamed into
-place, so an interrupted start leaves no entry behind; an entry that is there is "warm".
+(``--weights`` and the kernel its quantized layers run, as resolved when they were built), the
+padded batch sizes, the torch version and the CPU's vector instruction set. A file is written
+whole under a temporary name and renamed into place, so an interrupted start leaves no entry
+behind; an entry that is there is "warm".
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Bumped when what an entry holds, or how the steps are compiled, changes."""
 ARTIFACTS = "artifacts.bin"
 KEY_FILE = "key.json"
@@ -51,25 +58,36 @@ class CompileKey:
     torch_version: str
     cpu_capability: str
     quantized_kernel: str
+    """The kernels its quantized linear layers run (:func:`quantized_kernels`)."""
     format: int = CACHE_FORMAT
 
     @classmethod
-    def of(cls, name: str, dtype: torch.dtype, weights: str | None, sizes) -> CompileKey:
-        """The key of model ``name`` (as ``--model`` takes it) loaded in ``dtype`` with
+    def of(cls, name: str, model: torch.nn.Module, weights: str | None, sizes) -> CompileKey:
+        """The key of ``model``, loaded from ``name`` (as ``--model`` takes it) with
         ``weights``, compiled for the padded batch sizes ``sizes``, on this machine."""
         return cls(
             model=model_identity(name),
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(model.dtype).removeprefix("torch."),
             weights=weights or "float",
             sizes=tuple(int(size) for size in sizes),
             torch_version=torch.__version__,
             cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            quantized_kernel=os.environ.get("PAGED_ATTENTION_QUANTIZED_KERNEL", "auto"),
+            quantized_kernel=quantized_kernels(model),
         )
 
     def digest(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def quantized_kernels(model: torch.nn.Module) -> str:
+    """The kernels ``model``'s quantized linear layers run, as they were resolved when the
+    layers were built (``PAGED_ATTENTION_QUANTIZED_KERNEL=auto`` is one of them, not a kernel
+    of its own), comma-separated; ``none`` when it has no quantized layer."""
+    from paged_attention.modeling.quantized import QuantizedLinear
+
+    kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    return ",".join(sorted(kernels)) or "none"
 
 
 def model_identity(name: str) -> str:
@@ -185,12 +203,12 @@ def compile_decode_steps(engine, cache: CompileCache, say) -> dict[int, float]:
             say(f"loading compiled decode steps for batch sizes {sizes} from {cache.directory}")
         else:
             say(
-                f"compiling decode steps for batch sizes {sizes} (a minute or two each on a "
+                f"compiling decode steps for batch sizes {sizes} (minutes each on a "
                 f"small CPU; once: they are cached in {cache.directory} for later starts)"
             )
-        missed = counters["inductor"]["fxgraph_cache_miss"]
+        misses = _cache_misses(counters)
         seconds = engine.compile_decode_steps()
-        if counters["inductor"]["fxgraph_cache_miss"] > missed or not cache.is_warm():
+        if _cache_misses(counters) > misses or not cache.is_warm():
             try:
                 cache.save()
             except OSError as error:
@@ -199,11 +217,18 @@ def compile_decode_steps(engine, cache: CompileCache, say) -> dict[int, float]:
     return seconds
 
 
+def _cache_misses(counters) -> int:
+    """How often AOTAutograd's cache and inductor's FX graph cache have missed so far."""
+    return (
+        counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+    )
+
+
 def eager_hint(cache: CompileCache) -> str:
     """The line a command prints when it runs eagerly for want of a warm cache."""
     return (
         "decode steps run eagerly: none are compiled for this model yet; start once with "
-        "--compile to compile them (a minute or two per batch size) and cache them in "
+        "--compile to compile them (minutes per batch size) and cache them in "
         f"{cache.directory}; later starts load them instead of compiling again"
     )
 
@@ -225,7 +250,7 @@ def cache_to_compile_with(
             raise ValueError(f"compiled decode steps are for the CPU, not device {device}")
         return None
     sizes = CompiledDecode.sizes_for(max_num_seqs)
-    cache = CompileCache(CompileKey.of(name, model.dtype, weights, sizes))
+    cache = CompileCache(CompileKey.of(name, model, weights, sizes))
     if should_compile(requested, device, cache):
         return cache
     say(eager_hint(cache))

@@ -280,11 +280,14 @@ class CompiledDecode(_StaticDecode):
     another (``enable_concat_linear``); the norms, rotary embeddings and activations fuse into
     a few loops, and ``cpp_wrapper`` calls a step's kernels from C++ instead of Python. A size
     is compiled at its first step, or every size at once by :meth:`compile_all`; compiling takes
-    long (one to two minutes per size for a 30-layer model on two cores; docs/performance.md),
+    long (minutes per size for a 30-layer model on two cores; docs/performance.md),
     so the sizes are few: a step pads to the next one.
     The weights are captured when a size is compiled: an engine serves the weights it first
-    saw. :meth:`make_cacheable` trades the packed float weights for steps that inductor's
-    caches keep across processes (:mod:`paged_attention.engine.compile_cache`).
+    saw. :meth:`make_cacheable` trades freezing (the packed float weights, the concatenated
+    projections) for steps that AOTAutograd's and inductor's caches keep across processes
+    (:mod:`paged_attention.engine.compile_cache`): their weights are inputs. A quantized
+    model's linear layers are custom ops that freezing neither packs nor concatenates, so for
+    it the steps run the same kernels either way.
 
     Every size is a function with a code object of its own (dynamo keeps compiled graphs per
     code object): it holds one graph, so its later calls skip dynamo's guards (their inputs are
@@ -294,9 +297,12 @@ class CompiledDecode(_StaticDecode):
 
     SIZES = (1, 8, 32)
     INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True}
-    CACHEABLE_OPTIONS = {"cpp.weight_prepack": False}
-    """What :meth:`make_cacheable` changes: oneDNN's packed weights are mkldnn tensors, which
-    inductor's FX graph cache cannot store (it compiles such a graph without caching it)."""
+    CACHEABLE_OPTIONS = {"freezing": False}
+    """What :meth:`make_cacheable` changes: without freezing the weights are inputs of the
+    compiled graph, not constants of it, so AOTAutograd's cache keeps the traced graph too (it
+    keeps no graph with frozen constants) and a later process skips tracing it through
+    AOTAutograd; nor are there oneDNN's packed weights, mkldnn tensors that inductor's FX graph
+    cache cannot store."""
 
     def __init__(self, runner: ModelRunner, buffers: StaticStepBuffers) -> None:
         super().__init__(runner, buffers)
