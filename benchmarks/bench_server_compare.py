@@ -5,7 +5,7 @@ The two servers run alternately, never both at once: in each of ``--rounds`` rou
 starts, answers the loads and stops (its whole process tree has exited), then ``llama-server``
 does the same (A B A B ...). Each start is timed until ``/health`` answers 200. The loads, one
 after the other on the started server, are closed loops of streamed chat completions (greedy,
-the prompts of bench_server.py):
+the prompts of bench_server.py; ``--loads one-user`` or ``--loads chats`` runs one of them):
 
 * ``32 chats x 64 tokens``: 32 clients, one request each, ``max_tokens`` 64;
 * ``1 user x 128 tokens``: one client, two requests one after the other, ``max_tokens`` 128.
@@ -60,11 +60,13 @@ class Load:
     clients: int
     requests: int
     max_tokens: int
+    key: str
+    """What ``--loads`` calls it."""
 
 
 LOADS = (
-    Load("32 chats x 64 tokens", clients=32, requests=32, max_tokens=64),
-    Load("1 user x 128 tokens", clients=1, requests=2, max_tokens=128),
+    Load("32 chats x 64 tokens", clients=32, requests=32, max_tokens=64, key="chats"),
+    Load("1 user x 128 tokens", clients=1, requests=2, max_tokens=128, key="one-user"),
 )
 SAMPLE_INTERVAL_S = 0.1
 STOP_TIMEOUT_S = 60.0
@@ -446,6 +448,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--start-timeout", type=float, default=900.0, help="seconds a server may take to start"
     )
+    group.add_argument(
+        "--loads",
+        default=",".join(load.key for load in LOADS),
+        help="the loads to run, comma-separated, of "
+        + ", ".join(f"{load.key} ({load.name})" for load in LOADS)
+        + " (default: all)",
+    )
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -464,6 +473,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not args.start_timeout > 0:
         parser.error(f"--start-timeout must be positive, got {args.start_timeout}")
+    known = {load.key for load in LOADS}
+    chosen = args.loads.split(",")
+    if not chosen or not set(chosen) <= known or len(set(chosen)) != len(chosen):
+        parser.error(f"--loads: {args.loads!r} is not a list of distinct loads of {sorted(known)}")
     for option in ("serve_command", "serve_args", "llama_args"):
         try:
             shlex.split(getattr(args, option))
@@ -495,9 +508,12 @@ def default_gguf() -> Path:
         raise SystemExit(f"--gguf not given and the default model is missing: {error}") from None
 
 
-def run(args: argparse.Namespace, command: str, loads=LOADS) -> dict:
+def run(args: argparse.Namespace, command: str, loads=None) -> dict:
     """The comparison the parsed arguments ask for (``command``: how it was typed): runs it,
     prints the table, writes the JSON and the plot; returns the report."""
+    if loads is None:
+        chosen = args.loads.split(",")
+        loads = tuple(load for load in LOADS if load.key in chosen)
     specs = specs_of(args)
     info = dict(
         machine=machine_info("cpu"),

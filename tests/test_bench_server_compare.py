@@ -95,6 +95,17 @@ def test_the_servers_alternate_and_every_figure_is_recorded(stubs, tmp_path, cap
     assert "32 chats x 64 tokens: output tok/s" in out and "start until /health s" in out
 
 
+def test_loads_runs_only_the_loads_named(stubs, tmp_path):
+    args = compare_args(stubs, tmp_path)
+    args[args.index("--rounds") + 1] = "1"
+    report = bench_server.main([*args, "--loads", "one-user"])
+    assert [[row["load"] for row in run["loads"]] for run in report["runs"]] == [
+        ["1 user x 128 tokens"]
+    ] * 2
+    assert [load["key"] for load in report["info"]["loads"]] == ["one-user"]
+    assert "1 user x 128 tokens" in publish.server_compare_section(report)
+
+
 def test_a_server_that_fails_to_start_is_named_with_its_output(stubs, tmp_path):
     args = compare_args(stubs, tmp_path, serve_extra="--fail-at-start")
     with pytest.raises(SystemExit, match="serve exited with status 3 before answering /health"):
@@ -121,6 +132,8 @@ def test_a_server_that_never_answers_is_stopped_at_the_timeout(stubs, tmp_path):
         (("--rounds", "0"), "--rounds must be at least 1, got 0"),
         (("--start-timeout", "0"), "--start-timeout must be positive"),
         (("--serve-command", "python 'unclosed"), "--serve-command: No closing quotation"),
+        (("--rounds", "1 --loads chats,chats"), "is not a list of distinct loads"),
+        (("--rounds", "1 --loads two-users"), "--loads: 'two-users' is not a list"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_argument(stubs, tmp_path, capsys, change, message):
@@ -131,6 +144,7 @@ def test_bad_arguments_are_refused_naming_the_argument(stubs, tmp_path, capsys, 
         del args[at : at + 2]
     else:
         args[at + 1] = value
+    args = [part for arg in args for part in (arg.split(" ") if "--loads" in arg else [arg])]
     with pytest.raises(SystemExit) as exit_info:
         bench_server.main(args)
     assert exit_info.value.code == 2
