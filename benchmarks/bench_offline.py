@@ -307,6 +307,8 @@ def run_one(config: str, dtype: str, work: dict, options: argparse.Namespace) ->
     if process.returncode != 0 or not lines:
         raise SystemExit(f"{config} {dtype} failed (exit {process.returncode}):\n{err[-4000:]}")
     result = json.loads(lines[-1][len(RESULT_MARK) :])
+    if config == "vllm":
+        result["settings"]["compile_cache"] = vllm_compile_cache(out + err)
     return {
         "config": config,
         "dtype": dtype,
@@ -316,6 +318,14 @@ def run_one(config: str, dtype: str, work: dict, options: argparse.Namespace) ->
         "load_before": [round(x, 2) for x in before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def vllm_compile_cache(log: str) -> str:
+    """Whether vLLM's log says it loaded its compiled model (``"warm"``), compiled and saved
+    it (``"cold"``), or neither (``"unknown"``)."""
+    if "Directly load AOT compilation" in log:
+        return "warm"
+    return "cold" if "saved AOT compiled function" in log else "unknown"
 
 
 def agreement(rows: list[dict]) -> None:

@@ -927,6 +927,17 @@ def offline_engine_text(data: dict) -> str:
     return "; ".join(parts)
 
 
+def offline_compile_cache(data: dict) -> str:
+    """What vLLM's load times include: loading its compiled model, or compiling it."""
+    states = [r["settings"].get("compile_cache") for r in data["rows"] if r["config"] == "vllm"]
+    if not states:
+        return ""
+    if set(states) == {"warm"}:
+        return " (vLLM's: loading its compiled model from its compile cache, in every run)"
+    cold = states.count("cold")
+    return f" (vLLM's: compiling its model in {cold} of {len(states)} runs, else loading it)"
+
+
 def offline_section(data: dict) -> str:
     groups = rounds_of(data["rows"], lambda r: (r["dtype"], r["config"]))
     summary = {(s["dtype"], s["config"]): s for s in data["summary"]}
@@ -962,7 +973,7 @@ def offline_section(data: dict) -> str:
         f"({offline_engine_text(data)}). Output tok/s is the "
         f"{work['requests']} x {work['new_tokens']} tokens over the wall time of `generate` "
         "after a one-request warm-up; load s from the process's start until the engine is "
-        "ready (vLLM: with its compile cache warm); peak resident memory of the run's process "
+        f"ready{offline_compile_cache(data)}; peak resident memory of the run's process "
         "tree. vs vLLM: the median's ratio to vLLM's in the same dtype, ✗ below the "
         f"{data['target_ratio']}x target.\n\n"
     )

@@ -149,7 +149,7 @@ def test_the_published_table_marks_a_ratio_below_the_target():
                 "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
                          "compile_backend": "inductor", "compilation_mode": "2",
                          "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
-                         "max_num_batched_tokens": 4096},
+                         "max_num_batched_tokens": 4096, "compile_cache": "warm"},
             }[config]  # fmt: skip
             rows.append({**row, "round": round_index})
     bench_offline.agreement(rows)
@@ -166,3 +166,16 @@ def test_the_published_table_marks_a_ratio_below_the_target():
     assert "150.5 (150.0, 151.0)" in ours_line and "0.75x ✗" in ours_line
     assert "2 of 2, 2 of 2" in ours_line
     assert "compiled by inductor" in text and "eager steps (the default)" in text
+    assert "from its compile cache, in every run" in text
+
+
+@pytest.mark.parametrize(
+    "log, state",
+    [
+        ("INFO [decorators.py:320] Directly load AOT compilation from path /x", "warm"),
+        ("INFO [decorators.py:743] [backbone] saved AOT compiled function to /x", "cold"),
+        ("INFO nothing about compiling", "unknown"),
+    ],
+)
+def test_vllms_compile_cache_is_read_from_its_log(log, state):
+    assert bench_offline.vllm_compile_cache(log) == state
