@@ -58,6 +58,8 @@ def kind_of(data: dict) -> str | None:
         return "server_compare"
     if data.get("benchmark") == "bench_start":
         return "start"
+    if data.get("benchmark") == "bench_offline":
+        return "offline"
     if {"pairs", "runs"} <= data.keys():
         return "greedy_agreement"
     if {"tree", "workload"} <= first.keys():
@@ -108,6 +110,7 @@ SCRIPTS = {
     "greedy_agreement": "greedy_agreement.py",
     "engine_step": "bench_engine_step.py",
     "spec_decode": "bench_spec_decode.py",
+    "offline": "bench_offline.py",
 }
 
 
@@ -898,6 +901,85 @@ def spec_decode_section(data: dict) -> str:
     return text + table(header, body, "llrrrrl")
 
 
+OFFLINE_ENGINES = {"ours": "ours", "ours-auto": "ours, `--weights auto`", "vllm": "vLLM"}
+
+
+def offline_engine_text(data: dict) -> str:
+    """How each engine ran, from what the runs recorded of their settings."""
+    settings = {r["config"]: r["settings"] for r in data["rows"]}
+    parts = []
+    ours = settings.get("ours") or settings.get("ours-auto")
+    if ours:
+        parts.append(
+            f"ours: torch {ours['torch']}, {ours['torch_threads']} threads, "
+            f"{'compiled' if ours['compile'] else 'eager'} steps (the default), block size "
+            f"{ours['block_size']}, max {ours['max_num_seqs']} sequences"
+        )
+    vllm = settings.get("vllm")
+    if vllm:
+        step = "eager" if vllm["enforce_eager"] else f"compiled by {vllm['compile_backend']}"
+        parts.append(
+            f"vLLM {vllm['vllm']}: torch {vllm['torch']}, its step {step} (compilation mode "
+            f"{vllm['compilation_mode']}, the CPU default), OpenMP threads bound to cores "
+            f"{vllm['omp_threads_bind']}, block size {vllm['block_size']}, max "
+            f"{vllm['max_num_seqs']} sequences and {vllm['max_num_batched_tokens']} tokens a step"
+        )
+    return "; ".join(parts)
+
+
+def offline_compile_cache(data: dict) -> str:
+    """What vLLM's load times include: loading its compiled model, or compiling it."""
+    states = [r["settings"].get("compile_cache") for r in data["rows"] if r["config"] == "vllm"]
+    if not states:
+        return ""
+    if set(states) == {"warm"}:
+        return " (vLLM's: loading its compiled model from its compile cache, in every run)"
+    cold = states.count("cold")
+    return f" (vLLM's: compiling its model in {cold} of {len(states)} runs, else loading it)"
+
+
+def offline_section(data: dict) -> str:
+    groups = rounds_of(data["rows"], lambda r: (r["dtype"], r["config"]))
+    summary = {(s["dtype"], s["config"]): s for s in data["summary"]}
+    body = []
+    for (dtype, config), rows in groups.items():
+        entry = summary[(dtype, config)]
+        ratio = entry.get("ratio_to_vllm")
+        same = [r for r in rows if "same_as_vllm" in r]
+        body.append(
+            [
+                dtype,
+                OFFLINE_ENGINES[config],
+                rounds_cell([r["tok_per_s"] for r in rows], 1),
+                "" if ratio is None else f"{ratio:.2f}x" + ("" if entry["meets_target"] else " ✗"),
+                rounds_cell([r["load_s"] for r in rows], 1),
+                rounds_cell([r["peak_rss_mb"] for r in rows], 0),
+                ", ".join(f"{r['same_as_vllm']} of {data['workload']['requests']}" for r in same),
+                "; ".join(f"{r['load_before'][0]:.1f} to {r['load_after'][0]:.1f}" for r in rows),
+            ]
+        )
+    work, settings = data["workload"], data["settings"]
+    rounds = settings["rounds"]
+    header = ["dtype", "engine", "output tok/s, median (each round)", "vs vLLM", "load s",
+              "peak resident MB", "answers equal to vLLM's", "load average, each run"]  # fmt: skip
+    text = (
+        f"The offline engine against vLLM's CPU engine on one workload: {work['model']} "
+        f"(SmolLM2-135M-Instruct; both engines load the same float checkpoint, the GGUF "
+        f"de-quantized, in the row's dtype), {work['requests']} chat questions through its "
+        f"template ({work['prompt_tokens']} prompt tokens in all), {work['new_tokens']} greedy "
+        "new tokens each, the end of sequence ignored, all requests given at once. Each run is "
+        f"a fresh process; the engines take turns over {rounds} round"
+        f"{'s' if rounds != 1 else ''} on the same {len(settings['cores'])} cores "
+        f"({offline_engine_text(data)}). Output tok/s is the "
+        f"{work['requests']} x {work['new_tokens']} tokens over the wall time of `generate` "
+        "after a one-request warm-up; load s from the process's start until the engine is "
+        f"ready{offline_compile_cache(data)}; peak resident memory of the run's process "
+        "tree. vs vLLM: the median's ratio to vLLM's in the same dtype, ✗ below the "
+        f"{data['target_ratio']}x target.\n\n"
+    )
+    return text + table(header, body, "llrrrrll")
+
+
 def agreement_remark(pairs: dict, reference: str, questions: int) -> str:
     """How our variants' first divergences from ``reference`` line up, question by question."""
     ours = [pair for name, pair in pairs.items() if name.endswith(f" vs {reference}")]
@@ -970,6 +1052,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
     "quantized": ("Quantized weights end to end", quantized_section, None),
     "start": ("Start: `serve` until it answers", start_section, None),
+    "offline": ("The offline engine against vLLM's CPU engine", offline_section, None),
     "greedy_agreement": (
         "Greedy agreement: weights variants and llama-server",
         greedy_agreement_section,

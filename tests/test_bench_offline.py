@@ -1,0 +1,181 @@
+"""The offline benchmark against vLLM: its workload, the turns the runs take, what a run
+records, the comparison with vLLM's answers, its arguments, and its published table."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_offline  # noqa: E402
+import publish  # noqa: E402
+
+from paged_attention.cli.demo import QUESTIONS  # noqa: E402
+from paged_attention.engine import ChatPrompt, PromptRenderer  # noqa: E402
+from paged_attention.modeling.tiny import tiny_chat_model  # noqa: E402
+
+
+def test_the_prompts_are_the_demo_questions_through_the_chat_template():
+    work = bench_offline.workload(quick=True)
+    renderer = PromptRenderer(tiny_chat_model()[1])
+    expected = [renderer.chat_ids(ChatPrompt([{"role": "user", "content": q}])) for q in QUESTIONS]
+    assert work["prompts"] == expected[:4]
+    assert work["new_tokens"] == 8 and work["model"] == "tiny" and work["model_dir"] is None
+    # The warm-up prompt shares no leading block with a timed prompt (no prefix cache hit).
+    assert all(p[:4] != work["warm_up"][:4] for p in work["prompts"])
+
+
+def test_vllm_is_shown_the_float_checkpoint_only(tmp_path, monkeypatch):
+    converted = tmp_path / "converted" / "SmolLM2-x"
+    converted.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "quantized-auto-gguf.safetensors"):
+        (converted / name).write_text(name)
+    monkeypatch.setattr(bench_offline.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    view = bench_offline.checkpoint_view(converted)
+    assert sorted(p.name for p in view.iterdir()) == ["config.json", "model.safetensors"]
+    assert (view / "model.safetensors").read_text() == "model.safetensors"
+    assert bench_offline.checkpoint_view(converted) == view  # the same path every run
+
+
+def fake_row(config, dtype, rate, tokens):
+    return {
+        "config": config,
+        "dtype": dtype,
+        "tok_per_s": rate,
+        "generate_s": 1.0,
+        "load_s": 2.0,
+        "peak_rss_mb": 100.0,
+        "load_before": [1.0, 1.0, 1.0],
+        "load_after": [2.0, 2.0, 2.0],
+        "settings": {},
+        "tokens": tokens,
+    }
+
+
+def test_configurations_take_turns_within_each_round(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_run_one(config, dtype, work, options):
+        calls.append((config, dtype))
+        return fake_row(config, dtype, 10.0, [[1, 2]] * len(work["prompts"]))
+
+    monkeypatch.setattr(bench_offline, "run_one", fake_run_one)
+    out = tmp_path / "offline.json"
+    bench_offline.main(["--quick", "--configs", "ours,ours-auto", "--json", str(out)])
+    order = [(c, d) for d in ("bfloat16", "float32") for c in ("ours", "ours-auto")]
+    assert calls == order * 2
+    record = json.loads(out.read_text())
+    assert [r["round"] for r in record["rows"]] == [0] * 4 + [1] * 4
+    assert record["benchmark"] == "bench_offline" and record["machine"]["cpu_model"]
+    assert record["workload"]["requests"] == 4 and "tokens" not in record["rows"][0]
+    assert publish.kind_of(record) == "offline"
+
+
+def test_answers_are_compared_with_vllms_of_the_same_dtype_and_round():
+    rows = [
+        {**fake_row("vllm", "float32", 100.0, [[1, 2, 3], [4, 5, 6]]), "round": 0},
+        {**fake_row("ours", "float32", 160.0, [[1, 2, 3], [4, 9, 6]]), "round": 0},
+        {**fake_row("ours", "bfloat16", 200.0, [[7, 7, 7], [7, 7, 7]]), "round": 0},
+    ]
+    bench_offline.agreement(rows)
+    ours_fp32, ours_bf16 = rows[1], rows[2]
+    assert ours_fp32["same_as_vllm"] == 1
+    assert ours_fp32["matching_fraction"] == pytest.approx((1 + 2 / 3) / 2)
+    assert "same_as_vllm" not in ours_bf16  # no vLLM run in bfloat16 to compare with
+    assert all("tokens" not in r for r in rows)
+
+
+def test_the_summary_holds_each_median_and_its_ratio_to_vllms():
+    rows = [
+        fake_row("vllm", "float32", 100.0, []),
+        fake_row("vllm", "float32", 120.0, []),
+        fake_row("ours", "float32", 160.0, []),
+        fake_row("ours", "float32", 180.0, []),
+        fake_row("ours", "bfloat16", 300.0, []),
+    ]
+    summary = {(s["dtype"], s["config"]): s for s in bench_offline.summarize(rows)}
+    assert summary[("float32", "vllm")]["tok_per_s_median"] == 110.0
+    ours = summary[("float32", "ours")]
+    assert ours["ratio_to_vllm"] == pytest.approx(170 / 110) and ours["meets_target"]
+    assert "ratio_to_vllm" not in summary[("bfloat16", "ours")]
+
+
+def test_a_run_is_a_process_of_its_own_with_its_memory_and_load(monkeypatch):
+    options = bench_offline.parse_args(["--quick", "--configs", "ours"])
+    work = bench_offline.workload(quick=True)
+    row = bench_offline.run_one("ours", "float32", work, options)
+    assert row["generated"] == 4 * 8 and len(row["tokens"]) == 4
+    assert row["settings"]["compile"] is False  # the engine's default step
+    assert row["settings"]["torch_threads"] == len(options.cores)
+    assert row["peak_rss_mb"] > 50 and row["load_s"] > 0
+    assert len(row["load_before"]) == len(row["load_after"]) == 3
+
+
+def test_the_resident_memory_of_a_process_tree():
+    assert bench_offline.tree_rss_bytes(os.getpid()) > 10 * 2**20
+    assert bench_offline.tree_rss_bytes(2**22 + 7) == 0  # no such process
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--configs", "ours,llama"], "--configs"),
+        (["--dtypes", "float16"], "--dtypes"),
+        (["--rounds", "0"], "--rounds"),
+        (["--kv-gib", "0"], "--kv-gib"),
+        (["--quick"], "--quick"),
+        (["--configs", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python"),
+        (["--configs", "ours", "--cores", "zero"], "--cores"),
+        (["--configs", "ours", "--cores", "4096"], "--cores"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_argument(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench_offline.parse_args(argv)
+
+
+def test_the_published_table_marks_a_ratio_below_the_target():
+    rows = []
+    for round_index in (0, 1):
+        for config, rate in (("ours", 150.0), ("vllm", 200.0)):
+            row = fake_row(config, "float32", rate + round_index, [[1, 2]] * 2)
+            row["settings"] = {
+                "ours": {"torch": "2.14", "torch_threads": 2, "compile": False,
+                         "block_size": 16, "max_num_seqs": 64},
+                "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
+                         "compile_backend": "inductor", "compilation_mode": "2",
+                         "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
+                         "max_num_batched_tokens": 4096, "compile_cache": "warm"},
+            }[config]  # fmt: skip
+            rows.append({**row, "round": round_index})
+    bench_offline.agreement(rows)
+    record = {
+        "benchmark": "bench_offline",
+        "workload": {"model": "smollm2", "requests": 2, "prompt_tokens": 40, "new_tokens": 2},
+        "settings": {"cores": [0, 1], "kv_gib": 1, "rounds": 2},
+        "target_ratio": 1.5,
+        "rows": rows,
+        "summary": bench_offline.summarize(rows),
+    }
+    text = publish.offline_section(record)
+    ours_line = next(line for line in text.splitlines() if line.startswith("| float32 | ours |"))
+    assert "150.5 (150.0, 151.0)" in ours_line and "0.75x ✗" in ours_line
+    assert "2 of 2, 2 of 2" in ours_line
+    assert "compiled by inductor" in text and "eager steps (the default)" in text
+    assert "from its compile cache, in every run" in text
+
+
+@pytest.mark.parametrize(
+    "log, state",
+    [
+        ("INFO [decorators.py:320] Directly load AOT compilation from path /x", "warm"),
+        ("INFO [decorators.py:743] [backbone] saved AOT compiled function to /x", "cold"),
+        ("INFO nothing about compiling", "unknown"),
+    ],
+)
+def test_vllms_compile_cache_is_read_from_its_log(log, state):
+    assert bench_offline.vllm_compile_cache(log) == state
