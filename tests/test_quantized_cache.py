@@ -107,6 +107,8 @@ def test_saved_layers_equal_a_fresh_build_and_are_read_instead_of_the_file(small
     first = small_llama()
     assert quantize_cached(first, path, directory) == counts
     assert cache_file(directory, selected_kernel()).is_file()
+    # beside the checkpoint, not at its top, where a loader takes every *.safetensors file
+    assert not list(directory.glob("*.safetensors"))
     assert_same_layers(layers_of(first), layers_of(fresh))
 
     def no_file(*args, **kwargs):

@@ -4,7 +4,8 @@
 out for its kernel (:mod:`paged_attention.modeling.quantized`): for SmolLM2-135M 0.4 s of CPU at
 every start. :func:`quantize_cached` does it once and saves the layers' buffers in the converted
 model's directory (:func:`~paged_attention.modeling.models.converted_gguf`, itself keyed by the
-GGUF file's path, size and modification time) as one safetensors file per kernel; later loads
+GGUF file's path, size and modification time) as one safetensors file per kernel, in its
+``quantized/`` subdirectory; later loads
 read that file instead.
 
 The file's metadata holds a key: the layout's version (:data:`LAYOUT_VERSION`), this package's
@@ -50,8 +51,10 @@ def cache_key(kernel: str) -> str:
 
 
 def cache_file(directory: Path | str, kernel: str) -> Path:
-    """The file in ``directory`` that holds the ``auto`` weights' layers for ``kernel``."""
-    return Path(directory) / f"quantized-auto-{kernel}.safetensors"
+    """The file under ``directory`` that holds the ``auto`` weights' layers for ``kernel``: in a
+    subdirectory, so that tools loading the converted checkpoint (which take every
+    ``*.safetensors`` file at its top, as vLLM does) see only the float weights."""
+    return Path(directory) / "quantized" / f"auto-{kernel}.safetensors"
 
 
 def quantize_cached(model: nn.Module, gguf: Path, directory: Path | str) -> dict[str, int]:
@@ -146,6 +149,7 @@ def _write(path: Path, key: str, layers: dict[str, QuantizedLinear]) -> None:
     # model's other files), renamed into place when whole
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(exist_ok=True)
         staging.write_bytes(save(tensors, metadata={"key": key, "layers": json.dumps(layout)}))
         os.replace(staging, path)
     except OSError as error:
