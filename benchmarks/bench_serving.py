@@ -66,7 +66,8 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from paged_attention.cli.demo import default_workload
 from paged_attention.cli.machine import describe_machine, machine_info
 from paged_attention.engine import Engine, SamplingParams
-from paged_attention.modeling.models import DTYPES, MODEL_HELP, load_model
+from paged_attention.modeling.models import DTYPE_NAMES as DTYPES
+from paged_attention.modeling.models import MODEL_HELP, load_model
 from paged_attention.modeling.tiny import tiny_llama_config
 
 MODEL = tiny_llama_config(
