@@ -10,6 +10,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType, quants  # noqa: E402
+from test_quantized import small_llama  # noqa: E402
 
 from paged_attention.modeling.quantized import (  # noqa: E402
     LLAMA_PROJECTIONS,
@@ -24,21 +25,6 @@ from paged_attention.modeling.quantized_cache import (  # noqa: E402
 )
 
 FORMAT_OF = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1"}
-
-
-def small_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture
