@@ -82,7 +82,8 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
         "(1, 8, 32 and --max-num-seqs), compiled before the first request. The first --compile "
         "of a model takes minutes per batch size on a small CPU (building the C++) and caches "
         "the result in ~/.cache/paged_attention; later starts load it instead of compiling "
-        "again (only dynamo traces the model again: seconds; docs/performance.md). Default: "
+        "again (only dynamo traces the model again: tens of seconds per batch size; "
+        "docs/performance.md). Default: "
         "compiled when that cache is warm, else eager (with a line saying so); --no-compile: "
         "eager",
     )

@@ -9,7 +9,8 @@ compiler builds it (inductor's FX graph cache keeps the generated code, its code
 library). For a 30-layer model on two cores the last stage takes minutes, the first two tens of
 seconds. ``torch.compiler.save_cache_artifacts()`` returns the AOTAutograd and FX graph cache
 entries of one process as bytes and ``load_cache_artifacts`` puts them back into another's
-caches, so the other process's compile finds them: only dynamo traces again (seconds).
+caches, so the other process's compile finds them: only dynamo traces again (11-18 s of a
+17-27 s warm start for SmolLM2's batch size 1 on two cores; docs/performance.md).
 
 The steps compiled here have no frozen weights
 (:meth:`~paged_attention.engine.model_runner.CompiledDecode.make_cacheable`): AOTAutograd
