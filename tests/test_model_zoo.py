@@ -504,6 +504,35 @@ def test_a_hybrid_cache_counts_its_state_slots():
     assert too_few.state_stats().used_slots == 0
 
 
+def test_a_hybrid_cache_budget_holds_its_state_slots_first():
+    zoo = Zoo("qwen3_next")
+    counted = PagedCache(zoo.model, block_size=BLOCK, num_blocks=4, num_state_slots=1)
+    zoo.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        zoo.model.generate(
+            input_ids=left_padded([5])[0], max_new_tokens=1, cache=counted, pad_token_id=0
+        )
+    finally:
+        zoo.model.set_attn_implementation(zoo.default)
+    # one linear-attention layer's conv window and recurrent state, as generate() left them
+    slot_bytes = sum(t[0].numel() * t.element_size() for t in counted._states.tensors.values())
+    block_bytes = counted.kv_cache.bytes_per_block
+    assert slot_bytes > 0
+    budget = 3 * slot_bytes + 10 * block_bytes + block_bytes // 2
+    cache = PagedCache(zoo.model, block_size=BLOCK, max_memory=budget, num_state_slots=3)
+    assert cache.kv_cache.num_blocks == 10  # the states of 3 sequences came out of the budget
+    assert zoo.model.config._attn_implementation == zoo.default  # the probe put it back
+    assert cache.blocks_in_use() == 0 and cache.state_stats().used_slots == 0
+    explicit = PagedCache(zoo.model, block_size=BLOCK, num_blocks=10, num_state_slots=300)
+    assert explicit.kv_cache.num_blocks == 10  # an explicit block count is kept as given
+    with pytest.raises(ValueError, match=r"max_memory=.*num_state_slots=3 .*no KV block"):
+        PagedCache(zoo.model, block_size=BLOCK, max_memory=3 * slot_bytes, num_state_slots=3)
+    with pytest.raises(ValueError, match="num_state_slots must be at least 1"):
+        PagedCache(zoo.model, block_size=BLOCK, max_memory=budget, num_state_slots=0)
+    with pytest.raises(TypeError, match="num_state_slots must be an int"):
+        PagedCache(zoo.model, block_size=BLOCK, max_memory=budget, num_state_slots="3")
+
+
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_unsupported_families_are_refused_with_the_reason(model_type):
     model = build(

@@ -72,9 +72,11 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
     ``generate`` call).
 
     Hybrid models (docs/models.md) keep conv and recurrent states in one slot per sequence
-    (:mod:`paged_attention.kv.state_pool`), at most ``num_state_slots`` at once (beams hold up
-    to twice theirs while reordering); states cannot roll back, so ``crop`` and prefix caching
-    are refused.
+    (:mod:`paged_attention.kv.state_pool`), at most ``num_state_slots`` at once (beam search
+    needs one per beam); when the blocks are sized by a budget (``max_memory`` or the default
+    one), the states of ``num_state_slots`` sequences come out of it first, measured with one
+    forward pass of one token at construction. States cannot roll back, so ``crop`` and prefix
+    caching are refused.
     """
 
     def __init__(
@@ -90,18 +92,31 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
         v_scale: float | None = None,
         enable_prefix_caching: bool = False,
         mla: str | None = None,
-        num_state_slots: int = 256,
+        num_state_slots: int = 64,
     ) -> None:
         geometry = ModelGeometry.of(model, mla=resolve_mla(mla, kv_cache_dtype=kv_cache_dtype))
-        kv = geometry.kv_cache(
-            block_size,
-            num_blocks,
-            max_memory,
-            num_host_blocks=num_host_blocks,
-            kv_cache_dtype=kv_cache_dtype,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        kv_options = {"kv_cache_dtype": kv_cache_dtype, "k_scale": k_scale, "v_scale": v_scale}
+        reserved = 0
+        if geometry.state_layers and num_blocks is None:
+            _check_slots(num_state_slots)
+            reserved = num_state_slots * _state_bytes_per_sequence(model, block_size, mla)
+        try:
+            kv = geometry.kv_cache(
+                block_size,
+                num_blocks,
+                max_memory,
+                num_host_blocks=num_host_blocks,
+                reserved_bytes=reserved,
+                **kv_options,
+            )
+        except ValueError as error:
+            if not reserved:
+                raise
+            raise ValueError(
+                f"max_memory={max_memory!r}: the conv and recurrent states of "
+                f"num_state_slots={num_state_slots} sequences ({reserved} bytes) come first, "
+                f"and {error}: give more memory or fewer state slots"
+            ) from None
         super().__init__(model, geometry, kv)
         self.block_manager = geometry.block_manager(kv, enable_prefix_caching, num_state_slots)
         self._states = None
@@ -344,6 +359,33 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+
+def _check_slots(num_state_slots) -> None:
+    if isinstance(num_state_slots, bool) or not isinstance(num_state_slots, int):
+        raise TypeError(f"num_state_slots must be an int, got {num_state_slots!r}")
+    if num_state_slots < 1:
+        raise ValueError(f"num_state_slots must be at least 1, got {num_state_slots}")
+
+
+def _state_bytes_per_sequence(model: torch.nn.Module, block_size: int, mla) -> int:
+    """Bytes of one sequence's conv and recurrent states in a hybrid ``model``: one forward pass
+    of one token over a one-block cache (the states take the model's own shapes and dtypes).
+    The model's attention implementation is set for the pass and put back after it."""
+    probe = PagedCache(model, block_size, num_blocks=1, mla=mla, num_state_slots=1)
+    previous = model.config._attn_implementation
+    device = probe.kv_cache.device
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        with torch.inference_mode():
+            model(
+                input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                use_cache=True,
+                **{cache_argument_name(model): probe},
+            )
+    finally:
+        model.set_attn_implementation(previous)
+    return sum(t[0].numel() * t.element_size() for t in probe._states.tensors.values())
 
 
 def _out_of_room(error: OutOfBlocksError, kv) -> OutOfBlocksError:

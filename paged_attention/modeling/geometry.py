@@ -233,10 +233,13 @@ class ModelGeometry:
         kv_cache_dtype: str = "auto",
         k_scale: float | None = None,
         v_scale: float | None = None,
+        reserved_bytes: int = 0,
     ) -> PagedKVCache:
         """The model's :class:`PagedKVCache`: ``num_blocks``, or as many as ``max_memory``
         allows (bytes, or a fraction of free CUDA / available host memory), or by default 90% of
         free CUDA memory, or on CPU a quarter of the available host memory, at most 4 GiB.
+        ``reserved_bytes`` (a hybrid model's conv and recurrent states) come out of that budget
+        before it is filled with blocks; they do not change an explicit ``num_blocks``.
         An fp8 ``kv_cache_dtype`` takes fixed ``k_scale``/``v_scale`` or, without them,
         calibrates each layer's scales from the first keys and values it stores.
 
@@ -263,6 +266,9 @@ class ModelGeometry:
                 available = _cache_module._host_available_bytes()
                 memory_budget = min(int(_CPU_DEFAULT_FRACTION * available), _CPU_DEFAULT_MAX_BYTES)
                 memory_budget //= split.size
+        if reserved_bytes and num_blocks is None:
+            memory_budget = self._budget_left(memory_budget, memory_fraction, reserved_bytes)
+            memory_fraction = None
         if split.size > 1 and num_blocks is None:
             num_blocks = self._blocks_for_budget_on_every_rank(
                 block_size, kv_cache_dtype, memory_budget, memory_fraction
@@ -294,6 +300,24 @@ class ModelGeometry:
             v_head_size=self.v_head_size,
             kernels_read=not self.latent,
         )
+
+    def _budget_left(self, budget: int | None, fraction: float | None, reserved: int) -> int:
+        """Bytes of a budget (``budget`` bytes, or ``fraction`` of free CUDA / available host
+        memory, or of ``budget`` when both are given) left once ``reserved`` bytes are taken."""
+        if fraction is not None:
+            if not 0.0 < fraction <= 1.0:
+                raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
+            if budget is None:
+                cuda = self.device.type == "cuda"
+                free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
+                budget = free if cuda else _cache_module._host_available_bytes()
+            budget = int(budget * fraction)
+        if budget - reserved <= 0:
+            raise ValueError(
+                f"a memory budget of {budget} bytes holds the states ({reserved} bytes) and no "
+                "KV block"
+            )
+        return budget - reserved
 
     def _blocks_for_budget_on_every_rank(
         self, block_size, kv_cache_dtype, memory_budget, memory_fraction
