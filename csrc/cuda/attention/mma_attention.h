@@ -38,9 +38,10 @@
 // tokens 4q + j and 4q + 2 + j), so P is still S in registers.
 //
 // Shared memory per stage: the key tile [chunk][16 tokens][16 B] and the value tile
-// [bucket][16 tokens] (rows below v_head_size filled). 16-bit values are swizzled (the two 16-byte halves of row d swap when
-// bit 2 of d is set) and fp8 keys of tokens 8..15 move by two rows, so that the eight rows of
-// every 8x8 matrix ldmatrix reads fall into eight different bank groups.
+// [bucket][16 tokens] (rows below v_head_size filled). 16-bit values are swizzled (the two
+// 16-byte halves of row d swap when bit 2 of d is set) and fp8 keys of tokens 8..15 move by two
+// rows, so that the eight rows of every 8x8 matrix ldmatrix reads fall into eight different bank
+// groups.
 //
 // The body is the steps of FlashInfer's prefill kernel, each a function below: stage the query
 // (stage_query, kernel_steps.h; scale_query_to_fp16; QueryFragments), load K/V tiles (MmaTiles
@@ -53,12 +54,12 @@
 // registers before the MMA (0 * NaN is NaN inside an MMA too); key chunks past a head size
 // below the bucket's are zero in every stage, as are the query's dims there. Value rows past
 // v_head_size are never copied: whatever a stage holds there reaches only output columns
-// d >= v_head_size, each column an MMA computes being its own, and those are never stored.
+// d >= v_head_size (each output column of an MMA is its own), and those are never stored. A
+// position some row of the warp attends reaches the warp's other rows with weight 0
+// (docs/cuda.md: a NaN value there makes them NaN).
 //
 // Keys and values may have head sizes of their own (multi-head latent attention: keys 192,
-// values 128); the variant is the bucket of the larger (plan_head_size). A position some
-// row of the warp attends reaches the warp's other rows with weight 0 (docs/cuda.md: a NaN
-// value there makes them NaN).
+// values 128); both run in the variant of the larger one's bucket (plan_head_size).
 #pragma once
 
 #include <cstdint>
