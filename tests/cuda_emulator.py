@@ -52,7 +52,7 @@ class Call(ctypes.Structure):
             "block_table_stride max_blocks_per_seq seq_lens num_seqs num_heads num_kv_heads "
             "head_size block_size max_seq_len scale logits_soft_cap sliding_window alibi_slopes "
             "k_scale v_scale num_partitions query_start_loc num_tokens max_query_len sinks "
-            "attention_chunk_size"
+            "attention_chunk_size v_head_size"
         ).split()
     ]
 
@@ -285,6 +285,7 @@ def run(
         max_query_len=max_query_len,
         sinks=_pointer(sinks),
         attention_chunk_size=attention_chunk_size,
+        v_head_size=value_cache.shape[2],
     )
     report = Report()
     error = ctypes.create_string_buffer(4096)

@@ -6,9 +6,9 @@ csrc/cuda/primitives/emulated.h (tests/cuda_emulator.py builds the library): eve
 CTA runs the body, mma.sync/ldmatrix move elements as the PTX ISA's fragment layouts say, and
 cp.async lands only at its wait (NaN before). These tests need no GPU: they check the
 primitives against the PTX ISA's tables (restated here independently of the C++), then the
-kernels against reference.py over head sizes, block sizes, dtypes, GQA groups, fp8, ALiBi,
-sliding windows, attention chunks, soft-cap, NaN-filled caches, v1 (with and without splits) and
-v2.
+kernels against reference.py over head sizes (values of their own head size included), block
+sizes, dtypes, GQA groups, fp8, ALiBi, sliding windows, attention chunks, soft-cap, NaN-filled
+caches, v1 (with and without splits) and v2.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import cuda_emulator as emu
 import pytest
 import torch
-from conftest import make_paged_kv
+from conftest import make_paged_kv, make_paged_kv_of_value_size
 
 from paged_attention.ops import reference
 from paged_attention.ops.supported import PARTITION_SIZE
@@ -193,6 +193,7 @@ def run_case(
     num_heads: int = 8,
     num_kv_heads: int = 2,
     head_size: int = 128,
+    v_head_size: int | None = None,
     block_size: int = 16,
     dtype: torch.dtype = torch.float16,
     kv_cache_dtype: str = "auto",
@@ -208,18 +209,12 @@ def run_case(
     strided_query: bool = False,
     release_before_chunk: bool = False,
 ) -> emu.Report:
-    """The emulated kernels and reference.py on one case; asserts they agree. Returns the
-    kernels' report."""
-    kv = make_paged_kv(
-        len(seq_lens),
-        seq_lens,
-        num_kv_heads,
-        head_size,
-        block_size,
-        dtype,
-        kv_cache_dtype,
-        seed=seed,
-    )
+    """The emulated kernels and reference.py on one case (values of head size ``v_head_size``,
+    by default ``head_size``); asserts they agree. Returns the kernels' report."""
+    v_head_size = v_head_size or head_size
+    kv = make_paged_kv_of_value_size(len(seq_lens), seq_lens, num_kv_heads, head_size,
+                                     v_head_size, block_size, dtype, kv_cache_dtype,
+                                     seed=seed)  # fmt: skip
     if release_before_chunk:
         # Blocks wholly before the query's chunk may be released: an id that is out of range
         # there makes any read of it an error under the emulation.
@@ -253,30 +248,38 @@ def run_case(
         attention_chunk_size,
     )
     options = dict(target=target, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
-    out = torch.full((len(seq_lens), num_heads, head_size), math.nan, dtype=dtype)
+    out = torch.full((len(seq_lens), num_heads, v_head_size), math.nan, dtype=dtype)
     expected = torch.empty_like(out)
     if version == 1:
         report = emu.paged_attention_v1(out, *args, **options)
         reference.paged_attention_v1(expected, *args)
     else:
-        partitions = max(1, math.ceil(kv.max_seq_len / PARTITION_SIZE)) + 1
-        shape = (len(seq_lens), num_heads, partitions)
-        scratch = [
-            torch.full(shape, 7.0),
-            torch.full(shape, 7.0),
-            torch.full((*shape, head_size), 7.0, dtype=dtype),
-        ]
-        ref_scratch = [t.clone() for t in scratch]
-        report = emu.paged_attention_v2(out, *scratch, *args, **options)
-        reference.paged_attention_v2(expected, *ref_scratch, *args)
-        exp_sums, max_logits, tmp_out = scratch
-        torch.testing.assert_close(max_logits, ref_scratch[1], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(exp_sums, ref_scratch[0], atol=1e-3, rtol=1e-4)
-        torch.testing.assert_close(tmp_out, ref_scratch[2], **TOLERANCES[dtype])
+        report = run_v2_against_reference(out, expected, args, options)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
     if dtype != torch.float32 and report.ldmatrix > 0:
         assert report.ldmatrix_max_ways == 1, "an ldmatrix read had a bank conflict"
+    return report
+
+
+def run_v2_against_reference(out, expected, args, options) -> emu.Report:
+    """v2 under the emulation and in reference.py on scratch holding 7.0 (one partition more
+    than the context needs); asserts that the partial results agree too."""
+    query, value_cache, max_seq_len = args[0], args[2], args[8]
+    partitions = max(1, math.ceil(max_seq_len / PARTITION_SIZE)) + 1
+    shape = (query.shape[0], query.shape[1], partitions)
+    scratch = [
+        torch.full(shape, 7.0),
+        torch.full(shape, 7.0),
+        torch.full((*shape, value_cache.shape[2]), 7.0, dtype=query.dtype),
+    ]
+    ref_scratch = [t.clone() for t in scratch]
+    report = emu.paged_attention_v2(out, *scratch, *args, **options)
+    reference.paged_attention_v2(expected, *ref_scratch, *args)
+    exp_sums, max_logits, tmp_out = scratch
+    torch.testing.assert_close(max_logits, ref_scratch[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(exp_sums, ref_scratch[0], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(tmp_out, ref_scratch[2], **TOLERANCES[query.dtype])
     return report
 
 
@@ -315,6 +318,47 @@ def test_fp8_caches(version, block_size, kv_cache_dtype, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_head_sizes(kv_cache_dtype, head_size, dtype):
     run_case(1, seq_lens=[5, 90], head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+
+
+# Values of a head size of their own (multi-head latent attention in its expanded form): keys
+# 192 = 128 + 64 rotary dims and values 128 (DeepSeek-V3), 128 / 64 (a tiny DeepSeek-V2-Lite
+# like model), and pairs of other buckets, values above the keys' included.
+VALUE_HEAD_SIZES = [(192, 128), (128, 64), (256, 128), (96, 32), (64, 128)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("head_size,v_head_size", VALUE_HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size(version, head_size, v_head_size, dtype):
+    run_case(version, seq_lens=[1, 37, 300], head_size=head_size, v_head_size=v_head_size,
+             block_size=32 if head_size == 96 else 16, dtype=dtype,
+             seed=head_size + v_head_size)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("head_size,v_head_size", [(192, 128), (128, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size_in_fp8_caches(kv_cache_dtype, head_size, v_head_size, dtype):
+    run_case(2, seq_lens=[5, 90, 600], head_size=head_size, v_head_size=v_head_size,
+             block_size=8 if dtype == torch.float32 else 32, dtype=dtype,
+             kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size_with_v1_splits(dtype):
+    # Several splits of one sequence: partial results of v_head_size floats and the reduce.
+    report = run_case(1, seq_lens=[2000, 700], head_size=192, v_head_size=128, dtype=dtype)
+    assert report.splits > 1
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 16), (12, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_of_their_own_head_size_with_every_option(version, num_heads, num_kv_heads, dtype):
+    # MHA (DeepSeek's expanded MLA) and GQA, with a window, a soft cap and ALiBi.
+    run_case(version, seq_lens=[0, 1, 33, 700], num_heads=num_heads, num_kv_heads=num_kv_heads,
+             head_size=192, v_head_size=128, dtype=dtype, alibi=True, sliding_window=300,
+             logits_soft_cap=20.0, query_scale=4.0)  # fmt: skip
 
 
 def test_bf16_queries_of_any_magnitude_fit_fp16_for_fp8_caches():

@@ -5,10 +5,10 @@ tests/cuda_emulator.py runs the op as the CUDA glue launches it: the same kernel
 cores with one or four warps of rows for fp16/bf16, CUDA cores for fp32), the schedule kernel of
 queries longer than a CTA, the split plan of an H200 and the reduce kernel; every global access
 is checked against the tensors' memory. The grid covers query lengths 0, 1, 2-16 and up to a few
-hundred mixed in one batch, every head size, block size, query dtype, fp8 format and several GQA
-groups, with sliding windows, attention chunks, ALiBi, soft-cap and sinks, on caches whose
-slots outside the
-stored tokens are NaN. Rows of `out` that belong to no sequence must keep what they held.
+hundred mixed in one batch, every head size (and values of a head size of their own), block
+size, query dtype, fp8 format and several GQA groups, with sliding windows, attention chunks,
+ALiBi, soft-cap and sinks, on caches whose slots outside the stored tokens are NaN. Rows of
+`out` that belong to no sequence must keep what they held.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import cuda_emulator as emu
 import pytest
 import torch
-from conftest import make_paged_kv
+from conftest import make_paged_kv, make_paged_kv_of_value_size
 
 from paged_attention.ops import reference
 
@@ -42,6 +42,7 @@ def run_case(
     num_heads: int = 8,
     num_kv_heads: int = 2,
     head_size: int = 128,
+    v_head_size: int | None = None,
     block_size: int = 16,
     dtype: torch.dtype = torch.float16,
     kv_cache_dtype: str = "auto",
@@ -58,12 +59,14 @@ def run_case(
     num_sms: int | None = None,
     seed: int = 0,
 ) -> emu.Report:
-    """The emulated kernels and reference.py on one batch of (q_len, context) sequences; asserts
-    they agree and that the spare rows are untouched. Returns the kernels' report."""
+    """The emulated kernels and reference.py on one batch of (q_len, context) sequences (values
+    of head size ``v_head_size``, by default ``head_size``); asserts they agree and that the
+    spare rows are untouched. Returns the kernels' report."""
     query_lens = [q for q, _ in seqs]
     seq_lens = [q + c for q, c in seqs]
-    kv = make_paged_kv(len(seqs), seq_lens, num_kv_heads, head_size, block_size, dtype,
-                       kv_cache_dtype, seed=seed)  # fmt: skip
+    v_head_size = v_head_size or head_size
+    kv = make_paged_kv_of_value_size(len(seqs), seq_lens, num_kv_heads, head_size, v_head_size,
+                                     block_size, dtype, kv_cache_dtype, seed=seed)  # fmt: skip
     if release_before_chunk:
         # Blocks wholly before the first new row's chunk may be released: an id that is out of
         # range there makes any read of it an error under the emulation.
@@ -98,7 +101,7 @@ def run_case(
         torch.linspace(-2.0, 3.0, num_heads) if sinks else None,
         attention_chunk_size,
     )
-    out = torch.full((rows, num_heads, head_size), UNTOUCHED, dtype=dtype)
+    out = torch.full((rows, num_heads, v_head_size), UNTOUCHED, dtype=dtype)
     report = emu.paged_attention_varlen(out, *args, target=target, num_sms=num_sms)
     expected = torch.full_like(out, UNTOUCHED)
     reference.paged_attention_varlen(expected, *args)
@@ -174,6 +177,33 @@ def test_one_row_per_sequence_equals_v1():
 def test_head_sizes(head_size):
     dtype = DTYPES[HEAD_SIZES.index(head_size) % 3]
     run_case([(1, 50), (9, 30), (70, 10)], head_size=head_size, dtype=dtype, seed=head_size)
+
+
+# Values of a head size of their own (multi-head latent attention in its expanded form: keys
+# 192 and values 128 in DeepSeek-V3, 128 and 64 in a tiny DeepSeek-V2-Lite like model).
+@pytest.mark.parametrize("head_size,v_head_size", [(192, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size(head_size, v_head_size, dtype):
+    # Decode, a chunk after its context and a long prompt (64-row CTAs, scheduled) in one batch.
+    run_case([(1, 50), (9, 30), (70, 10)], head_size=head_size, v_head_size=v_head_size,
+             dtype=dtype, seed=head_size + v_head_size)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size_in_fp8_caches(kv_cache_dtype, dtype):
+    run_case([(3, 60), (45, 20)], head_size=192, v_head_size=128, dtype=dtype,
+             kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_of_their_own_head_size_with_splits_and_every_option(dtype):
+    # MHA as DeepSeek's expanded MLA runs it; a long context split over CTAs (partials of 128
+    # floats and the reduce); a window, a soft cap and sinks.
+    report = run_case([(2, 1500), (20, 40)], num_heads=4, num_kv_heads=4, head_size=192,
+                      v_head_size=128, dtype=dtype, sliding_window=700, logits_soft_cap=20.0,
+                      sinks=True, query_scale=4.0)  # fmt: skip
+    assert report.splits > 1
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -41,7 +41,8 @@ def _device() -> torch.device:
 
 
 class PagedKV:
-    """A random paged cache with scattered, shuffled blocks and its attention inputs."""
+    """A random paged cache with scattered, shuffled blocks and its attention inputs; values of
+    head size ``v_head_size`` (multi-head latent attention; by default ``head_size``)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class PagedKV:
         num_heads: int = 8,
         num_kv_heads: int = 2,
         head_size: int = 128,
+        v_head_size: int | None = None,
         block_size: int = 16,
         dtype: torch.dtype = torch.float16,
         kv_cache_dtype: str = "auto",
@@ -63,6 +65,7 @@ class PagedKV:
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_size, self.block_size = head_size, block_size
+        self.v_head_size = v_head_size or head_size
         max_len = max(seq_lens) if seq_lens else 0
         max_blocks = max(1, math.ceil(max_len / block_size))
         needed = sum(math.ceil(n / block_size) for n in seq_lens)
@@ -86,7 +89,7 @@ class PagedKV:
             (num_blocks, num_kv_heads, head_size // x, block_size, x), self.k_scale
         )
         self.value_cache = random_cache(
-            (num_blocks, num_kv_heads, head_size, block_size), self.v_scale
+            (num_blocks, num_kv_heads, self.v_head_size, block_size), self.v_scale
         )
         if fill_nan and fp8:
             self.key_cache.fill_(0x7F)  # NaN in both fp8 formats
@@ -119,6 +122,7 @@ class PagedKV:
                 slots.append(block * self.block_size + pos % self.block_size)
         shape = (len(slots), self.num_kv_heads, self.head_size)
         key = torch.randn(shape, generator=gen).to(device, self.dtype)
+        shape = (len(slots), self.num_kv_heads, self.v_head_size)
         value = torch.randn(shape, generator=gen).to(device, self.dtype)
         ops.reshape_and_cache(
             key,
@@ -172,8 +176,11 @@ def _positional(kv: PagedKV, query: torch.Tensor, args: dict) -> tuple:
     )
 
 
-def _v2_scratch(query: torch.Tensor, max_seq_len: int, extra_partitions: int = 0):
+def _v2_scratch(
+    query: torch.Tensor, max_seq_len: int, extra_partitions: int = 0, v_head_size: int = 0
+):
     num_seqs, num_heads, head_size = query.shape
+    head_size = v_head_size or head_size
     partitions = pa_ops.num_partitions(max_seq_len) + extra_partitions
     exp_sums = torch.full((num_seqs, num_heads, partitions), 7.0, device=query.device)
     max_logits = torch.full_like(exp_sums, 7.0)
@@ -189,13 +196,13 @@ def run_attention(kv: PagedKV, version: int, query: torch.Tensor | None = None, 
     query = kv.query if query is None else query
     args = kv.attention_args(**overrides)
     pos = _positional(kv, query, args)
-    out = torch.full_like(query, math.nan).contiguous()
+    out = query.new_full((*query.shape[:2], kv.v_head_size), math.nan)
     expected = torch.empty_like(out)
     if version == 1:
         ops.paged_attention_v1(out, *pos)
         reference.paged_attention_v1(expected, *pos)
         return out, expected
-    scratch = _v2_scratch(query, args["max_seq_len"], extra_partitions=1)
+    scratch = _v2_scratch(query, args["max_seq_len"], 1, kv.v_head_size)
     ref_scratch = [t.clone() for t in scratch]
     ops.paged_attention_v2(out, *scratch, *pos)
     reference.paged_attention_v2(expected, *ref_scratch, *pos)
@@ -760,28 +767,48 @@ def test_out_of_range_host_mapping_is_rejected_without_debug_switch():
                 ops.swap_blocks(host, cache, mapping)
 
 
-def test_values_of_their_own_head_size_are_refused_naming_v_head_size():
-    """The CUDA kernels read values of the keys' head size: a value cache of another head size
-    (multi-head latent attention, docs/models.md) raises before any launch, out untouched."""
+# Values of a head size of their own (multi-head latent attention in its expanded form: keys
+# 192 = 128 + 64 rotary dims and values 128 in DeepSeek-V3, 128 and 64 in a tiny DeepSeek-V2-Lite
+# like model; values above the keys' too).
+VALUE_HEAD_SIZES = [(192, 128), (128, 64), (256, 128), (64, 128)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("head_size,v_head_size", VALUE_HEAD_SIZES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size(version, head_size, v_head_size, kv_cache_dtype, dtype):
+    kv = PagedKV(seq_lens=[1, 37, 700, 2000], head_size=head_size, v_head_size=v_head_size,
+                 dtype=dtype, kv_cache_dtype=kv_cache_dtype, fill_nan=True,
+                 seed=v_head_size)  # fmt: skip
+    out = assert_attention(kv, version)
+    assert out.shape == (4, 8, v_head_size)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_of_their_own_head_size_with_every_option(version, dtype):
+    # MHA as DeepSeek's expanded MLA runs it, with ALiBi, a window and a soft cap.
+    kv = PagedKV(seq_lens=[0, 1, 33, 1500], num_heads=16, num_kv_heads=16, head_size=192,
+                 v_head_size=128, dtype=dtype, block_size=32)  # fmt: skip
+    slopes = torch.linspace(0.02, 0.4, 16, device=_device())
+    assert_attention(kv, version, alibi_slopes=slopes, sliding_window=300, logits_soft_cap=20.0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", *FP8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_of_values_of_their_own_head_size(kv_cache_dtype, dtype):
+    kv = PagedKV(seq_lens=[64], num_kv_heads=4, num_heads=4, head_size=192, v_head_size=128,
+                 dtype=dtype, kv_cache_dtype=kv_cache_dtype, extra_blocks=8)  # fmt: skip
     device = _device()
-    query = torch.randn(2, 4, 192, device=device, dtype=torch.bfloat16)
-    key_cache = torch.zeros(4, 4, 24, 16, 8, device=device, dtype=torch.bfloat16)
-    value_cache = torch.zeros(4, 4, 128, 16, device=device, dtype=torch.bfloat16)
-    tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
-    lens = torch.ones(2, dtype=torch.int32, device=device)
-    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
-    unit = torch.ones(1, device=device)
-    message = r"v_head_size \(value_cache.size\(2\) = 128\) must equal head_size \(192\) on CUDA"
-    out = torch.full((2, 4, 128), 7.0, device=device, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=message):
-        ops.paged_attention_v1(out, query, key_cache, value_cache, 4, 0.1, tables, lens, 16, 1,
-                               None, "auto", unit, unit)  # fmt: skip
-    with pytest.raises(ValueError, match=message):
-        ops.paged_attention_varlen(out, query, key_cache, value_cache, 4, 0.1, tables, lens,
-                                   starts, 1, 1, None, "auto", unit, unit)  # fmt: skip
-    assert (out == 7.0).all()
-    key, value = query, torch.randn(2, 4, 128, device=device, dtype=torch.bfloat16)
-    slots = torch.tensor([0, 1], device=device)
-    with pytest.raises(ValueError, match=message):
-        ops.reshape_and_cache(key, value, key_cache, value_cache, slots, "auto", unit, unit)
-    assert not value_cache.any()
+    key = torch.randn(30, 4, 192, device=device).to(dtype)
+    value = torch.randn(30, 4, 192, device=device).to(dtype)[:, :, :128]  # strided
+    slots = torch.randperm(kv.key_cache.shape[0] * 16)[:30]
+    slots[::5] = -1
+    slots = slots.to(device)
+    scales = (kv_cache_dtype, kv.k_scale, kv.v_scale)
+    expected = (kv.key_cache.clone(), kv.value_cache.clone())
+    reference.reshape_and_cache(key, value, *expected, slots, *scales)
+    ops.reshape_and_cache(key, value, kv.key_cache, kv.value_cache, slots, *scales)
+    assert torch.equal(kv.key_cache, expected[0])
+    assert torch.equal(kv.value_cache, expected[1])

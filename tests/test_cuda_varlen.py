@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_paged_kv
+from conftest import make_paged_kv_of_value_size
 
 import paged_attention.ops.bindings  # registers torch.ops.paged_attention
 import paged_attention.ops.bindings as pa_ops
@@ -44,7 +44,8 @@ MIXED = [(1, 600), (37, 20), (70, 0), (0, 9), (4, 1000), (130, 150), (700, 0)]
 
 
 class Case:
-    """A paged cache on the GPU holding the sequences, their new query rows and spare rows."""
+    """A paged cache on the GPU holding the sequences, their new query rows and spare rows;
+    values of head size ``v_head_size`` (by default ``head_size``)."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class Case:
         num_heads=8,
         num_kv_heads=2,
         head_size=128,
+        v_head_size=None,
         block_size=16,
         dtype=torch.bfloat16,
         kv_cache_dtype="auto",
@@ -62,8 +64,10 @@ class Case:
         self.query_lens = [q for q, _ in seqs]
         seq_lens = [q + c for q, c in seqs]
         device = torch.device("cuda")
-        self.kv = make_paged_kv(len(seqs), seq_lens, num_kv_heads, head_size, block_size, dtype,
-                                kv_cache_dtype, device=device, seed=seed)  # fmt: skip
+        self.v_head_size = v_head_size or head_size
+        self.kv = make_paged_kv_of_value_size(len(seqs), seq_lens, num_kv_heads, head_size,
+                                              self.v_head_size, block_size, dtype, kv_cache_dtype,
+                                              device=device, seed=seed)  # fmt: skip
         gen = torch.Generator().manual_seed(seed + 1)
         rows = sum(self.query_lens) + spare_rows
         self.query = torch.randn(rows, num_heads, head_size, generator=gen).to(device, dtype)
@@ -96,15 +100,18 @@ class Case:
             chunk,
         )
 
+    def untouched_out(self):
+        return self.query.new_full((*self.query.shape[:2], self.v_head_size), UNTOUCHED)
+
     def run(self, args):
-        out = torch.full_like(self.query, UNTOUCHED)
+        out = self.untouched_out()
         ops.paged_attention_varlen(out, *args)
         return out
 
     def check(self, **options):
         args = self.args(**options)
         out = self.run(args)
-        expected = torch.full_like(self.query, UNTOUCHED)
+        expected = self.untouched_out()
         reference.paged_attention_varlen(expected, *args)
         torch.testing.assert_close(out, expected, **TOLERANCES[self.dtype])
         assert (out[sum(self.query_lens) :] == UNTOUCHED).all()
@@ -115,6 +122,21 @@ class Case:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
 def test_mixed_batch(dtype, kv_cache_dtype):
     Case(MIXED, dtype=dtype, kv_cache_dtype=kv_cache_dtype).check()
+
+
+# Values of a head size of their own (multi-head latent attention in its expanded form: keys
+# 192 and values 128 in DeepSeek-V3, 128 and 64 in a tiny DeepSeek-V2-Lite like model).
+@pytest.mark.parametrize("head_size,v_head_size", [(192, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_of_their_own_head_size(head_size, v_head_size, kv_cache_dtype, dtype):
+    case = Case(MIXED, head_size=head_size, v_head_size=v_head_size, dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    assert case.check().shape[2] == v_head_size
+    # MHA as DeepSeek's expanded MLA runs it, with every option.
+    case = Case(MIXED, num_heads=4, num_kv_heads=4, head_size=head_size, v_head_size=v_head_size,
+                dtype=dtype, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    case.check(alibi=True, sliding_window=300, logits_soft_cap=20.0, sinks=True, chunk=256)
 
 
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 120, 128, 192, 256])

@@ -51,7 +51,8 @@ struct Encoder<scalar_t, CacheDtype::kFp8E5M2> {
   }
 };
 
-// One CTA per token: its threads walk the num_kv_heads * head_size elements.
+// One CTA per token: its threads walk the num_kv_heads * head_size key elements, then the
+// num_kv_heads * v_head_size value elements (the values' own head size).
 template <typename scalar_t, CacheDtype kCache>
 __global__ void __launch_bounds__(kScatterThreads)
     reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
@@ -69,14 +70,19 @@ __global__ void __launch_bounds__(kScatterThreads)
   cache_t* key_block = static_cast<cache_t*>(p.key_cache) + block * p.key_cache_block_stride;
   cache_t* value_block =
       static_cast<cache_t*>(p.value_cache) + block * p.value_cache_block_stride;
-  const int elements = p.num_kv_heads * p.head_size;
-  for (int i = threadIdx.x; i < elements; i += kScatterThreads) {
+  const int key_elements = p.num_kv_heads * p.head_size;
+  for (int i = threadIdx.x; i < key_elements; i += kScatterThreads) {
     const int head = i / p.head_size;
     const int d = i % p.head_size;
     const scalar_t k = key[head * p.key_strides[1] + d * p.key_strides[2]];
-    const scalar_t v = value[head * p.value_strides[1] + d * p.value_strides[2]];
     key_block[head * p.key_cache_head_stride + (d / p.x) * p.block_size * p.x + offset * p.x +
               d % p.x] = E::encode(k, k_scale);
+  }
+  const int value_elements = p.num_kv_heads * p.v_head_size;
+  for (int i = threadIdx.x; i < value_elements; i += kScatterThreads) {
+    const int head = i / p.v_head_size;
+    const int d = i % p.v_head_size;
+    const scalar_t v = value[head * p.value_strides[1] + d * p.value_strides[2]];
     value_block[head * p.value_cache_head_stride + d * p.block_size + offset] =
         E::encode(v, v_scale);
   }

@@ -93,6 +93,7 @@ AttentionParams attention_params(const AttentionArgs& args, const AttentionDims&
   p.num_heads = static_cast<int32_t>(dims.num_heads);
   p.num_kv_heads = static_cast<int32_t>(dims.num_kv_heads);
   p.head_size = static_cast<int32_t>(dims.head_size);
+  p.v_head_size = static_cast<int32_t>(dims.v_head_size);
   p.block_size = static_cast<int32_t>(dims.block_size);
   p.max_seq_len = static_cast<int32_t>(max_seq_len);
   p.scale = static_cast<float>(scale);
@@ -106,15 +107,6 @@ AttentionParams attention_params(const AttentionArgs& args, const AttentionDims&
   p.scalar = scalar_kind(query.scalar_type());
   p.cache = dims.cache_dtype;
   return p;
-}
-
-// The CUDA kernels read values of the keys' head size: a value cache of its own head size
-// (multi-head latent attention) runs on the CPU backend only.
-void check_same_value_head_size(int64_t head_size, int64_t v_head_size) {
-  TORCH_CHECK_VALUE(v_head_size == head_size, "v_head_size (value_cache.size(2) = ", v_head_size,
-                    ") must equal head_size (", head_size,
-                    ") on CUDA: values of their own head size (multi-head latent attention) run "
-                    "on the CPU backend only");
 }
 
 // The checks every attention launch shares: 16-byte vectors of the caches, the int32 values
@@ -131,7 +123,6 @@ void check_attention_launch(const AttentionArgs& args, const AttentionDims& dims
   check_fits_int32(dims.max_blocks_per_seq, "block_tables.size(1)");
   TORCH_CHECK_VALUE(dims.num_heads <= 65535, "num_heads (", dims.num_heads,
                     ") must be at most 65535");
-  check_same_value_head_size(dims.head_size, dims.v_head_size);
 }
 
 // Plans, allocates the plan's scratch from the caching allocator (no host synchronisation;
@@ -148,7 +139,8 @@ void plan_and_launch(const AttentionParams& p, AttentionOp op, const at::Tensor&
               cudaGetErrorString(query_status));
   TORCH_CHECK(plan.shape.shared_bytes <= static_cast<uint32_t>(device_limit), name, " needs ",
               plan.shape.shared_bytes, " bytes of shared memory per CTA for head size ",
-              dims.head_size, ", more than the device's ", device_limit);
+              plan_head_size(p.head_size, p.v_head_size), ", more than the device's ",
+              device_limit);
   TORCH_CHECK_VALUE(plan.grid_z <= 65535, name, ": max_seq_len (", dims.max_seq_len,
                     ") needs more than 65535 splits");
   const int64_t scratch_bytes = scratch_layout(p, plan).bytes;
@@ -272,7 +264,6 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                                                       slot_mapping, kv_cache_dtype, k_scale,
                                                       v_scale);
   TORCH_CHECK(key.is_cuda(), "reshape_and_cache: key must be a CUDA tensor, got ", key.device());
-  check_same_value_head_size(dims.head_size, dims.v_head_size);
   if (debug_checks_enabled()) check_slot_mapping(slot_mapping, dims);
   check_fits_int32(dims.num_tokens, "num_tokens");
   const c10::cuda::CUDAGuard guard(key.device());
@@ -294,6 +285,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   p.num_slots = dims.num_blocks * dims.block_size;
   p.num_kv_heads = static_cast<int32_t>(dims.num_kv_heads);
   p.head_size = static_cast<int32_t>(dims.head_size);
+  p.v_head_size = static_cast<int32_t>(dims.v_head_size);
   p.block_size = static_cast<int32_t>(dims.block_size);
   p.x = static_cast<int32_t>(dims.x);
   const bool fp8 = dims.cache_dtype != CacheDtype::kAuto;

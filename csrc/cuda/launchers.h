@@ -58,7 +58,7 @@ inline cudaError_t launch_attention(const AttentionParams& p, const AttentionPla
 
 struct ReshapeAndCacheParams {
   const void* key;  // [num_tokens, num_kv_heads, head_size], any strides
-  const void* value;
+  const void* value;  // [num_tokens, num_kv_heads, v_head_size], any strides
   int64_t key_strides[3];
   int64_t value_strides[3];
   void* key_cache;
@@ -72,6 +72,7 @@ struct ReshapeAndCacheParams {
   int64_t num_slots;  // num_blocks * block_size; larger slots are skipped like negative ones
   int32_t num_kv_heads;
   int32_t head_size;
+  int32_t v_head_size;  // of the values: head_size, but for multi-head latent attention
   int32_t block_size;
   int32_t x;
   const float* k_scale;

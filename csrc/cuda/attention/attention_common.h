@@ -188,7 +188,8 @@ PA_DEVICE int units_below(int limit, int first, int step, int n) {
   return count < n ? count : n;
 }
 
-// The out row (or partial-result row) of token t, head offset h of the CTA.
+// The out row (or partial-result row) of token t, head offset h of the CTA; its elements are
+// the v_head_size output columns (store_value).
 PA_DEVICE int64_t result_row(const AttentionParams& p, const CtaRows& rows, int t, int h) {
   return int64_t{rows.first_token + t} * p.num_heads + rows.first_head + h;
 }
@@ -198,11 +199,11 @@ PA_DEVICE void store_value(const AttentionParams& p, const AttentionLaunch& laun
                            const CtaRows& rows, int split, int t, int h, int d, float v) {
   const int64_t row = result_row(p, rows, t, h);
   if (!launch.partial) {
-    prim::store(static_cast<typename Scalar::Storage*>(p.out) + row * p.head_size + d,
+    prim::store(static_cast<typename Scalar::Storage*>(p.out) + row * p.v_head_size + d,
                 Scalar::from_float(v));
     return;
   }
-  const int64_t index = (row * launch.num_splits + split) * p.head_size + d;
+  const int64_t index = (row * launch.num_splits + split) * p.v_head_size + d;
   if (launch.partial_fp32) {
     prim::store(static_cast<float*>(launch.partial_out) + index, v);
   } else {
@@ -226,7 +227,7 @@ PA_DEVICE void store_empty(const AttentionParams& p, const AttentionLaunch& laun
   const int tid = prim::thread_index();
   for (int t = 0; t < rows.tokens; ++t) {
     for (int h = 0; h < rows.heads; ++h) {
-      for (int d = tid; d < p.head_size; d += kAttentionThreads) {
+      for (int d = tid; d < p.v_head_size; d += kAttentionThreads) {
         store_value<Scalar>(p, launch, rows, split, t, h, d, 0.0f);
       }
     }
@@ -303,7 +304,7 @@ PA_DEVICE void merge_and_store(const AttentionParams& p, const AttentionLaunch& 
   for (int t = 0; t < rows.tokens; ++t) {
     for (int h = 0; h < rows.heads; ++h) {
       const int r = t * rows.heads_per_token + h;
-      for (int d = tid; d < p.head_size; d += kAttentionThreads) {
+      for (int d = tid; d < p.v_head_size; d += kAttentionThreads) {
         float v = 0.0f;
         for (int k = 0; k < kContributors; ++k) {
           const float w = *prim::shared<float>(weight(r, k));

@@ -18,8 +18,10 @@
 //
 // Shared memory: the key tile [chunk][8 tokens][16 B] (fp32: chunk = 4 dims; fp8: 16 dims) with
 // the token rows of chunk c rotated by a XOR with c (times 8 / L when L < 8), and the value
-// tile [head_size][8 tokens] (fp32: the two 16-byte halves of row d swap when bit 2 of d is
-// set), so that the 8 lanes of each 16-byte access phase hit 8 different bank groups.
+// tile [bucket][8 tokens] (fp32: the two 16-byte halves of row d swap when bit 2 of d is
+// set), so that the 8 lanes of each 16-byte access phase hit 8 different bank groups. Rows past
+// v_head_size (values of a head size of their own, below the bucket) are never copied; a lane's
+// dims there are never stored.
 //
 // The body takes the tensor-core kernel's steps (kernel_steps.h for those they share): claim the
 // CTA, load K/V tiles (CudaCoreTiles through a KvRing), stage the query, then per tile
@@ -123,7 +125,7 @@ struct CudaCoreTiles {
   int64_t key_block_bytes;
   int64_t value_block_bytes;
   int key_chunks;
-  bool whole;  // head size == bucket: every lane copies all its units
+  bool whole;  // key and value head sizes == bucket: every lane copies all its units
 
   PA_DEVICE CudaCoreTiles(const AttentionParams& p_, const CtaRows& rows_, const CtaWork& work_,
                           int warp_, int lane_)
@@ -138,7 +140,7 @@ struct CudaCoreTiles {
     key_block_bytes = p.key_block_stride * Cache::kElementBytes;
     value_block_bytes = p.value_block_stride * Cache::kElementBytes;
     key_chunks = p.head_size / Cache::kX;
-    whole = p.head_size == V::kHeadBucket;
+    whole = p.head_size == V::kHeadBucket && p.v_head_size == V::kHeadBucket;
   }
 
   PA_DEVICE int tile_of(int i) const { return first_tile + warp + kAttentionWarps * i; }
@@ -175,7 +177,7 @@ struct CudaCoreTiles {
       constexpr int kN = kD / 32;
       copy_units<kN, 8, 32 * kB>(
           whole, src, [&](int j) { return vstage + (32 * j + lane) * 8; },
-          units_below(p.head_size, lane, 32, kN));
+          units_below(p.v_head_size, lane, 32, kN));
     } else {
       // A value row of the tile is two 16-byte units of 4 tokens: lane copies unit lane % 2
       // of rows 16 j + lane / 2.
@@ -188,7 +190,7 @@ struct CudaCoreTiles {
       constexpr int kN = kD / 16;
       copy_units<kN, 16, 16 * kB * 4>(
           whole, src, [&](int j) { return dst + j * 16 * 32; },
-          units_below(p.head_size, d0, 16, kN));
+          units_below(p.v_head_size, d0, 16, kN));
     }
   }
 };

@@ -26,7 +26,7 @@ struct AttentionPlan {
 inline KernelShape launch_shape(const AttentionParams& p, AttentionOp op,
                                 const DeviceLimits& device) {
   return launch_kernel_shape(
-      p.scalar, p.cache, p.head_size, p.num_heads, p.num_kv_heads,
+      p.scalar, p.cache, plan_head_size(p.head_size, p.v_head_size), p.num_heads, p.num_kv_heads,
       launch_row_warps(p.scalar, op, p.num_heads, p.num_kv_heads, p.max_query_len), device);
 }
 
@@ -74,7 +74,7 @@ inline AttentionPlan make_attention_plan(const AttentionParams& p, AttentionOp o
 
 // Device scratch a launch needs (v2 brings its own partial results): the work items of a
 // scheduled varlen launch, then float32 partial results of several splits: per (query row,
-// head, split) the max logit, the exp-sum and the partial output row.
+// head, split) the max logit, the exp-sum and the partial output row (v_head_size floats).
 struct ScratchLayout {
   int64_t work_ints;  // 2 per work item, at byte 0
   int64_t partial_offset;  // bytes, 256-aligned
@@ -89,7 +89,7 @@ inline ScratchLayout scratch_layout(const AttentionParams& p, const AttentionPla
   if (plan.partial && plan.op != AttentionOp::kDecodeV2) {
     s.partial_rows = int64_t{p.num_tokens} * p.num_heads * plan.split.splits;
   }
-  s.bytes = s.partial_rows > 0 ? s.partial_offset + 4 * s.partial_rows * (2 + p.head_size)
+  s.bytes = s.partial_rows > 0 ? s.partial_offset + 4 * s.partial_rows * (2 + p.v_head_size)
                                : 4 * s.work_ints;
   return s;
 }
@@ -125,7 +125,8 @@ inline AttentionLaunch attention_launch(const AttentionParams& p, const Attentio
 
 // Calls f.template operator()<kCache, kD>() for the compiled variant that serves a cache
 // format and head size: kD is the head size's bucket (64, 128, 256); smaller head sizes (32;
-// 80-120; 192) run the bucket's code on zero-padded keys.
+// 80-120; 192) run the bucket's code on zero-padded keys, or with the bucket's upper value
+// columns unstored. `head_size` is plan_head_size's: keys and values share one bucket.
 template <typename F>
 decltype(auto) with_cache_variant(CacheDtype cache, int head_size, F&& f) {
   const int bucket = head_bucket(head_size);

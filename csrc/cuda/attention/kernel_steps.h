@@ -109,7 +109,7 @@ struct KvRing {
 
   // Key chunks [key_chunks, kKeyChunks) of every stage's key tile (kTileTokens rows of 16 bytes
   // per chunk) hold zeros: a head size below the bucket's never copies them, and the bucket's
-  // dot products then add 0 * 0 there. (Value rows past the head size only reach output
+  // dot products then add 0 * 0 there. (Value rows past v_head_size only reach output
   // columns that are never stored.)
   template <int kKeyChunks, int kTileTokens>
   PA_DEVICE void zero_key_padding(int key_chunks, int copier) const {

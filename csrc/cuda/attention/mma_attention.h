@@ -38,9 +38,10 @@
 // tokens 4q + j and 4q + 2 + j), so P is still S in registers.
 //
 // Shared memory per stage: the key tile [chunk][16 tokens][16 B] and the value tile
-// [head_size][16 tokens]. 16-bit values are swizzled (the two 16-byte halves of row d swap when
-// bit 2 of d is set) and fp8 keys of tokens 8..15 move by two rows, so that the eight rows of
-// every 8x8 matrix ldmatrix reads fall into eight different bank groups.
+// [bucket][16 tokens] (rows below v_head_size filled). 16-bit values are swizzled (the two
+// 16-byte halves of row d swap when bit 2 of d is set) and fp8 keys of tokens 8..15 move by two
+// rows, so that the eight rows of every 8x8 matrix ldmatrix reads fall into eight different bank
+// groups.
 //
 // The body is the steps of FlashInfer's prefill kernel, each a function below: stage the query
 // (stage_query, kernel_steps.h; scale_query_to_fp16; QueryFragments), load K/V tiles (MmaTiles
@@ -51,9 +52,14 @@
 // NaN safety: positions a row does not attend get logit -inf (a select, never a product), and
 // in tiles that hold positions no row of the warp attends their value elements are zeroed in
 // registers before the MMA (0 * NaN is NaN inside an MMA too); key chunks past a head size
-// below the bucket's are zero in every stage, as are the query's dims there. A position some
-// row of the warp attends reaches the warp's other rows with weight 0 (docs/cuda.md: a NaN
-// value there makes them NaN).
+// below the bucket's are zero in every stage, as are the query's dims there. Value rows past
+// v_head_size are never copied: whatever a stage holds there reaches only output columns
+// d >= v_head_size (each output column of an MMA is its own), and those are never stored. A
+// position some row of the warp attends reaches the warp's other rows with weight 0
+// (docs/cuda.md: a NaN value there makes them NaN).
+//
+// Keys and values may have head sizes of their own (multi-head latent attention: keys 192,
+// values 128); both run in the variant of the larger one's bucket (plan_head_size).
 #pragma once
 
 #include <cstdint>
@@ -208,7 +214,10 @@ struct MmaTiles {
   int64_t key_block_bytes;
   int64_t value_block_bytes;
   int key_chunks;
-  bool whole;  // head size == bucket: every thread copies all its units
+  // Keys and values of the bucket's head size: every thread copies all its units (one flag for
+  // both, so that equal head sizes keep one predicate; a smaller key or value head size takes
+  // the bounded copies for both).
+  bool whole;
 
   PA_DEVICE MmaTiles(const AttentionParams& p_, const CtaRows& rows_, const CtaWork& work_,
                      int warp_, int copier_)
@@ -227,7 +236,7 @@ struct MmaTiles {
     key_block_bytes = p.key_block_stride * Cache::kElementBytes;
     value_block_bytes = p.value_block_stride * Cache::kElementBytes;
     key_chunks = p.head_size / Cache::kX;
-    whole = p.head_size == V::kHeadBucket;
+    whole = p.head_size == V::kHeadBucket && p.v_head_size == V::kHeadBucket;
   }
 
   // The tile of this warp's (or the CTA's) i-th iteration: one warp of rows takes tiles warp,
@@ -267,7 +276,7 @@ struct MmaTiles {
                                  (d0 * kB + (pos & (kB - 1))) * Cache::kElementBytes;
       const uint32_t dst = kFp8 ? vstage + d0 * 16 + 8 * half
                                 : vstage + (2 * d0 + (half ^ ((d0 >> 2) & 1))) * 16;
-      const int count = units_below(p.head_size, d0, V::kValueHalfStep, V::kValueHalfUnits);
+      const int count = units_below(p.v_head_size, d0, V::kValueHalfStep, V::kValueHalfUnits);
       if constexpr (kFp8) {
         copy_units<V::kValueHalfUnits, 8, V::kValueHalfStep * kB>(
             whole, src, [&](int j) { return dst + j * V::kValueHalfStep * 16; }, count);
@@ -282,7 +291,7 @@ struct MmaTiles {
       copy_units<V::kValueRowUnits, 16, V::kCopyThreads * kB>(
           whole && V::kEvenValueRows, src,
           [&](int j) { return vstage + (V::kCopyThreads * j + copier) * 16; },
-          units_below(p.head_size, copier, V::kCopyThreads, V::kValueRowUnits));
+          units_below(p.v_head_size, copier, V::kCopyThreads, V::kValueRowUnits));
     }
   }
 };

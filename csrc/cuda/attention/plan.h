@@ -22,7 +22,7 @@ enum class ScalarKind { kFloat, kHalf, kBFloat16 };
 struct AttentionParams {
   // v1 and varlen: `out` only. v2: exp_sums/max_logits/tmp_out hold per-partition results (row
   // stride num_partitions) and a reduce kernel writes `out`.
-  void* out;  // [num_tokens, num_heads, head_size], contiguous
+  void* out;  // [num_tokens, num_heads, v_head_size], contiguous
   float* exp_sums;
   float* max_logits;
   void* tmp_out;
@@ -30,7 +30,7 @@ struct AttentionParams {
   int64_t query_seq_stride;  // between query tokens (decode: sequences)
   int64_t query_head_stride;
   const void* key_cache;  // [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
+  const void* value_cache;  // [num_blocks, num_kv_heads, v_head_size, block_size]
   int64_t key_block_stride;
   int64_t key_head_stride;
   int64_t value_block_stride;
@@ -49,7 +49,10 @@ struct AttentionParams {
   int32_t num_seqs;
   int32_t num_heads;
   int32_t num_kv_heads;
-  int32_t head_size;
+  int32_t head_size;  // of the query and the keys
+  // Of the values, out and the partial results: head_size, but for multi-head latent attention
+  // (keys 192, values 128, say). Both run in the bucket of the larger (plan_head_size).
+  int32_t v_head_size;
   int32_t block_size;  // 8, 16 or 32
   int32_t max_seq_len;
   float scale;
@@ -182,6 +185,13 @@ struct KernelShape {
 
 constexpr int head_bucket(int head_size) {
   return head_size <= 64 ? 64 : head_size <= 128 ? 128 : 256;
+}
+
+// The head size a launch's variant is chosen by: keys and values share the bucket of the larger
+// of their head sizes. Keys below it run on zero-padded chunks; values below it fill only their
+// own columns of the output accumulators (the bucket's other columns are never stored).
+constexpr int plan_head_size(int head_size, int v_head_size) {
+  return std::max(head_size, v_head_size);
 }
 
 constexpr int cache_element_bytes(ScalarKind scalar, CacheDtype cache) {
@@ -386,7 +396,7 @@ struct AttentionLaunch {
   bool partial_fp32;  // partial outputs in float32 (v1 / varlen scratch) or query dtype (v2)
   float* max_logits;  // [num_tokens, num_heads, num_splits]
   float* exp_sums;
-  void* partial_out;  // [num_tokens, num_heads, num_splits, head_size]
+  void* partial_out;  // [num_tokens, num_heads, num_splits, v_head_size]
   // Varlen with queries longer than a CTA's tokens: (sequence, query chunk) of CTA x, written
   // by the schedule kernel; (-1, 0) past the last. nullptr: CTA x serves sequence x (chunk 0).
   const int32_t* work;

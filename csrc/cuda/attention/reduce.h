@@ -59,7 +59,7 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
   const float* max_logits = launch.max_logits + row * splits;
   const float* exp_sums = launch.exp_sums + row * splits;
   const auto* partials =
-      static_cast<const Partial*>(launch.partial_out) + row * splits * p.head_size;
+      static_cast<const Partial*>(launch.partial_out) + row * splits * p.v_head_size;
   const uint32_t weights = 0;
   const uint32_t scratch = kReduceScratchOffset;
 
@@ -104,11 +104,11 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
     for (int j = warp; j < count; j += kReduceWarps) {
       const float w = *prim::shared<float>(weights + 4u * j);
       if (w == 0.0f) continue;  // uniform over the warp
-      const Partial* partial = partials + int64_t{j0 + j} * p.head_size;
+      const Partial* partial = partials + int64_t{j0 + j} * p.v_head_size;
 #pragma unroll
       for (int m = 0; m < kReduceLaneDims; ++m) {
         const int d = lane + kWarpSize * m;
-        if (d < p.head_size) {
+        if (d < p.v_head_size) {
           if constexpr (kPartialFp32) {
             acc[m] += w * prim::load(partial + d);
           } else {
@@ -127,8 +127,8 @@ PA_DEVICE void reduce_partials(const AttentionParams& p, const AttentionLaunch& 
     *prim::shared<float>(warp_sum(warp, lane + kWarpSize * m)) = acc[m];
   }
   prim::syncthreads();
-  auto* out = static_cast<typename Scalar::Storage*>(p.out) + row * p.head_size;
-  for (int d = tid; d < p.head_size; d += kReduceThreads) {
+  auto* out = static_cast<typename Scalar::Storage*>(p.out) + row * p.v_head_size;
+  for (int d = tid; d < p.v_head_size; d += kReduceThreads) {
     float v = 0.0f;
 #pragma unroll
     for (int w = 0; w < kReduceWarps; ++w) v += *prim::shared<float>(warp_sum(w, d));

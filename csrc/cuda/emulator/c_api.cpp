@@ -97,6 +97,7 @@ struct PaEmulatedAttention {
   int64_t max_query_len;
   const float* sinks;
   int64_t attention_chunk_size;
+  int64_t v_head_size;  // of the values and out (value_cache's dim 2)
 };
 
 struct PaEmulatorReport {
@@ -144,6 +145,7 @@ int pa_emulate_paged_attention(const PaEmulatedAttention* call, PaEmulatorReport
   p.num_heads = static_cast<int32_t>(call->num_heads);
   p.num_kv_heads = static_cast<int32_t>(call->num_kv_heads);
   p.head_size = static_cast<int32_t>(call->head_size);
+  p.v_head_size = static_cast<int32_t>(call->v_head_size);
   p.block_size = static_cast<int32_t>(call->block_size);
   p.max_seq_len = static_cast<int32_t>(call->max_seq_len);
   p.scale = static_cast<float>(call->scale);
