@@ -109,6 +109,8 @@ def test_bad_input_is_a_clear_error_naming_x():
         packed(torch.randn(2, 16, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match=r"x: .* got torch.float64 on cpu"):
         packed(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"x: .* got torch.float32 on meta"):  # not the CPU
+        packed(torch.randn(2, 16, device="meta"))
     with pytest.raises(RuntimeError):  # the wrong width, as F.linear says it
         packed(torch.randn(2, 15))
 
@@ -195,6 +197,26 @@ def test_a_tied_head_is_packed_as_a_copy_that_is_counted():
     assert resident_bytes(model) == before + report.added_bytes
     assert model.get_input_embeddings().weight is embedding  # the embedding keeps its table
     assert torch.equal(model.lm_head.weight, embedding)
+
+
+def test_a_checkpoint_loaded_in_place_is_let_go(tmp_path, monkeypatch):
+    # float32 weights loaded in float32 are views of the memory-mapped safetensors file: once
+    # the layers are packed, what is left on it (the embedding, the norms) is copied out, so
+    # that the mapping, and the pages packing read through it, go.
+    tiny_llama().save_pretrained(tmp_path)
+    monkeypatch.setenv(PACK_ENV, "0")
+    plain, _ = load_model(str(tmp_path), dtype="float32", weights="fp32")
+    mapped = [n for n, p in plain.named_parameters() if not p.untyped_storage().resizable()]
+    assert "model.embed_tokens.weight" in mapped  # what the copy is for
+    model = tiny_llama()
+    model.load_state_dict(plain.state_dict())  # torch's own memory: nothing to copy
+    assert pack_model(model).copied == []
+    report = pack_model(plain)
+    assert "model.embed_tokens.weight" in report.copied and "model.norm.weight" in report.copied
+    assert all(p.untyped_storage().resizable() for p in plain.parameters())
+    monkeypatch.delenv(PACK_ENV)
+    packed, _ = load_model(str(tmp_path), dtype="float32", weights="fp32")
+    assert all(p.untyped_storage().resizable() for p in packed.parameters())
 
 
 def test_kv_b_proj_is_left_for_latent_attention_to_read():

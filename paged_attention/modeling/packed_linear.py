@@ -175,6 +175,8 @@ class PackReport:
     """The names of the layers it packed."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Each float ``nn.Linear`` left as it is, and why."""
+    copied: list[str] = field(default_factory=list)
+    """The parameters and buffers it copied out of a memory-mapped checkpoint."""
     added_bytes: int = 0
     """Bytes the model holds more than before: packed copies of weights that stay referenced
     elsewhere (a tied LM head's embedding table)."""
@@ -183,8 +185,9 @@ class PackReport:
 def pack_model(model: nn.Module) -> PackReport:
     """Swaps every ``torch.nn.Linear`` of ``model`` that can be packed (:func:`why_not_packable`,
     and not named in :data:`SKIPPED_NAMES`) for a :class:`PackedLinear`, in place; logs once
-    per reason why a layer is left as it is. Call it last, with the model on the CPU in its
-    dtype."""
+    per reason why a layer is left as it is; when it packed any, copies the parameters left on a
+    memory-mapped checkpoint into memory of their own (:attr:`PackReport.copied`). Call it
+    last, with the model on the CPU in its dtype."""
     report = PackReport()
     shared = _weights_used_elsewhere(model)
     for name, module in list(model.named_modules()):
@@ -203,7 +206,24 @@ def pack_model(model: nn.Module) -> PackReport:
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, packed)
         report.packed.append(name)
+    if report.packed:
+        report.copied = _own_checkpoint_memory(model)
     return report
+
+
+def _own_checkpoint_memory(model: nn.Module) -> list[str]:
+    """Copies the parameters and buffers whose memory torch did not allocate (a non-resizable
+    storage: a view of a memory-mapped safetensors file, as float32 weights loaded in float32
+    are) into memory of their own; returns their names. A packed layer no longer reads its
+    file's bytes, but one parameter left on the mapping (the embedding) would keep the whole
+    file mapped, and its pages read while packing resident: a second copy of every weight."""
+    copied = []
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.layout == torch.strided and not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
+                copied.append(name)
+    return copied
 
 
 def _weights_used_elsewhere(model: nn.Module) -> set[int]:
