@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +38,7 @@ if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_sup
 # float32: oneDNN sums in another order than MKL's sgemm; bfloat16: both round the float32 sums
 # to bfloat16 (one ulp apart at most).
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000)]
 
 pytestmark = pytest.mark.skipif(
@@ -185,6 +190,46 @@ def test_packing_keeps_one_copy_of_each_weight():
     assert all(ref() is None for ref in weights)  # the plain weights are gone
     assert report.added_bytes == 0
     assert resident_bytes(model) == before
+
+
+# A process loading a checkpoint of float32 weights into bfloat16 (as the CPU commands load
+# SmolLM2), then printing how many bytes of anonymous memory loading took.
+LOAD = """
+import gc, sys
+import torch, transformers  # imported before measuring: they are not the model
+from paged_attention.modeling.models import load_model
+from transformers import LlamaForCausalLM
+
+def anonymous():
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("RssAnon:")).split()[1]) * 1024
+
+before = anonymous()
+model, _ = load_model(sys.argv[1], dtype="bfloat16", weights="bf16")
+gc.collect()
+print(anonymous() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's /proc")
+def test_the_loading_process_does_not_keep_the_plain_weights_memory(tmp_path):
+    # What the process holds, not only what the model references: freed weights (and the
+    # float32 copies loading made) that the allocator keeps would be a second copy all the
+    # same. 96 MiB of weights in bfloat16.
+    options = dict(hidden_size=1024, intermediate_size=4096, num_key_value_heads=8)
+    tiny_llama(vocab_size=8192, **options).save_pretrained(tmp_path)
+    environment = dict(os.environ, PYTHONPATH=str(ROOT))
+    environment.pop(PACK_ENV, None)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    weights = (2 * (4 * 1024 * 1024 + 3 * 1024 * 4096) + 2 * 8192 * 1024) * 2
+    assert int(result.stdout.split()[-1]) < 1.5 * weights
 
 
 def test_a_tied_head_is_packed_as_a_copy_that_is_counted():
