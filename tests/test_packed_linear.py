@@ -276,15 +276,35 @@ def test_kv_b_proj_is_left_for_latent_attention_to_read():
 def test_compiled_decode_steps_of_a_packed_model_give_the_eager_tokens(cacheable):
     # Both ways the engine compiles: freezing (Engine(compile=True)) and without it (what the
     # commands' compile cache runs); one decode size, a few tokens: compiling costs seconds.
+    from torch._dynamo.utils import counters
+
     model = tiny_llama()
     pack_model(model)
     eager = greedy(model, PROMPTS[:1], n=6)
     engine = Engine(model, num_blocks=16, max_num_seqs=1, eos_token_id=[], compile=True)
     if cacheable:
         engine.runner.graphs.make_cacheable()
+    counters.clear()
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     assert [out.outputs for out in engine.generate(PROMPTS[:1], params)] == eager
     assert list(engine.runner.graphs.compile_seconds) == [1]
+    if cacheable:  # the graph names packed weights by number: inductor's caches can keep it
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+        assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+
+
+def test_the_compiled_op_names_a_live_layers_weight():
+    layer = PackedLinear.from_linear(linear(16, 8, torch.float32))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = layer(x)
+        got = torch.ops.paged_attention.packed_linear(x, layer.handle, 8, layer.bias)
+    assert torch.equal(got, expected)
+    handle = layer.handle
+    del layer
+    gc.collect()
+    with pytest.raises(ValueError, match=f"handle: no packed weight {handle}"):
+        torch.ops.paged_attention.packed_linear(x, handle, 8, None)
 
 
 # ------------------------------------------------------------------------- load_model

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +94,7 @@ class PackedLinear(nn.Module):
         # A plain attribute, not a buffer: Module.to() and friends would try to convert the
         # oneDNN tensor; the layer stays on the CPU in its dtype (load_model packs last).
         self.packed = packed
+        self.handle = _PACKED.add(packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -112,7 +115,9 @@ class PackedLinear(nn.Module):
                 f"{x.device}"
             )
         if torch.compiler.is_compiling():
-            return torch.ops.paged_attention.packed_linear(x, self.packed, self.bias)
+            return torch.ops.paged_attention.packed_linear(
+                x, self.handle, self.out_features, self.bias
+            )
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -142,6 +147,7 @@ class PackedLinear(nn.Module):
                 errors.append(f"{key}: expected shape {expected}, got {tuple(weight.shape)}")
                 return
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            self.handle = _PACKED.add(self.packed)
             state_dict = {k: v for k, v in state_dict.items() if k != key}
         elif strict:
             missing.append(key)
@@ -156,16 +162,46 @@ class PackedLinear(nn.Module):
         )
 
 
+class _PackedWeights:
+    """The packed weights by number, for :func:`packed_linear`: inductor's caches cannot store
+    a graph that holds a oneDNN tensor (they bypass it), so a compiled step names each weight
+    by its number instead. A number is never reused in a process, and the layer holds its
+    weight (held weakly here), so a number names one weight while it lives."""
+
+    def __init__(self) -> None:
+        self._weights: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        self._next = itertools.count()
+
+    def add(self, packed: torch.Tensor) -> int:
+        number = next(self._next)
+        self._weights[number] = packed
+        return number
+
+    def get(self, number: int) -> torch.Tensor:
+        packed = self._weights.get(number)
+        if packed is None:
+            raise ValueError(f"handle: no packed weight {number} (its layer is gone)")
+        return packed
+
+
+_PACKED = _PackedWeights()
+
+
 @torch.library.custom_op("paged_attention::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
     """:class:`PackedLinear`'s product as one op for ``torch.compile`` (inductor's lowering
-    of ``mkldnn._linear_pointwise`` takes only frozen weights)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    of ``mkldnn._linear_pointwise`` takes only frozen weights): the weight numbered
+    ``handle`` (:class:`_PackedWeights`), ``out_features`` wide."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED.get(handle), bias, "none", [], "")
 
 
 @packed_linear.register_fake
-def _packed_linear_fake(x, packed, bias):
-    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+def _packed_linear_fake(x, handle, out_features, bias):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @dataclass
