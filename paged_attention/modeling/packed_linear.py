@@ -28,9 +28,12 @@ Packed layers are for inference: there is no gradient through them. Under ``torc
 (``Engine(compile=True)``, ``--compile``) a packed layer is one custom op,
 ``paged_attention::packed_linear``, that inductor calls as it is, with or without freezing
 (freezing would pack an ``nn.Linear`` the same way and also concatenate sibling projections;
-a packed layer is not concatenated). Sibling projections (q/k/v, gate/up) are not merged here:
-merging needs the attention and MLP modules' forwards to split the product, which differ per
-architecture.
+a packed layer is not concatenated). The op names its weight by a number, not the oneDNN
+tensor, which inductor's and AOTAutograd's caches cannot store: the commands' compile cache
+(:mod:`paged_attention.engine.compile_cache`) keeps a packed model's steps.
+
+Sibling projections (q/k/v, gate/up) are not merged here: merging needs the attention and MLP
+modules' forwards to split the product, which differ per architecture.
 """
 
 from __future__ import annotations
