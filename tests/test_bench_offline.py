@@ -115,6 +115,25 @@ def test_a_run_is_a_process_of_its_own_with_its_memory_and_load(monkeypatch):
     assert len(row["load_before"]) == len(row["load_after"]) == 3
 
 
+def test_ours_unpacked_is_ours_with_packing_switched_off(monkeypatch):
+    monkeypatch.setenv(bench_offline.PACK_ENV, "0")  # the parent's setting reaches neither
+    assert bench_offline.PACK_ENV not in bench_offline.child_environment("ours", [0], 1)
+    unpacked_env = bench_offline.child_environment("ours-unpacked", [0], 1)
+    assert unpacked_env[bench_offline.PACK_ENV] == "0"
+    options = bench_offline.parse_args(["--quick", "--configs", "ours,ours-unpacked"])
+    work = bench_offline.workload(quick=True)
+    packed, unpacked = (bench_offline.run_one(c, "float32", work, options) for c in options.configs)
+    # the tiny model's 2 layers of 7 projections, and its LM head
+    assert packed["settings"]["packed_linear"] == 2 * 7 + 1
+    assert unpacked["settings"]["packed_linear"] == 0
+    assert packed["tokens"] == unpacked["tokens"]
+
+
+def test_the_default_configurations_leave_packings_a_b_out():
+    args = bench_offline.parse_args(["--vllm-python", sys.executable])
+    assert args.configs == ["ours", "ours-auto", "vllm"]
+
+
 def test_the_resident_memory_of_a_process_tree():
     assert bench_offline.tree_rss_bytes(os.getpid()) > 10 * 2**20
     assert bench_offline.tree_rss_bytes(2**22 + 7) == 0  # no such process

@@ -324,15 +324,17 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
             assert torch.equal(torch.from_numpy(weight), expected)
 
 
-def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped):
+def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped, monkeypatch):
     """The GGUF's layers, built once, are saved beside the converted model, and a load that
     reads them has the buffers of a fresh build from the GGUF file, exactly."""
+    from paged_attention.modeling.packed_linear import PACK_ENV
     from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, selected_kernel
     from paged_attention.modeling.quantized_cache import cache_file
 
     saved = cache_file(models.converted_gguf(models.smollm2_gguf()), selected_kernel())
     assert saved.is_file()
     cached, _ = load_model("smollm2", weights="auto")  # the file is there: read, not built
+    monkeypatch.setenv(PACK_ENV, "0")  # quantize_model takes torch.nn.Linear layers
     fresh, _ = load_model("smollm2", weights="bf16")
     quantize_model(fresh, "auto", models.smollm2_gguf())
     ours = {n: m for n, m in cached.named_modules() if isinstance(m, QuantizedLinear)}

@@ -28,6 +28,11 @@ into a causal LM and its tokenizer, on this machine alone (nothing is downloaded
 * ``q4``, ``q8``: the projections quantized, 4-bit (Q4_0 and Q4_1 tensors as shipped, others
   quantized to Q4_1) or 8-bit (Q8_0 as shipped, others quantized to Q8_0); CPU only.
 
+On the CPU, with ``weights`` given, the float linear layers left (all of them for ``bf16`` and
+``fp32``) are packed once for oneDNN's matrix products
+(:mod:`paged_attention.modeling.packed_linear`); ``PAGED_ATTENTION_PACK_LINEAR=0`` leaves them
+as ``torch.nn.Linear``.
+
 Whatever goes wrong is a :class:`ModelLoadError` whose one-line message names the model and
 what is wrong.
 """
@@ -108,7 +113,8 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
     ``device`` in ``dtype``: ``"auto"`` (:func:`auto_dtype`), ``"float32"``, ``"bfloat16"``,
     ``"float16"`` or a ``torch.dtype``; ``weights`` one of :data:`WEIGHTS` (the module
     docstring; the commands' default is ``"auto"``), or None (the default here, as before
-    ``--weights`` existed) for float weights in ``dtype``. ``tokenizer`` is None for a model
+    ``--weights`` existed) for float weights in ``dtype``, left unpacked (the module docstring).
+    ``tokenizer`` is None for a model
     directory that holds none. Raises :class:`ModelLoadError`."""
     import torch
 
@@ -137,6 +143,11 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
                 quantize_model(model, weights, gguf)
         except ValueError as error:
             raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
+    if device.type == "cpu" and weights is not None:
+        from paged_attention.modeling.packed_linear import pack_model, packing_enabled
+
+        if packing_enabled():  # last: a packed layer stays where it is, in its dtype
+            pack_model(model)
     return model, tokenizer
 
 
