@@ -901,7 +901,12 @@ def spec_decode_section(data: dict) -> str:
     return text + table(header, body, "llrrrrl")
 
 
-OFFLINE_ENGINES = {"ours": "ours", "ours-auto": "ours, `--weights auto`", "vllm": "vLLM"}
+OFFLINE_ENGINES = {
+    "ours": "ours",
+    "ours-auto": "ours, `--weights auto`",
+    "ours-unpacked": "ours, float layers not packed (`PAGED_ATTENTION_PACK_LINEAR=0`)",
+    "vllm": "vLLM",
+}
 
 
 def offline_engine_text(data: dict) -> str:
