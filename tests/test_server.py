@@ -906,6 +906,43 @@ def test_serve_compile_compiles_every_batch_size_before_serving(tiny, tmp_path, 
     assert compiled.outputs == expected.outputs
 
 
+def test_serve_warms_the_engine_up_before_serving(tiny, tmp_path, monkeypatch, caplog):
+    import argparse
+    import logging
+
+    from paged_attention.cli import serve
+
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))  # a cold compile cache: eager
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--model", MODEL, "--num-blocks", "16"])
+    with caplog.at_level(logging.INFO):
+        engine = serve.build_engine(*tiny, args)
+    assert any("engine warmed up" in record.message for record in caplog.records)
+    assert engine.stats.steps == 0 and engine.stats.generated_tokens == 0  # forgotten
+    free = engine.block_manager.num_free_device_blocks()
+    assert free == engine.block_manager.num_device_blocks
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, "PASSIVE"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),  # the user's choice stays
+        ({"GOMP_SPINCOUNT": "1000"}, None),  # so does a spin count of the user's
+    ],
+)
+def test_serve_has_openmp_threads_wait_passively_unless_told(environ, expected):
+    from paged_attention.cli import serve
+
+    before = dict(environ)
+    assert serve.passive_openmp_waits(environ) == (not before)
+    assert environ.get("OMP_WAIT_POLICY") == expected
+    assert {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"} == {
+        k: v for k, v in before.items() if k != "OMP_WAIT_POLICY"
+    }
+
+
 # --------------------------------------------------------------------- the docs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
