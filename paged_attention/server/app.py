@@ -85,6 +85,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.owner.start()
+        server.prompts.warm_up()
         try:
             yield
         finally:
