@@ -277,9 +277,9 @@ def passive_openmp_waits(environ=os.environ) -> bool:
 
     The engine's torch threads share the cores with the server's event loop, the tokenizer
     and the clients: a thread of a parallel region that spins while its partner is preempted
-    burns the core the partner needs, and torch's default (spinning up to milliseconds per
-    region) made a decode step of one request through ``serve`` five to ten times slower on a
-    busy 2-core machine (docs/server.md, "CPU threads")."""
+    burns the core the partner needs: with OpenMP's default (spinning up to milliseconds per
+    region) a decode step of one request ran several times slower on a busy 2-core machine
+    (docs/server.md, "CPU threads")."""
     if any(name in environ for name in OPENMP_WAIT_VARIABLES):
         return False
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
