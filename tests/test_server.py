@@ -955,25 +955,6 @@ def test_serve_warms_the_engine_up_before_serving(tiny, tmp_path, monkeypatch, c
     assert free == engine.block_manager.num_device_blocks
 
 
-@pytest.mark.parametrize(
-    "environ, expected",
-    [
-        ({}, "PASSIVE"),
-        ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),  # the user's choice stays
-        ({"GOMP_SPINCOUNT": "1000"}, None),  # so does a spin count of the user's
-    ],
-)
-def test_serve_has_openmp_threads_wait_passively_unless_told(environ, expected):
-    from paged_attention.cli import serve
-
-    before = dict(environ)
-    assert serve.passive_openmp_waits(environ) == (not before)
-    assert environ.get("OMP_WAIT_POLICY") == expected
-    assert {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"} == {
-        k: v for k, v in before.items() if k != "OMP_WAIT_POLICY"
-    }
-
-
 # --------------------------------------------------------------------- the docs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"

@@ -164,7 +164,6 @@ def main(args: argparse.Namespace) -> int:
             f"--max-n {args.max_n}: a request's samples run at once, so it may not exceed "
             f"--max-num-seqs ({args.max_num_seqs})"
         )
-    passive_openmp_waits()
     # The address first: a port in use is told at once, not after the model has loaded.
     try:
         sock = listening_socket(args.host, args.port)
@@ -265,25 +264,6 @@ def _fork_after_imports(args: argparse.Namespace, sock: socket.socket, loading):
     loading = LoadingResponder(sock)
     loading.start()
     return loading, engine
-
-
-OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def passive_openmp_waits(environ=os.environ) -> bool:
-    """Have OpenMP's idle threads sleep at once instead of spinning (``OMP_WAIT_POLICY=PASSIVE``
-    in ``environ``, read when torch loads OpenMP: before it is imported), unless ``environ``
-    already says how they wait (:data:`OPENMP_WAIT_VARIABLES`); returns whether it set it.
-
-    The engine's torch threads share the cores with the server's event loop, the tokenizer
-    and the clients: a thread of a parallel region that spins while its partner is preempted
-    burns the core the partner needs: with OpenMP's default (spinning up to milliseconds per
-    region) a decode step of one request ran several times slower on a busy 2-core machine
-    (docs/server.md, "CPU threads")."""
-    if any(name in environ for name in OPENMP_WAIT_VARIABLES):
-        return False
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return True
 
 
 class BindError(OSError):
