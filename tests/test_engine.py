@@ -959,3 +959,32 @@ def test_a_stop_string_with_a_replacement_character_never_survives_in_a_finished
         assert stop not in out.text and out.text == decoded(k)[: decoded(k).index(stop)]
         streamed = "".join(o.new_texts[0] for o in engine.stream("hello", params))
         assert streamed == out.text
+
+
+# -------------------------------------------------------------------------------- warm-up
+
+
+def test_warm_up_leaves_no_trace(model):
+    from paged_attention.engine.stats import EngineStats
+
+    work = mixed_workload()
+    _, expected = serve(model, work, num_blocks=256)
+    engine = Engine(model, num_blocks=256, block_size=BLOCK)
+    assert engine.warm_up() > 0
+    assert_all_freed(engine)
+    assert engine.stats == EngineStats()  # the counters start from zero
+    # its prompt (token 0, less than a block) left no block in the prefix cache
+    (first,) = engine.generate([[0] * 20], SamplingParams(2))
+    assert first.metrics.num_cached_prompt_tokens == 0
+    outputs = engine.generate([p for p, _ in work], [s for _, s in work])
+    assert [o.outputs for o in outputs] == [o.outputs for o in expected]
+
+
+def test_warm_up_refuses_a_busy_engine(model):
+    engine = Engine(model, num_blocks=64, block_size=BLOCK)
+    request_id = engine.add_request([5, 6, 7], SamplingParams(4))
+    with pytest.raises(ValueError, match="idle engine"):
+        engine.warm_up()
+    assert engine.stats.steps == 0  # nothing ran
+    engine.abort(request_id)
+    assert_all_freed(engine)

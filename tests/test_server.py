@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -904,6 +905,54 @@ def test_serve_compile_compiles_every_batch_size_before_serving(tiny, tmp_path, 
     params = SamplingParams(max_new_tokens=6)
     (compiled,), (expected,) = engine.generate([prompt], params), eager.generate([prompt], params)
     assert compiled.outputs == expected.outputs
+
+
+STARTUP_IMPORTS = """
+import asyncio, sys
+from paged_attention.engine import Engine
+from paged_attention.modeling.models import load_model
+from paged_attention.server import create_app
+
+model, tokenizer = load_model("tiny")
+app = create_app(Engine(model, tokenizer=tokenizer, num_blocks=16), tokenizer, "tiny")
+backend = "anyio._backends._asyncio"
+before = backend in sys.modules
+
+
+async def started():
+    async with app.router.lifespan_context(app):
+        return backend in sys.modules
+
+
+print(before, asyncio.run(started()))
+"""
+
+
+def test_startup_imports_what_the_first_streamed_answer_needs():
+    # a fresh interpreter: this one imported anyio's backend long ago
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    command = [sys.executable, "-c", STARTUP_IMPORTS]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+
+
+def test_serve_warms_the_engine_up_before_serving(tiny, tmp_path, monkeypatch, caplog):
+    import argparse
+    import logging
+
+    from paged_attention.cli import serve
+
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))  # a cold compile cache: eager
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--model", MODEL, "--num-blocks", "16"])
+    with caplog.at_level(logging.INFO):
+        engine = serve.build_engine(*tiny, args)
+    assert any("engine warmed up" in record.message for record in caplog.records)
+    assert engine.stats.steps == 0 and engine.stats.generated_tokens == 0  # forgotten
+    free = engine.block_manager.num_free_device_blocks()
+    assert free == engine.block_manager.num_device_blocks
 
 
 # --------------------------------------------------------------------- the docs

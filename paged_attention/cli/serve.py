@@ -328,6 +328,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
         raise UsageError(message) from None
     if compiled is not None:
         compile_decode_steps(engine, compiled, logging.info)
+    logging.info("engine warmed up in %.1f s", engine.warm_up())
     return engine
 
 

@@ -17,6 +17,7 @@ do not depend on the KV budget, on preemption, on prefix caching or on chunked p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -121,6 +122,25 @@ class Engine:
         sizes already compiled are kept. Touches neither the cache nor any request. Returns the
         seconds each size's compile took."""
         return self.core.compile_decode_steps()
+
+    def warm_up(self) -> float:
+        """Run one short request (a prefill, then a decode step) and forget it, so that the
+        first real request does not pay for the model's first run (one-time initialisation of
+        its kernels: about half a second of SmolLM2's first prefill on two cores), as
+        llama-server warms up before it serves. Its prompt and generated token fill less than a
+        block (for blocks of 3 tokens or more), so it leaves nothing in the prefix cache; the
+        counters (``stats``) start again from zero. A
+        server calls this before it accepts requests; raises ValueError while any request is
+        unfinished. Returns the seconds it took."""
+        if self.has_unfinished():
+            raise ValueError("warm_up needs an idle engine: requests are unfinished")
+        started = time.perf_counter()
+        context = self.max_model_len or self.block_size
+        length = max(1, min(self.block_size - 2, context - 2))
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        self.generate([[0] * length], params)
+        vars(self.stats).update(vars(EngineStats()))
+        return time.perf_counter() - started
 
     def add_request(
         self,

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -85,6 +86,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.owner.start()
+        server.prompts.warm_up()
+        # anyio imports its asyncio backend at its first use, which is the first streamed
+        # response's task group: tens of milliseconds of that request's first token
+        await anyio.sleep(0)
         try:
             yield
         finally:
