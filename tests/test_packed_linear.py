@@ -259,9 +259,13 @@ def test_a_checkpoint_loaded_in_place_is_let_go(tmp_path, monkeypatch):
     report = pack_model(plain)
     assert "model.embed_tokens.weight" in report.copied and "model.norm.weight" in report.copied
     assert all(p.untyped_storage().resizable() for p in plain.parameters())
-    monkeypatch.delenv(PACK_ENV)
-    packed, _ = load_model(str(tmp_path), dtype="float32", weights="fp32")
-    assert all(p.untyped_storage().resizable() for p in packed.parameters())
+
+
+def test_pack_model_packs_only_the_dtypes_asked_for():
+    model = tiny_llama()  # float32
+    report = pack_model(model, dtypes=(torch.bfloat16,))
+    assert report.packed == [] and type(model.lm_head) is nn.Linear
+    assert report.skipped["lm_head"] == "torch.float32 is not packed here (packed: bfloat16)"
 
 
 def test_kv_b_proj_is_left_for_latent_attention_to_read():
@@ -322,16 +326,23 @@ def test_the_switch(monkeypatch, value, enabled):
 
 
 @pytest.mark.parametrize(
-    ("weights", "env", "packed"),
-    [("fp32", None, True), ("auto", None, True), ("fp32", "0", False), (None, None, False)],
+    ("dtype", "weights", "env", "packed"),
+    [
+        ("bfloat16", "bf16", None, True),
+        ("bfloat16", "auto", None, True),
+        ("bfloat16", "bf16", "0", False),
+        ("bfloat16", None, None, False),
+        ("float32", "fp32", None, False),  # float32 is measured faster unpacked
+    ],
 )
-def test_load_model_packs_float_models_given_weights_unless_switched_off(
-    monkeypatch, weights, env, packed
+def test_load_model_packs_bfloat16_models_given_weights_unless_switched_off(
+    monkeypatch, dtype, weights, env, packed
 ):
     if env is None:
         monkeypatch.delenv(PACK_ENV, raising=False)
     else:
         monkeypatch.setenv(PACK_ENV, env)
-    model, _ = load_model("tiny", dtype="float32", weights=weights)
+    model, _ = load_model("tiny", dtype=dtype, weights=weights)
+    packed = packed and torch.bfloat16 in DTYPES  # else oneDNN cannot run bfloat16 here
     assert isinstance(model.lm_head, PackedLinear) is packed
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear) is packed

@@ -28,8 +28,8 @@ into a causal LM and its tokenizer, on this machine alone (nothing is downloaded
 * ``q4``, ``q8``: the projections quantized, 4-bit (Q4_0 and Q4_1 tensors as shipped, others
   quantized to Q4_1) or 8-bit (Q8_0 as shipped, others quantized to Q8_0); CPU only.
 
-On the CPU, with ``weights`` given, the float linear layers left (all of them for ``bf16`` and
-``fp32``) are packed once for oneDNN's matrix products
+On the CPU, with ``weights`` given, the bfloat16 linear layers left (all of them for ``bf16``)
+are packed once for oneDNN's matrix products (float32 ones stay as they are: measured faster)
 (:mod:`paged_attention.modeling.packed_linear`); ``PAGED_ATTENTION_PACK_LINEAR=0`` leaves them
 as ``torch.nn.Linear``.
 
@@ -144,10 +144,14 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
         except ValueError as error:
             raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
     if device.type == "cpu" and weights is not None:
-        from paged_attention.modeling.packed_linear import pack_model, packing_enabled
+        from paged_attention.modeling.packed_linear import (
+            LOAD_PACKED_DTYPES,
+            pack_model,
+            packing_enabled,
+        )
 
         if packing_enabled():  # last: a packed layer stays where it is, in its dtype
-            pack_model(model)
+            pack_model(model, LOAD_PACKED_DTYPES)
     return model, tokenizer
 
 

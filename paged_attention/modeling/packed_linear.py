@@ -14,8 +14,9 @@ then has to keep) at any other; an engine's steps have every number of rows.
 
 :func:`pack_model` swaps a model's float ``nn.Linear`` layers (the decoder layers' projections
 and the LM head) for packed ones. :func:`paged_attention.modeling.models.load_model` calls it
-for a model on the CPU loaded with ``weights`` given (the commands' ``--weights``: ``auto``,
-``bf16``, ``fp32``, and whatever float layers ``q4``/``q8`` leave), unless
+for the bfloat16 layers (:data:`LOAD_PACKED_DTYPES`) of a model on the CPU loaded with
+``weights`` given (the commands' ``--weights``: ``auto``, ``bf16``, and whatever float layers
+``q4``/``q8`` leave), unless
 ``PAGED_ATTENTION_PACK_LINEAR=0``. Layers are left as they are (and the reason logged once)
 where oneDNN is not available, for dtypes other than float32 and bfloat16 (bfloat16 also needs
 a CPU oneDNN runs it on), for weights that are not plain CPU tensors (a tensor-parallel shard),
@@ -52,6 +53,10 @@ from torch import nn
 PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
 """``0`` (or ``false``, ``no``, ``off``) turns packing at load off."""
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+LOAD_PACKED_DTYPES = (torch.bfloat16,)
+"""What ``load_model`` packs: bfloat16, measured faster packed on the offline workload (221
+against 195 tok/s), not float32, measured slower (190 against 207: MKL's plain sgemm beats
+oneDNN's packed product at the engine's small row counts); docs/performance.md."""
 SKIPPED_NAMES = ("kv_b_proj",)
 """Layers whose plain weight other code reads (multi-head latent attention absorbs it)."""
 
@@ -222,9 +227,10 @@ class PackReport:
     elsewhere (a tied LM head's embedding table)."""
 
 
-def pack_model(model: nn.Module) -> PackReport:
+def pack_model(model: nn.Module, dtypes=PACKED_DTYPES) -> PackReport:
     """Swaps every ``torch.nn.Linear`` of ``model`` that can be packed (:func:`why_not_packable`,
-    and not named in :data:`SKIPPED_NAMES`) for a :class:`PackedLinear`, in place; logs once
+    of one of ``dtypes`` and not named in :data:`SKIPPED_NAMES`) for a :class:`PackedLinear`,
+    in place; logs once
     per reason why a layer is left as it is; when it packed any, copies the parameters left on a
     memory-mapped checkpoint into memory of their own (:attr:`PackReport.copied`). Call it
     last, with the model on the CPU in its dtype."""
@@ -236,6 +242,8 @@ def pack_model(model: nn.Module) -> PackReport:
         reason = why_not_packable(module)
         if reason is None and name.rsplit(".", 1)[-1] in SKIPPED_NAMES:
             reason = "other code reads its plain weight"
+        if reason is None and module.weight.dtype not in dtypes:
+            reason = f"{module.weight.dtype} is not packed here (packed: {_names(dtypes)})"
         if reason is not None:
             report.skipped[name] = reason
             _log_once(reason)
@@ -286,6 +294,10 @@ def _weights_used_elsewhere(model: nn.Module) -> set[int]:
         for parameter in module.parameters(recurse=False):
             holders[id(parameter)] = holders.get(id(parameter), 0) + 1
     return {key for key, count in holders.items() if count > 1}
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
 
 
 @functools.cache
