@@ -96,27 +96,9 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
     ) -> None:
         geometry = ModelGeometry.of(model, mla=resolve_mla(mla, kv_cache_dtype=kv_cache_dtype))
         kv_options = {"kv_cache_dtype": kv_cache_dtype, "k_scale": k_scale, "v_scale": v_scale}
-        reserved = 0
-        if geometry.state_layers and num_blocks is None:
-            _check_slots(num_state_slots)
-            reserved = num_state_slots * _state_bytes_per_sequence(model, block_size, mla)
-        try:
-            kv = geometry.kv_cache(
-                block_size,
-                num_blocks,
-                max_memory,
-                num_host_blocks=num_host_blocks,
-                reserved_bytes=reserved,
-                **kv_options,
-            )
-        except ValueError as error:
-            if not reserved:
-                raise
-            raise ValueError(
-                f"max_memory={max_memory!r}: the conv and recurrent states of "
-                f"num_state_slots={num_state_slots} sequences ({reserved} bytes) come first, "
-                f"and {error}: give more memory or fewer state slots"
-            ) from None
+        kv_options["num_host_blocks"] = num_host_blocks
+        sizes = (block_size, num_blocks, max_memory)
+        kv = _kv_cache(model, geometry, sizes, num_state_slots, mla, kv_options)
         super().__init__(model, geometry, kv)
         self.block_manager = geometry.block_manager(kv, enable_prefix_caching, num_state_slots)
         self._states = None
@@ -359,6 +341,26 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
         if self._fed_ids is not None:
             self._fed_ids = self._fed_ids[torch.tensor(sources, device=self._fed_ids.device)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use())
+
+
+def _kv_cache(model, geometry: ModelGeometry, sizes, num_state_slots, mla, kv_options):
+    """``geometry.kv_cache`` for ``sizes`` = ``(block_size, num_blocks, max_memory)``; for a
+    hybrid model sized by a budget, the states of ``num_state_slots`` sequences first."""
+    block_size, num_blocks, max_memory = sizes
+    reserved = 0
+    if geometry.state_layers and num_blocks is None:
+        _check_slots(num_state_slots)
+        reserved = num_state_slots * _state_bytes_per_sequence(model, block_size, mla)
+    try:
+        return geometry.kv_cache(*sizes, reserved_bytes=reserved, **kv_options)
+    except ValueError as error:
+        if not reserved:
+            raise
+        raise ValueError(
+            f"max_memory={max_memory!r}: the conv and recurrent states of "
+            f"num_state_slots={num_state_slots} sequences ({reserved} bytes) come first, "
+            f"and {error}: give more memory or fewer state slots"
+        ) from None
 
 
 def _check_slots(num_state_slots) -> None:
