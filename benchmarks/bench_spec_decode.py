@@ -1,17 +1,19 @@
-"""Speculative decoding with n-gram drafts against plain decoding, on a workload whose answers
-repeat their prompts: "repeat this code with a variable renamed".
+"""Speculative decoding with n-gram drafts and with a draft model against plain decoding, on a
+workload whose answers repeat their prompts: "repeat this code with a variable renamed".
 
 SmolLM2-135M-Instruct in bfloat16 (float weights), greedy, no end tokens (every request makes
-all its tokens), on the CPU. Each configuration (``plain``, ``ngram`` with ``k`` drafts per
-step for each ``k`` of ``--k``) serves the same requests on a fresh engine over the same
-model; the configurations alternate A B A B over ``--rounds``. Two batch shapes: ``single``
+all its tokens), on the CPU. Each configuration (``plain``, ``ngram`` with ``k`` drafts per step
+for each ``k`` of ``--k``) serves the same requests on a fresh engine over the same model; the
+configurations alternate A B A B over ``--rounds``. ``draft k=...`` drafts with a second model
+instead (``--draft-weights``: by default the same model as shipped, SmolLM2's Q4_1 GGUF layers,
+drafting for the bfloat16 model; ``--draft-k ''`` leaves it out). Two batch shapes: ``single``
 (the requests one after another, batch 1: where speculation pays most, as a decode step's cost
 is reading the weights) and ``batch`` (all requests at once). Reported: output tokens per
-second, steps, the draft acceptance rate (accepted / drafted), and how many requests got
-exactly the plain run's tokens.
+second, steps, the draft acceptance rate (accepted / drafted), and how many requests got exactly
+the plain run's tokens.
 
-    python benchmarks/bench_spec_decode.py [--k 3,5] [--rounds 2] [--requests 4]
-        [--new-tokens 96] [--json docs/results/bench_spec_decode.json]
+    python benchmarks/bench_spec_decode.py [--k 3,5] [--draft-k 3] [--rounds 2]
+        [--requests 4] [--new-tokens 96] [--json docs/results/bench_spec_decode.json]
 
 The JSON records the machine (``paged_attention.cli.machine``) and the load average before and
 after each run (the machine may be shared: other work skews timings).
@@ -76,11 +78,19 @@ def code_edit_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def serve(model, tokenizer, prompts, new_tokens: int, k: int | None, shape: str) -> dict:
+def speculative_config(k: int | None, draft) -> dict | None:
+    """The engine's speculative decoding: off, n-gram drafts, or ``draft``'s drafts."""
+    if k is None:
+        return None
+    if draft is not None:
+        return {"method": "draft_model", "draft_model": draft, "num_speculative_tokens": k}
+    return {"num_speculative_tokens": k, "prompt_lookup_max": 4}
+
+
+def serve(model, tokenizer, prompts, new_tokens: int, speculative: dict | None, shape) -> dict:
     """One configuration over ``prompts`` on a fresh engine; its tokens, speed and drafts."""
     from paged_attention.engine import Engine, SamplingParams
 
-    speculative = None if k is None else {"num_speculative_tokens": k, "prompt_lookup_max": 4}
     engine = Engine(
         model,
         num_blocks=len(prompts) * ((max(map(len, prompts)) + new_tokens) // 16 + 2),
@@ -110,15 +120,17 @@ def serve(model, tokenizer, prompts, new_tokens: int, k: int | None, shape: str)
     }
 
 
-def run(args, model, tokenizer) -> list[dict]:
+def run(args, model, tokenizer, draft=None) -> list[dict]:
     prompts = code_edit_prompts(tokenizer, args.requests)
-    configs = [("plain", None)] + [(f"ngram k={k}", k) for k in args.k]
+    configs = [("plain", None, None)] + [(f"ngram k={k}", k, None) for k in args.k]
+    configs += [(f"draft k={k}", k, draft) for k in args.draft_k]
     rows, plain_tokens = [], {}
     for shape in args.shapes:
         for round_index in range(args.rounds):
-            for name, k in configs:
+            for name, k, drafter in configs:
                 before = os.getloadavg()[0]
-                result = serve(model, tokenizer, prompts, args.new_tokens, k, shape)
+                speculative = speculative_config(k, drafter)
+                result = serve(model, tokenizer, prompts, args.new_tokens, speculative, shape)
                 tokens = result.pop("tokens")
                 if k is None:  # plain runs first in every round
                     plain_tokens.setdefault(shape, tokens)
@@ -163,6 +175,15 @@ def print_table(rows: list[dict]) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", default="3,5", help="drafts per step of each ngram run")
+    parser.add_argument(
+        "--draft-k", default="3", help="drafts per step of each draft-model run ('' for none)"
+    )
+    parser.add_argument(
+        "--draft-weights",
+        default="auto",
+        choices=("auto", "q4", "q8", "bf16", "fp32"),
+        help="the draft model: --model loaded with these weights (auto: as shipped)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=96)
@@ -176,6 +197,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--k: comma-separated integers, got {args.k!r}")
     if not args.k or min(args.k) < 1:
         parser.error("--k: at least one number of drafts, each >= 1")
+    try:
+        args.draft_k = [int(k) for k in args.draft_k.split(",") if k]
+    except ValueError:
+        parser.error(f"--draft-k: comma-separated integers, got {args.draft_k!r}")
+    if args.draft_k and min(args.draft_k) < 1:
+        parser.error("--draft-k: numbers of drafts, each >= 1")
     args.shapes = [s for s in args.shapes.split(",") if s]
     if not args.shapes or any(s not in ("single", "batch") for s in args.shapes):
         parser.error("--shapes: choose from single, batch")
@@ -191,12 +218,20 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, dtype=torch.bfloat16)
-    rows = run(args, model, tokenizer)
+    draft = None
+    if args.draft_k:
+        draft, _ = load_model(args.model, dtype=torch.bfloat16, weights=args.draft_weights)
+    rows = run(args, model, tokenizer, draft)
     print_table(rows)
     if args.json:
         from paged_attention.cli.machine import machine_info
 
-        record = {"machine": machine_info(), "model": args.model, "rows": rows}
+        record = {
+            "machine": machine_info(),
+            "model": args.model,
+            "draft_weights": args.draft_weights if args.draft_k else None,
+            "rows": rows,
+        }
         Path(args.json).write_text(json.dumps(record, indent=1))
 
 

@@ -14,11 +14,11 @@ import bench_spec_decode  # noqa: E402
 
 def test_configurations_alternate_and_the_record_holds_every_row(tmp_path, capsys):
     out = tmp_path / "spec.json"
-    argv = ["--model", "tiny", "--k", "2,4", "--rounds", "2", "--requests", "2"]
+    argv = ["--model", "tiny", "--k", "2,4", "--draft-k", "3", "--rounds", "2", "--requests", "2"]
     bench_spec_decode.main([*argv, "--new-tokens", "6", "--json", str(out)])
     record = json.loads(out.read_text())
     rows = record["rows"]
-    configs = ["plain", "ngram k=2", "ngram k=4"]
+    configs = ["plain", "ngram k=2", "ngram k=4", "draft k=3"]
     assert [(r["shape"], r["round"], r["config"]) for r in rows] == [
         (shape, round_index, config)
         for shape in ("single", "batch")
@@ -30,6 +30,11 @@ def test_configurations_alternate_and_the_record_holds_every_row(tmp_path, capsy
         assert (row["config"] == "plain") == (row["acceptance_rate"] is None and not row["drafted"])
         assert 0 <= row["same_tokens_as_plain"] <= 2
     assert record["machine"]["cores"] and record["model"] == "tiny"
+    assert record["draft_weights"] == "auto"
+    # The tiny model as shipped is its float model: a perfect draft, every token the plain one.
+    for row in rows:
+        if row["config"] == "draft k=3":
+            assert row["accepted"] == row["drafted"] > 0 and row["same_tokens_as_plain"] == 2
     assert "ngram k=4" in capsys.readouterr().out
 
 
@@ -38,6 +43,8 @@ def test_configurations_alternate_and_the_record_holds_every_row(tmp_path, capsy
     [
         (["--k", "0"], "--k"),
         (["--k", "x"], "--k"),
+        (["--draft-k", "0"], "--draft-k"),
+        (["--draft-weights", "int3"], "--draft-weights"),
         (["--shapes", "wide"], "--shapes"),
         (["--rounds", "0"], "--rounds"),
         (["--new-tokens", "0"], "--new-tokens"),

@@ -211,18 +211,31 @@ class SpeculativeConfig:
     plus one token of the model's own (docs/engine.md, "Speculative decoding"). ``method``:
     ``"ngram"`` (prompt lookup, vLLM's ``ngram``): the longest n-gram of ``prompt_lookup_max``
     down to ``prompt_lookup_min`` tokens ending the sequence is looked up earlier in its prompt
-    and output, and the tokens that followed its first occurrence are the drafts."""
+    and output, and the tokens that followed its first occurrence are the drafts;
+    ``"draft_model"``: ``draft_model``, a smaller causal LM over the same vocabulary (a
+    transformers model on the target's device), proposes its greedy continuation
+    (:mod:`paged_attention.engine.draft_model`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    draft_model: torch.nn.Module | None = field(default=None, repr=False)
 
-    METHODS = ("ngram",)
+    METHODS = ("ngram", "draft_model")
 
     def __post_init__(self) -> None:
         if self.method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS}, got {self.method!r}")
+        if self.method == "draft_model" and not isinstance(self.draft_model, torch.nn.Module):
+            raise TypeError(
+                "draft_model must be a torch.nn.Module (a causal LM) with method='draft_model', "
+                f"got {type(self.draft_model).__name__}"
+            )
+        if self.method != "draft_model" and self.draft_model is not None:
+            raise ValueError(
+                f"draft_model is used by method='draft_model' only, got method={self.method!r}"
+            )
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention.engine.config import EngineConfig
+from paged_attention.engine.draft_model import check_draft_model
 from paged_attention.engine.hybrid_runner import HybridRunner, check_hybrid_engine
 from paged_attention.engine.logprobs import record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
@@ -73,6 +74,8 @@ class EngineCore:
                 "speculative decoding is not supported with tensor parallelism; pass "
                 "speculative=None"
             )
+        if config.speculative is not None and config.speculative.draft_model is not None:
+            check_draft_model(model, config.speculative.draft_model)
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1

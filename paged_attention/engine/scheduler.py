@@ -162,6 +162,7 @@ class Scheduler:
             self.swapped.remove(request)
         held = [s.seq_id for s in request.seqs if self.block_manager.has_seq(s.seq_id)]
         self.block_manager.free_many(held)
+        self.drafts.let_go_of_freed()
         request.status = RequestStatus.FINISHED
         self._admission_order.pop(request.request_id, None)
 
@@ -210,7 +211,9 @@ class Scheduler:
         <paged_attention.engine.step_update.StepUpdate.apply>`). Returns the requests updated;
         one with no ``seqs`` left has finished and holds no blocks."""
         self.commit(out)
-        return self._update.apply(sampled, finish_reason, end_token_ids)
+        updated = self._update.apply(sampled, finish_reason, end_token_ids)
+        self.drafts.let_go_of_freed()
+        return updated
 
     # ------------------------------------------------------------------ the phases
 

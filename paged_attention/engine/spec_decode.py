@@ -49,9 +49,9 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], limit: int, seq_id: int | None = None) -> list[int]:
         """At most ``limit`` drafts to follow ``tokens`` (prompt then output); [] when no
-        n-gram matches."""
+        n-gram matches. (``seq_id`` is not needed: the drafts depend on the tokens only.)"""
         ids = np.asarray(tokens, dtype=np.int64)
         length = ids.size
         if limit <= 0 or length <= self.min_n:
@@ -69,6 +69,25 @@ class NgramProposer:
                 return ids[follow : follow + limit].tolist()
         return []
 
+    @property
+    def states(self) -> dict:
+        """Nothing is kept between steps."""
+        return {}
+
+    def end_step(self, keep: Collection[int] = ()) -> None:
+        """Nothing is kept between steps."""
+
+
+def make_proposer(config: SpeculativeConfig | None):
+    """The proposer of ``config``'s method, or None when nothing is drafted."""
+    if config is None:
+        return None
+    if config.method == "draft_model":
+        from paged_attention.engine.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.draft_model)
+    return NgramProposer(config)
+
 
 def drafts_allowed(request: Request) -> bool:
     """Whether ``request`` is given drafts: one sample, no beam search, no grammar (the others
@@ -84,7 +103,7 @@ class DraftSlots:
     def __init__(self, manager: BlockManager, config: SpeculativeConfig | None) -> None:
         self.manager = manager
         self.config = config
-        self.proposer = None if config is None else NgramProposer(config)
+        self.proposer = make_proposer(config)
         self._carried: list[tuple[int, tuple[int, int]]] = []
 
     def reserve(self, out: SchedulerOutput, budget: float) -> int:
@@ -100,6 +119,7 @@ class DraftSlots:
             if budget - drafted <= 0:
                 break
             drafted += self._draft(chunk, int(min(budget - drafted, 1 << 30)), out)
+        self.proposer.end_step()
         if drafted:
             ids = [c.seq.seq_id for c in out.decode]
             counts = [c.count for c in out.decode]
@@ -115,7 +135,7 @@ class DraftSlots:
         limit = min(limit, request.params.max_new_tokens - len(seq.tokens) - 1, self._room(chunk))
         if limit <= 0:
             return 0
-        drafts = self.proposer.propose(request.prompt + seq.tokens, limit)
+        drafts = self.proposer.propose(request.prompt + seq.tokens, limit, seq.seq_id)
         if not drafts:
             return 0
         try:
@@ -142,6 +162,13 @@ class DraftSlots:
         needs is made at the start of the next step."""
         pairs = self.manager.truncate(seq_id, num_tokens)
         self._carried += [(seq_id, pair) for pair in pairs]
+
+    def let_go_of_freed(self) -> None:
+        """The proposer forgets what it kept for sequences the manager no longer holds
+        (finished, aborted, or preempted by recompute)."""
+        if self.proposer is not None:
+            states = self.proposer.states
+            self.proposer.end_step(keep=[s for s in states if self.manager.has_seq(s)])
 
     def restore(self, out: SchedulerOutput) -> None:
         """The step ``out`` failed: the copies it carried are carried again."""
