@@ -30,6 +30,7 @@ from test_model_zoo import (  # noqa: E402
     VOCAB,
     BeamReorderingMiniMaxCache,
     Zoo,
+    build,
     left_padded,
 )
 from transformers.models.minimax.modeling_minimax import MiniMaxCache  # noqa: E402
@@ -41,7 +42,7 @@ from paged_attention.engine.hybrid_runner import (  # noqa: E402
     state_bytes_per_sequence,
 )
 from paged_attention.integrations.transformers import ATTN_IMPLEMENTATION, PagedCache  # noqa: E402
-from paged_attention.modeling.geometry import ModelGeometry  # noqa: E402
+from paged_attention.modeling.geometry import ModelGeometry, UnsupportedModelError  # noqa: E402
 from paged_attention.modeling.minimax import (  # noqa: E402
     LinearStateCache,
     cache_class,
@@ -244,3 +245,19 @@ def test_the_engine_runs_minimax_on_its_minimax_step_cache(minimax):
     lookup_ids, _ = left_padded([5], seed=1, repeat=6)
     with pytest.raises(ValueError, match="cannot roll it back to an earlier token"):
         paged_generate(minimax, input_ids=lookup_ids, max_new_tokens=4, prompt_lookup_num_tokens=3)
+
+
+def test_what_minimax_cannot_be_served_with_is_refused_with_the_reason():
+    """Lightning layers only: nothing to page. A model of another type whose class says MiniMax
+    (a fork with a cache class of its own) is refused as before: only transformers' MiniMax is
+    known to keep its states through MiniMaxCache's two calls."""
+    lightning_only = build("minimax", device="meta", layer_types=["linear_attention"] * 2)
+    with pytest.raises(UnsupportedModelError, match="has no attention layer"):
+        PagedCache(lightning_only, block_size=BLOCK, num_blocks=8)
+    fork = build("minimax", device="meta")
+    fork.config.model_type = "minimax_fork"
+    assert not is_minimax(fork)
+    with pytest.raises(UnsupportedModelError, match="a cache class of its own"):
+        PagedCache(fork, block_size=BLOCK, num_blocks=8)
+    with pytest.raises(UnsupportedModelError, match="a cache class of its own"):
+        Engine(fork, num_blocks=8, block_size=BLOCK)
