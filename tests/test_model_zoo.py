@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoConfig  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: E402
+from transformers.models.minimax.modeling_minimax import MiniMaxCache  # noqa: E402
 
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
 from paged_attention.engine.hybrid_runner import HybridRunner  # noqa: E402
@@ -207,13 +208,15 @@ HYBRID = {
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4),
     "olmo_hybrid": {},
     "zamba": dict(num_hidden_layers=3),
+    # lightning attention (state in MiniMaxCache's get/set_linear_cache) in blocks of 8 tokens,
+    # so prompts run as several blocks
+    "minimax": dict(MOE, layer_types=["full_attention", "linear_attention"], block_size=8),
 }
 # Per refused family: its tiny config and the reason the refusal must name.
 REFUSED = {
     "bloom": ({}, "computes attention in its own code"),
     "mpt": ({}, "computes attention in its own code"),
     "deepseek_v32": ({}, "sparse attention: a lightning indexer"),
-    "minimax": ({}, "a cache class of its own"),
     "kimi_linear": ({}, "has no attention layer"),  # its default: linear-attention layers only
 }
 
@@ -236,6 +239,19 @@ def build(
     torch.manual_seed(0)
     with torch.device(device):
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).eval()
+
+
+class BeamReorderingMiniMaxCache(MiniMaxCache):
+    """transformers' MiniMaxCache, whose beam search reorders the key/value layers but leaves
+    the lightning-attention states with the beams they were computed for: the reference cache
+    reorders both."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.linear_cache = [
+            state if isinstance(state, list) else state.index_select(0, beam_idx.to(state.device))
+            for state in self.linear_cache
+        ]
 
 
 def left_padded(lengths, seed=0, repeat=None):
@@ -273,6 +289,8 @@ class Zoo:
         if paged:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
             extra["cache"] = PagedCache(model, block_size=BLOCK, num_blocks=96)
+        elif self.model_type == "minimax":
+            extra["cache"] = BeamReorderingMiniMaxCache()
         try:
             torch.manual_seed(seed)
             return model.generate(**kwargs, **extra, pad_token_id=0)

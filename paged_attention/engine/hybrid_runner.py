@@ -49,6 +49,7 @@ from paged_attention.kv.state_pool import StateSlots, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
 from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface
+from paged_attention.modeling.minimax import cache_class
 from paged_attention.modeling.transformers_backend import ATTN_IMPLEMENTATION, cache_argument_name
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,12 @@ _SCAN_IGNORES_STATE = frozenset({"jamba", "zamba"})
 class HybridStepCache(StateCacheInterface, StepCache):
     """The cache of one forward pass of the hybrid runner: paged attention as :class:`StepCache`,
     over ``[batch, heads, q, dim]`` queries (one prompt chunk: batch 1; a step's decodes: one
-    token per row), and the conv and recurrent states of the pass's rows in ``_states``."""
+    token per row), and the conv and recurrent states of the pass's rows in ``_states``. For
+    MiniMax, a subclass that is its ``MiniMaxCache`` too (:mod:`paged_attention.modeling.minimax`).
+    """
+
+    def __new__(cls, model=None, *args, **kwargs):
+        return super().__new__(cache_class(cls, model))
 
     def __init__(self, model, geometry: ModelGeometry, kv: PagedKVCache, states: BatchStates):
         super().__init__(model, geometry, kv)

@@ -34,6 +34,7 @@ from paged_attention.kv.state_pool import OutOfStateSlotsError, StateStore
 from paged_attention.kv.step_inputs import StepInputs, build_metadata
 from paged_attention.modeling.geometry import ModelGeometry
 from paged_attention.modeling.hybrid import BatchStates, StateCacheInterface, reassign_with_states
+from paged_attention.modeling.minimax import cache_class
 from paged_attention.modeling.mla import resolve as resolve_mla
 from paged_attention.modeling.transformers_backend import (
     ATTN_IMPLEMENTATION,
@@ -76,8 +77,11 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
     needs one per beam); when the blocks are sized by a budget (``max_memory`` or the default
     one), the states of ``num_state_slots`` sequences come out of it first, measured with one
     forward pass of one token at construction. States cannot roll back, so ``crop`` and prefix
-    caching are refused.
+    caching are refused. MiniMax's is a ``MiniMaxCache`` too (paged_attention.modeling.minimax).
     """
+
+    def __new__(cls, model=None, *args, **kwargs):
+        return super().__new__(cache_class(cls, model))
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ from paged_attention.kv import cache as _cache_module
 from paged_attention.kv.block_manager import BlockManager
 from paged_attention.kv.cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from paged_attention.kv.state_pool import StatefulBlockManager
+from paged_attention.modeling.minimax import is_minimax
 from paged_attention.modeling.mla import latent_form
 from paged_attention.modeling.tensor_parallel import TensorParallel
 
@@ -493,8 +494,10 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
 
 def _refuse_unsupported_hybrid(model: torch.nn.Module, name: str, kinds: set[str]) -> None:
     """A hybrid model's state layers go through transformers' cache interface for conv and
-    recurrent states, and its attention layers through the attention interface."""
-    if callable(getattr(model, "get_linear_cache", None)) or "MiniMax" in name:
+    recurrent states (or, for MiniMax, its ``MiniMaxCache`` calls), and its attention layers
+    through the attention interface."""
+    own_cache = callable(getattr(model, "get_linear_cache", None)) or "MiniMax" in name
+    if own_cache and not is_minimax(model):  # MiniMax's own cache: paged_attention.modeling.minimax
         raise UnsupportedModelError(
             f"{name} is a hybrid model whose linear-attention layers keep their state in a cache "
             "class of its own (get_linear_cache / set_linear_cache), not through transformers' "
