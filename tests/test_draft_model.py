@@ -141,8 +141,11 @@ def test_the_engine_refuses_a_recurrent_draft_model(target):
     from test_model_zoo import build
 
     hybrid = build("bamba", vocab_size=256)
-    with pytest.raises(ValueError, match="cannot cut back"):
+    with pytest.raises(ValueError, match="cannot cut back|cache class of its own"):
         Engine(target, num_blocks=8, block_size=BLOCK, speculative=draft_config(hybrid))
+    minimax = build("minimax", vocab_size=256)
+    with pytest.raises(ValueError, match="cache class of its own"):
+        Engine(target, num_blocks=8, block_size=BLOCK, speculative=draft_config(minimax))
 
 
 # ------------------------------------------------------------------------------ the engine

@@ -57,6 +57,12 @@ def check_draft_model(target: torch.nn.Module, draft: torch.nn.Module) -> None:
             f"draft_model is on {_device(draft)}, the model on {_device(target)}: put both on "
             "one device"
         )
+    supports = getattr(draft, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        raise ValueError(
+            f"draft_model ({type(draft).__name__}) needs a cache class of its own; the draft "
+            "cache is transformers' DynamicCache"
+        )
     try:
         cache = DynamicCache(config=draft.config)
     except Exception as error:  # a config transformers' cache cannot read
