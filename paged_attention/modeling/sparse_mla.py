@@ -80,7 +80,13 @@ def sparse_form(layers: list, model: torch.nn.Module, mla_form: str | None, tp_s
             "(an fp8 kv_cache_dtype, CUDA graphs and compiled decode steps ask for it too)"
         )
     if any(not layer.latent_rank for layer in layers):
-        layers = mla.latent_form(layers, model, "latent", tp_size)  # raises with the reason
+        try:
+            layers = mla.latent_form(layers, model, "latent", tp_size)
+        except ValueError as error:
+            raise SparseAttentionError(
+                "DeepSeek sparse attention is served in the latent form only, which cannot serve "
+                f"this model ({error})"
+            ) from error
     sparse = []
     for index, layer in enumerate(layers):
         module = modules.get(index)

@@ -17,7 +17,9 @@ values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``u
 this step's latents only, so the attention function receives this step's expanded keys and values,
 which the paged cache stores as any other layer's. In the latent form (the default where the
 model supports it) the cache holds the latents themselves and attends in the absorbed form
-(:mod:`paged_attention.modeling.mla`). A layer that reuses an earlier layer's keys
+(:mod:`paged_attention.modeling.mla`); DeepSeek sparse attention runs a forward of its own in
+that form, which hands the indexer's inputs along (:mod:`paged_attention.modeling.sparse_mla`).
+A layer that reuses an earlier layer's keys
 and values (KV sharing, Gemma 3n) calls no ``update``: its attention call is recognised by the
 key tensor its source layer's ``update`` returned, and attends over that layer's cache without
 storing anything (:mod:`paged_attention.modeling.kv_sharing`).
