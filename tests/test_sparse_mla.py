@@ -64,6 +64,31 @@ def test_the_indexer_selects_what_transformers_indexer_selects(sparse):
     assert narrower == 2 * (20 - TOPK)  # every query past the first TOPK reads TOPK tokens
 
 
+def test_logits_match_transformers_over_prefill_chunk_and_decode(sparse):
+    """A prompt, a chunk of 3 tokens over the cached context, then single-token steps: the
+    logits of every position within float rounding of transformers' own forward, the indexer
+    selecting 4 of up to 20 tokens."""
+    model = sparse.model
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
+            name = cache_argument_name(model)
+            pieces = [(0, 9), (9, 12), *((i, i + 1) for i in range(12, 20))]
+            got = torch.cat(
+                [
+                    model(input_ids=ids[:, a:b], use_cache=True, **{name: cache}).logits
+                    for a, b in pieces
+                ],
+                dim=1,
+            )
+        finally:
+            model.set_attn_implementation(sparse.default)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_the_key_cache_holds_transformers_indexer_keys(sparse):
     model = sparse.model
     ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(4))
