@@ -128,13 +128,41 @@ def test_generate_matches_the_default_cache_at_a_sparser_top_k(sparse, monkeypat
     greedy = calls["greedy"]
     expected = sparse.generate(False, **greedy)
 
-    def every_visible_token(index_query, weights, index_keys, positions, topk):
+    def every_visible_token(index_query, weights, index_keys, positions, topk, width):
         tokens = torch.arange(index_keys.shape[0])
         return tokens.unsqueeze(0) <= positions.unsqueeze(1)
 
     with monkeypatch.context() as patch:  # dense attention: the selection is what differs
         patch.setattr(sparse_mla, "select", every_visible_token)
         assert not torch.equal(sparse.generate(True, **greedy), expected)
+
+
+def test_tied_scores_are_searched_in_transformers_layout(monkeypatch):
+    """With one indexer head, most scores are exactly zero (the head's ReLU), so the top-k
+    boundary ties and torch.topk's pick among the tied tokens depends on the row it searches:
+    transformers' own tokens for a prompt change with its left padding. Laid out as
+    transformers lays them out (padding first), a left-padded batch and whole prompts through
+    the Engine (prefix hits included) give its tokens; scoring each sequence alone does not."""
+    tied = Zoo("deepseek_v32", index_topk=TOPK, index_n_heads=1)
+    ids, mask = left_padded([5, 11, 19])
+    greedy = dict(input_ids=ids, attention_mask=mask, eos_token_id=None, max_new_tokens=12)
+    expected = tied.generate(False, **greedy, do_sample=False)
+    assert torch.equal(tied.generate(True, **greedy, do_sample=False), expected)
+    alone = tied.greedy(ids[0, mask[0].bool()].tolist(), 12)
+    assert expected[0, -12:].tolist() != alone  # transformers' tokens depend on the padding
+    with monkeypatch.context() as patch:
+        patch.setattr(PagedCache, "_padded_length", lambda self: None)
+        assert not torch.equal(tied.generate(True, **greedy, do_sample=False), expected)
+    gen = torch.Generator().manual_seed(2)
+    system = torch.randint(3, VOCAB, (2 * BLOCK + 3,), generator=gen).tolist()
+    prompts = [system + torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (2, 7)]
+    engine = Engine(tied.model, num_blocks=16, block_size=BLOCK, eos_token_id=[])
+    try:
+        outputs = engine.generate(prompts, SamplingParams(10))
+    finally:
+        tied.model.set_attn_implementation(tied.default)
+    assert [o.outputs[0] for o in outputs] == [tied.greedy(p, 10) for p in prompts]
+    assert engine.stats.prompt_tokens_cached > 0
 
 
 def test_the_engine_matches_and_gives_every_block_back(sparse):

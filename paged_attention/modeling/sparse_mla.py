@@ -251,12 +251,15 @@ def attend_sparse(module, layer_idx: int, layer, query, latent, keys, attend) ->
     return mla.attend_absorbed(module, qk, latent, keys[..., :rope], with_extras)
 
 
-def sparse_paged_attention(query, keys, latent, key_cache, value_cache, metadata, scale, layer):
+def sparse_paged_attention(
+    query, keys, latent, key_cache, value_cache, metadata, scale, layer, padded_length=None
+):
     """Store the step's rows (``keys [tokens, 1, rope + index_head_dim]`` in the key cache,
     ``latent [tokens, 1, kv_lora_rank]`` in the value cache) and attend each new token over the
     ``index_topk`` tokens of its sequence its indexer scores highest. ``query [tokens, heads,
     kv_lora_rank + rope + spread]`` (absorbed, float32); returns ``[tokens, heads,
-    kv_lora_rank]``."""
+    kv_lora_rank]``. ``padded_length``: the length of a left-padded batch's rows, padding
+    included, which the scores are laid out in before the top-k (:func:`select`)."""
     mla.store_latents(keys, latent, key_cache, value_cache, metadata.slot_mapping)
     rank = value_cache.shape[2]
     out = query.new_zeros(query.shape[0], query.shape[1], rank)
@@ -266,7 +269,8 @@ def sparse_paged_attention(query, keys, latent, key_cache, value_cache, metadata
             rows = slice(start, start + q_len)
             table = metadata.block_tables[index]
             context = _context(key_cache, value_cache, table, seq_len)
-            out[rows] = _attend_sequence(query[rows], context, seq_len, scale, layer)
+            width = max(seq_len, padded_length or 0)
+            out[rows] = _attend_sequence(query[rows], context, seq_len, scale, layer, width)
         start += q_len
     return out
 
@@ -280,11 +284,16 @@ def _context(key_cache, value_cache, table, seq_len: int):
     return rows, values[blocks].reshape(-1, values.shape[2])[:seq_len]
 
 
-def select(index_query, weights, index_keys, positions, topk: int) -> torch.Tensor:
+def select(index_query, weights, index_keys, positions, topk: int, width: int = 0):
     """Which of a sequence's ``T`` cached tokens each query row reads: ``[rows, T]`` bools, the
     ``topk`` visible tokens (at most the row's position) of highest indexer score, as
     transformers' ``DeepseekV32Indexer`` scores them (float32; ``index_query [rows, heads,
-    dim]``, ``weights [rows, heads]``, ``index_keys [T, dim]``)."""
+    dim]``, ``weights [rows, heads]``, ``index_keys [T, dim]``).
+
+    Scores can tie exactly (every indexer head's ReLU at zero), and which of the tied tokens
+    ``topk`` keeps depends on the row it searches. So the row is laid out as transformers lays
+    it out: ``width - T`` masked (-inf) padding positions first when the sequence is a row of a
+    left-padded batch ``width`` wide, then the sequence, its future masked."""
     scale = index_query.shape[-1] ** -0.5
     scores = torch.matmul(index_query.float(), index_keys.transpose(-1, -2).float()) * scale
     scores = F.relu(scores)
@@ -292,14 +301,17 @@ def select(index_query, weights, index_keys, positions, topk: int) -> torch.Tens
     tokens = torch.arange(index_keys.shape[0], device=index_keys.device)
     future = tokens.unsqueeze(0) > positions.unsqueeze(1)
     index_scores = index_scores.masked_fill(future, -math.inf)
-    chosen = index_scores.topk(min(topk, index_keys.shape[0]), dim=-1).indices
-    selected = torch.zeros_like(future).scatter(-1, chosen, True)
-    return selected & ~future
+    padding = max(0, width - index_keys.shape[0])
+    index_scores = F.pad(index_scores, (padding, 0), value=-math.inf)
+    chosen = index_scores.topk(min(topk, index_scores.shape[-1]), dim=-1).indices
+    selected = torch.zeros_like(index_scores, dtype=torch.bool).scatter(-1, chosen, True)
+    return selected[:, padding:] & ~future
 
 
-def _attend_sequence(query, context, seq_len: int, scale: float, layer) -> torch.Tensor:
-    """One sequence's ``query`` rows (its last ``q`` positions) over the tokens each selects,
-    in pieces of rows that bound the logits' size."""
+def _attend_sequence(query, context, seq_len: int, scale: float, layer, width: int):
+    """One sequence's ``query`` rows (its last ``q`` positions) over the tokens each selects
+    (scored in rows ``width`` wide: :func:`select`), in pieces of rows that bound the logits'
+    size."""
     key_rows, latents = context
     rank = latents.shape[1]
     rope = layer.head_size - layer.index_head_size
@@ -312,7 +324,8 @@ def _attend_sequence(query, context, seq_len: int, scale: float, layer) -> torch
         q = query[first : first + step].to(torch.float32)
         index_query, weights = gather(q[:, :, rank + rope :], layer)
         positions = seq_len - q_len + first + torch.arange(q.shape[0], device=q.device)
-        selected = select(index_query, weights, key_rows[:, rope:], positions, layer.index_topk)
+        index_keys = key_rows[:, rope:]
+        selected = select(index_query, weights, index_keys, positions, layer.index_topk, width)
         logits = q[..., :rank] @ lat.T + q[..., rank : rank + rope] @ rot.T  # [rows, heads, T]
         logits.mul_(scale).masked_fill_(~selected.unsqueeze(1), -math.inf)
         pieces.append(torch.softmax(logits, dim=-1) @ lat)

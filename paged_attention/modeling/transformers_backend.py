@@ -441,7 +441,7 @@ class PagedCacheBase(Cache):
         if layer.index_topk:
             caches = self.kv_cache.layer(cached)
             return sparse_mla.sparse_paged_attention(
-                query, key, value, *caches, metadata, scale, layer
+                query, key, value, *caches, metadata, scale, layer, self._padded_length()
             )
         if layer.latent_rank:
             caches = self.kv_cache.layer(cached)
@@ -496,6 +496,11 @@ class PagedCacheBase(Cache):
                 metadata.slot_mapping,
             ],
         )
+
+    def _padded_length(self) -> int | None:
+        """Hook: the length of every row of a left-padded batch, padding included, this step's
+        queries included (None: no padded batch, each sequence as long as it is)."""
+        return None
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
