@@ -126,9 +126,6 @@ class PagedCache(StateCacheInterface, PagedCacheBase):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
 
-    def _padded_length(self) -> int:
-        return self._seen  # _begin_step counted this step's tokens in
-
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._seen
 

@@ -439,9 +439,11 @@ class PagedCacheBase(Cache):
             )
         layer = self.geometry.layers[layer_idx]
         if layer.index_topk:
+            # generate()'s rows are get_seq_length() long, padding and this step included (the
+            # engine's packed steps: 0, each sequence as long as it is)
             caches = self.kv_cache.layer(cached)
             return sparse_mla.sparse_paged_attention(
-                query, key, value, *caches, metadata, scale, layer, self._padded_length()
+                query, key, value, *caches, metadata, scale, layer, self.get_seq_length()
             )
         if layer.latent_rank:
             caches = self.kv_cache.layer(cached)
@@ -496,11 +498,6 @@ class PagedCacheBase(Cache):
                 metadata.slot_mapping,
             ],
         )
-
-    def _padded_length(self) -> int | None:
-        """Hook: the length of every row of a left-padded batch, padding included, this step's
-        queries included (None: no padded batch, each sequence as long as it is)."""
-        return None
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
