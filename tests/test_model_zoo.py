@@ -180,6 +180,16 @@ ZOO = {
         first_k_dense_replace=1,
         moe_intermediate_size=64,
     ),
+    # DeepSeek sparse attention: each query reads the 8 cached tokens its indexer scores highest
+    "deepseek_v32": dict(
+        LATENT,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=64,
+        index_topk=8,
+    ),
     # one decoder layer of two latent attention sublayers (layer indices 0 and 1), zero experts
     "longcat_flash": dict(
         LATENT,
@@ -216,7 +226,7 @@ HYBRID = {
 REFUSED = {
     "bloom": ({}, "computes attention in its own code"),
     "mpt": ({}, "computes attention in its own code"),
-    "deepseek_v32": ({}, "sparse attention: a lightning indexer"),
+    "glm_moe_dsa": ({}, "sparse attention: a lightning indexer"),  # DeepSeek-V3.2's is served
     "kimi_linear": ({}, "has no attention layer"),  # its default: linear-attention layers only
 }
 

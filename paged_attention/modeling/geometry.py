@@ -34,6 +34,7 @@ from paged_attention.kv.cache import PagedKVCache, bytes_per_block, num_blocks_f
 from paged_attention.kv.state_pool import StatefulBlockManager
 from paged_attention.modeling.minimax import is_minimax
 from paged_attention.modeling.mla import latent_form
+from paged_attention.modeling.sparse_mla import indexed_modules, sparse_form
 from paged_attention.modeling.tensor_parallel import TensorParallel
 
 # Without a size, a CPU cache takes this much of the available host memory, at most
@@ -80,7 +81,10 @@ class LayerGeometry:
     sharing, :mod:`paged_attention.modeling.kv_sharing`); None: its own. ``attends`` False: a
     hybrid model's layer that attends nothing (a conv or linear-attention layer, which keeps a
     state in a state slot, or an MLP or MoE block): the cache holds no blocks for it, and its
-    head fields are the config's."""
+    head fields are the config's. ``index_topk`` > 0: DeepSeek sparse attention, a latent layer
+    whose keys carry an indexer key of ``index_head_size`` dims after the rotary part, read by
+    ``index_heads`` indexer heads that keep ``index_topk`` tokens per query
+    (:mod:`paged_attention.modeling.sparse_mla`)."""
 
     num_heads: int
     num_kv_heads: int
@@ -94,6 +98,9 @@ class LayerGeometry:
     latent_rank: int = 0
     kv_source: int | None = None
     attends: bool = True
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.v_head_size:
@@ -164,6 +171,7 @@ class ModelGeometry:
         first = layers[0]
         split = TensorParallel.of(model, first.num_heads, first.num_kv_heads, first.head_size)
         layers = latent_form(layers, model, mla, split.size)
+        layers = sparse_form(layers, model, mla, split.size)
         if split.size > 1:
             layers = [_split(layer, index, split.size) for index, layer in enumerate(layers)]
         return cls(
@@ -457,16 +465,14 @@ def refuse_unsupported(model: torch.nn.Module, configs: list) -> None:
             "(the cross-attention's keys and values are not a growing sequence)"
         )
     kinds = {str(kind) for kind in getattr(config, "layer_types", None) or []}
-    if _SPARSE_INDEXED in kinds:
+    if _SPARSE_INDEXED in kinds and not indexed_modules(model):
         raise UnsupportedModelError(
-            f"{name} uses DeepSeek sparse attention: a lightning indexer keeps a key cache of its "
-            "own and chooses the cached tokens each query reads, while paged attention reads "
-            "every cached token of the sequence (and its latent attention has key and value "
-            "heads of different sizes)"
+            f"{name} uses sparse attention: a lightning indexer chooses the cached tokens each "
+            "query reads, which the paged cache computes only for transformers' "
+            "DeepseekV32Attention (DeepSeek-V3.2), not for this model's attention modules"
         )
-    unknown = sorted(
-        kinds - set(_ATTENTION_LAYER_TYPES) - _NO_CACHE_LAYER_TYPES - _STATE_LAYER_TYPES
-    )
+    served = {*_ATTENTION_LAYER_TYPES, _SPARSE_INDEXED}
+    unknown = sorted(kinds - served - _NO_CACHE_LAYER_TYPES - _STATE_LAYER_TYPES)
     if unknown or getattr(model, "_is_stateful", False):
         what = ", ".join(repr(kind) for kind in unknown) or "recurrent"
         raise UnsupportedModelError(

@@ -17,7 +17,9 @@ values (of different head sizes, e.g. 192 and 128) after ``update`` returns: ``u
 this step's latents only, so the attention function receives this step's expanded keys and values,
 which the paged cache stores as any other layer's. In the latent form (the default where the
 model supports it) the cache holds the latents themselves and attends in the absorbed form
-(:mod:`paged_attention.modeling.mla`). A layer that reuses an earlier layer's keys
+(:mod:`paged_attention.modeling.mla`); DeepSeek sparse attention runs a forward of its own in
+that form, which hands the indexer's inputs along (:mod:`paged_attention.modeling.sparse_mla`).
+A layer that reuses an earlier layer's keys
 and values (KV sharing, Gemma 3n) calls no ``update``: its attention call is recognised by the
 key tensor its source layer's ``update`` returned, and attends over that layer's cache without
 storing anything (:mod:`paged_attention.modeling.kv_sharing`).
@@ -42,7 +44,7 @@ import torch
 
 from paged_attention.attention import AttentionMetadata, PagedAttention
 from paged_attention.kv.cache import PagedKVCache
-from paged_attention.modeling import kv_sharing, mla
+from paged_attention.modeling import kv_sharing, mla, sparse_mla
 from paged_attention.modeling.geometry import LayerGeometry, ModelGeometry, describe_attention
 
 try:
@@ -165,6 +167,12 @@ def _expanded(module: torch.nn.Module, latent: torch.Tensor, key: torch.Tensor) 
     )
 
 
+def _runs_paged(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s model runs with the ``"paged_attention"`` implementation."""
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+
 def _hands_latents(module: torch.nn.Module, latent: torch.Tensor) -> bool:
     """Whether ``latent`` is what a latent-form cache's ``update`` just returned for
     ``module``'s layer (its ``expand_kv`` then hands it through unexpanded)."""
@@ -279,6 +287,7 @@ class PagedCacheBase(Cache):
         self._checked_metadata: AttentionMetadata | None = None
         if geometry.latent:
             mla.pass_latents_through(model, _hands_latents)
+        sparse_mla.install(model, _runs_paged)
         self._last_update_layer: int | None = None
 
     def update(
@@ -325,6 +334,17 @@ class PagedCacheBase(Cache):
         if layer_idx is None:  # an attention block shared by layers (Zamba): update named it
             layer_idx = self._last_update_layer
         layer = self.geometry.layers[layer_idx]
+        if layer.index_topk:  # DeepSeek sparse attention: key the latents, value the keys
+            self._check_features(layer_idx, layer, call)
+            return sparse_mla.attend_sparse(
+                module,
+                layer_idx,
+                layer,
+                query,
+                key,
+                value,
+                lambda q, k, v: self._attend_layer(layer_idx, q, k, v, padding, call.scale, None),
+            )
         if layer.latent_rank:  # key, value: the latents and rotary keys update was handed
             mla.check_call(layer_idx, layer, module, query, key, value)
             self._check_features(layer_idx, layer, call)
@@ -417,7 +437,15 @@ class PagedCacheBase(Cache):
                 "makes it a conv or linear-attention layer, for which the cache holds no keys "
                 "and values"
             )
-        if self.geometry.layers[layer_idx].latent_rank:
+        layer = self.geometry.layers[layer_idx]
+        if layer.index_topk:
+            # generate()'s rows are get_seq_length() long, padding and this step included (the
+            # engine's packed steps: 0, each sequence as long as it is)
+            caches = self.kv_cache.layer(cached)
+            return sparse_mla.sparse_paged_attention(
+                query, key, value, *caches, metadata, scale, layer, self.get_seq_length()
+            )
+        if layer.latent_rank:
             caches = self.kv_cache.layer(cached)
             return mla.latent_paged_attention(query, key, value, *caches, metadata, scale)
         module = self._modules.get(layer_idx)
