@@ -278,17 +278,17 @@ def _tokenizer_readable_here(model: str) -> bool:
 
 def _read_tokenizer(model: str, engine):
     """``model``'s tokenizer (:func:`~paged_attention.modeling.models.load_tokenizer`); on a
-    failure the engine's process is stopped and the failure is a ``UsageError``, as the
-    engine's own would be."""
+    failure the engine's process is stopped at once (not left to finish loading a model nobody
+    will serve) and the failure is a ``UsageError``, as the engine's own would be."""
     from paged_attention.modeling.models import ModelLoadError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(model)
     except ModelLoadError as error:
-        engine.close()
+        engine.close(timeout=0)
         raise UsageError(str(error)) from None
     if tokenizer is None:
-        engine.close()
+        engine.close(timeout=0)
         raise UsageError(f"--model {model}: it has no tokenizer, which the server needs")
     return tokenizer
 
