@@ -3,7 +3,9 @@ by side on the same GGUF, with the same streaming OpenAI-client workload.
 
 The two servers run alternately, never both at once: in each of ``--rounds`` rounds, ``serve``
 starts, answers the loads and stops (its whole process tree has exited), then ``llama-server``
-does the same (A B A B ...). Each start is timed until ``/health`` answers 200. The loads, one
+does the same (A B A B ...). Each start is timed until ``/health`` first answers at all
+(``first_answer_s``: a server that listens while it loads answers 503 meanwhile) and until it
+answers 200, ready (``start_s``). The loads, one
 after the other on the started server, are closed loops of streamed chat completions (greedy,
 the prompts of bench_server.py; ``--loads one-user`` or ``--loads chats`` runs one of them):
 
@@ -16,7 +18,8 @@ to first token and inter-token latency (the gaps between streamed chunks) p50 an
 cores the server's process tree used (psutil: its CPU seconds over the wall time), and what the
 rest of the machine used meanwhile (every other process's cores and the VM's stolen time, from
 the system's CPU times); per server run, the tree's peak resident memory (the sum over its
-processes, sampled every 0.1 s) and the seconds from the start until ``/health`` answered.
+processes, sampled every 0.1 s) and the seconds from the start until ``/health`` first answered
+and until it answered 200.
 
 The JSON (``--json``, default results/bench_server_compare.json) holds every run and the median,
 minimum and maximum over the rounds; the table on stdout and the PNG (``--plot``) show them.
@@ -174,6 +177,9 @@ class RunningServer:
         self.process: subprocess.Popen | None = None
         self.monitor: ProcessTreeMonitor | None = None
         self.start_s: float | None = None
+        """Seconds from the start until ``/health`` answered 200 (ready)."""
+        self.first_answer_s: float | None = None
+        """Seconds until ``/health`` first answered anything (503 while loading, or 200)."""
 
     def __enter__(self) -> RunningServer:
         with open(self.log_path, "w") as log:
@@ -205,10 +211,13 @@ class RunningServer:
                     + self.log_tail()
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - started
+                status = httpx.get(f"{self.url}/health", timeout=5).status_code
             except httpx.HTTPError:
-                pass
+                status = None
+            if status is not None and self.first_answer_s is None:
+                self.first_answer_s = time.perf_counter() - started
+            if status == 200:
+                return time.perf_counter() - started
             time.sleep(0.05)
         raise SystemExit(
             f"bench_server --compare: {self.spec.name} did not answer /health within "
@@ -333,6 +342,7 @@ def compare(specs, loads, rounds: int, log_dir: Path, start_timeout_s: float) ->
                     round=round_,
                     command=shlex.join(spec.command(server.port)),
                     start_s=round(server.start_s, 3),
+                    first_answer_s=round(server.first_answer_s, 3),
                     peak_rss_bytes=server.monitor.peak_rss_bytes,
                     loads=rows,
                 )
@@ -347,7 +357,7 @@ LOAD_METRICS = (
     "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
     "server_cores", "other_cores", "steal_cores",
 )  # fmt: skip
-RUN_METRICS = ("start_s", "peak_rss_bytes")
+RUN_METRICS = ("start_s", "first_answer_s", "peak_rss_bytes")
 
 
 def spread(values: list) -> dict | None:

@@ -3,7 +3,10 @@
 ``/v1/chat/completions`` that answer ``max_tokens`` chunks of one token each.
 
     python tests/openai_stub_server.py --port N [--name NAME] [--no-usage] [--start-delay S]
-        [--cpu-ms-per-token MS] [--fail-at-start] [other arguments, ignored]
+        [--loading-for S] [--cpu-ms-per-token MS] [--fail-at-start] [other arguments, ignored]
+
+``--start-delay``: it listens only after S seconds; ``--loading-for``: then ``/health`` answers
+503 ``{"status": "loading"}`` for S more seconds before 200, as a server loading its model.
 
 With ``STUB_EVENTS=FILE`` in the environment it appends ``start NAME`` when it starts and
 ``stop NAME`` when SIGTERM stops it, so that a test can see which servers ran at the same time.
@@ -27,21 +30,23 @@ def record(event: str) -> None:
             events.write(event + "\n")
 
 
-def handler(name: str, usage: bool, cpu_s_per_token: float):
+def handler(name: str, usage: bool, cpu_s_per_token: float, ready_at: float = 0.0):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):  # quiet
             pass
 
-        def send_json(self, body: dict) -> None:
+        def send_json(self, body: dict, status: int = 200) -> None:
             data = json.dumps(body).encode()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
         def do_GET(self):
-            if self.path == "/health":
+            if self.path == "/health" and time.monotonic() < ready_at:
+                self.send_json({"status": "loading"}, 503)
+            elif self.path == "/health":
                 self.send_json({"status": "ok"})
             elif self.path == "/v1/models":
                 self.send_json({"data": [{"id": name}]})
@@ -83,6 +88,7 @@ def main() -> None:
     parser.add_argument("--name", default=os.path.basename(sys.argv[0]))
     parser.add_argument("--no-usage", action="store_true")
     parser.add_argument("--start-delay", type=float, default=0.0)
+    parser.add_argument("--loading-for", type=float, default=0.0)
     parser.add_argument("--cpu-ms-per-token", type=float, default=0.0)
     parser.add_argument("--fail-at-start", action="store_true")
     args, _ = parser.parse_known_args()
@@ -99,7 +105,12 @@ def main() -> None:
     time.sleep(args.start_delay)
     server = Server(
         ("127.0.0.1", args.port),
-        handler(args.name, not args.no_usage, args.cpu_ms_per_token / 1e3),
+        handler(
+            args.name,
+            not args.no_usage,
+            args.cpu_ms_per_token / 1e3,
+            time.monotonic() + args.loading_for,
+        ),
     )
     server.serve_forever()
 

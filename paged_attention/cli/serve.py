@@ -186,22 +186,29 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     loading = LoadingResponder(sock)
     loading.start()
+    own_tokenizer = _tokenizer_readable_here(args.model)
     try:
         # the model loads and the engine runs in a process of its own (ServeSpec builds it
         # there); forked from the command line's fresh process, spawned inside another program
         if getattr(args, "fresh_process", False):
-            loading, engine = _fork_after_imports(args, sock, loading)
+            loading, engine = _fork_after_imports(args, sock, loading, own_tokenizer)
         else:
-            engine = start_engine_process(args, "spawn", wait=False)
+            engine = start_engine_process(
+                args, "spawn", wait=False, send_tokenizer=not own_tokenizer
+            )
         import uvicorn
 
         from paged_attention.server import create_app
         from paged_attention.server.graceful import GracefulServer
 
+        # read here while the engine's process loads the model (on another core), rather than
+        # pickled by that process once it is built and rebuilt here, after it
+        tokenizer = _read_tokenizer(args.model, engine) if own_tokenizer else None
         engine.wait_until_ready()
     finally:
         loading.stop()
-    tokenizer = engine.tokenizer
+    if not own_tokenizer:
+        tokenizer = engine.tokenizer
     name = args.served_model_name or args.model
     try:
         app = create_app(
@@ -248,10 +255,51 @@ process before it forks the engine's, so that the two do not import them twice (
 2-core machine the second import cost more than running both in parallel gained)."""
 
 
-def _fork_after_imports(args: argparse.Namespace, sock: socket.socket, loading):
+def _tokenizer_readable_here(model: str) -> bool:
+    """Whether ``serve``'s own process can read ``model``'s tokenizer while the engine's
+    process loads the model: not when a GGUF file is still to be converted (the model load's
+    work), nor when ``model`` names no model (the engine's process says why)."""
+    from pathlib import Path
+
+    from paged_attention.modeling.models import (
+        ModelLoadError,
+        converted_gguf_directory,
+        model_source,
+    )
+
+    try:
+        source = model_source(model)
+    except ModelLoadError:
+        return False
+    if isinstance(source, Path) and source.is_file():
+        return (converted_gguf_directory(source) / "config.json").is_file()
+    return True
+
+
+def _read_tokenizer(model: str, engine):
+    """``model``'s tokenizer (:func:`~paged_attention.modeling.models.load_tokenizer`); on a
+    failure the engine's process is stopped at once (not left to finish loading a model nobody
+    will serve) and the failure is a ``UsageError``, as the engine's own would be."""
+    from paged_attention.modeling.models import ModelLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model)
+    except ModelLoadError as error:
+        engine.close(timeout=0)
+        raise UsageError(str(error)) from None
+    if tokenizer is None:
+        engine.close(timeout=0)
+        raise UsageError(f"--model {model}: it has no tokenizer, which the server needs")
+    return tokenizer
+
+
+def _fork_after_imports(
+    args: argparse.Namespace, sock: socket.socket, loading, own_tokenizer: bool = False
+):
     """Import :data:`ENGINE_MODULES` while ``loading`` answers, then fork the engine's process
     with no other thread running (``loading`` stops for the fork: connections wait in the
-    socket's backlog) and answer again. Returns ``(the new responder, the engine's
+    socket's backlog) and answer again; ``own_tokenizer``: this process reads the tokenizer
+    itself (the engine's process does not send it). Returns ``(the new responder, the engine's
     process)``."""
     import importlib
 
@@ -260,7 +308,7 @@ def _fork_after_imports(args: argparse.Namespace, sock: socket.socket, loading):
     for name in ENGINE_MODULES:
         importlib.import_module(name)
     loading.stop()
-    engine = start_engine_process(args, "fork", wait=False)
+    engine = start_engine_process(args, "fork", wait=False, send_tokenizer=not own_tokenizer)
     loading = LoadingResponder(sock)
     loading.start()
     return loading, engine
@@ -370,6 +418,8 @@ class ServeSpec:
     (a model that cannot be loaded, sizes the engine refuses) are ``UsageError``."""
 
     args: argparse.Namespace
+    send_tokenizer: bool = True
+    """False: ``build`` returns no tokenizer (the server's process reads its own)."""
 
     def build(self):
         import torch
@@ -391,19 +441,23 @@ class ServeSpec:
             raise UsageError(str(error)) from None
         if tokenizer is None:
             raise UsageError(f"--model {args.model}: it has no tokenizer, which the server needs")
-        return build_engine(model, tokenizer, args), tokenizer
+        engine = build_engine(model, tokenizer, args)
+        return engine, tokenizer if self.send_tokenizer else None
 
 
-def start_engine_process(args: argparse.Namespace, start_method: str = "spawn", wait=True):
+def start_engine_process(
+    args: argparse.Namespace, start_method: str = "spawn", wait=True, send_tokenizer=True
+):
     """``serve``'s engine in its own process, an ``EngineProcess`` (with ``wait=False`` not
     built yet: call its ``wait_until_ready()``). Raises ``UsageError`` for what the arguments
     got wrong (when it waits). ``fork`` skips the child's second import of torch and the engine
     (seconds of the start), and is safe only from a process that has run no torch or
-    tokenizer threads yet: the command line's own ``serve`` process."""
+    tokenizer threads yet: the command line's own ``serve`` process. ``send_tokenizer=False``:
+    its ``tokenizer`` is None (the caller reads its own)."""
     from paged_attention.server.engine_process import EngineProcess
 
     # the parsed values only: the namespace also holds the command's parser and function
     plain = (str, int, float, bool, type(None))
     values = {name: value for name, value in vars(args).items() if isinstance(value, plain)}
-    spec = ServeSpec(argparse.Namespace(**values))
+    spec = ServeSpec(argparse.Namespace(**values), send_tokenizer)
     return EngineProcess(spec, start_method=start_method, wait=wait)

@@ -23,10 +23,11 @@ directory (:func:`~paged_attention.modeling.models.cache_root`: ``$PAGED_ATTENTI
 ``$XDG_CACHE_HOME/paged_attention``, else ``~/.cache/paged_attention``), in ``compiled/``. The
 configuration (:class:`CompileKey`) is what changes the compiled steps or whether they exist:
 the model (its file's path, size and modification time), its dtype, what its linear layers hold
-(``--weights`` and the kernel its quantized layers run, as resolved when they were built), the
-padded batch sizes, the torch version and the CPU's vector instruction set. A file is written
-whole under a temporary name and renamed into place, so an interrupted start leaves no entry
-behind; an entry that is there is "warm".
+(``--weights``, the kernel its quantized layers run, as resolved when they were built, and which
+float layers were packed for oneDNN: :mod:`~paged_attention.modeling.packed_linear`, which
+``PAGED_ATTENTION_PACK_LINEAR=0`` turns off), the padded batch sizes, the torch version and the
+CPU's vector instruction set. A file is written whole under a temporary name and renamed into
+place, so an interrupted start leaves no entry behind; an entry that is there is "warm".
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class CompileKey:
     cpu_capability: str
     quantized_kernel: str
     """The kernels its quantized linear layers run (:func:`quantized_kernels`)."""
+    packed_linear: str = "none"
+    """Its packed float linear layers (:func:`packed_layers`): a packed layer is a custom op in
+    the compiled graph, an unpacked one a matrix product, so the two compile differently."""
     format: int = CACHE_FORMAT
 
     @classmethod
@@ -74,10 +78,16 @@ class CompileKey:
             torch_version=torch.__version__,
             cpu_capability=torch.backends.cpu.get_cpu_capability(),
             quantized_kernel=quantized_kernels(model),
+            packed_linear=packed_layers(model),
         )
 
     def digest(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        # A model with nothing packed compiles the same steps as before the field existed:
+        # its entries (minutes of compiling each) keep their digest.
+        if fields["packed_linear"] == "none":
+            del fields["packed_linear"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -89,6 +99,21 @@ def quantized_kernels(model: torch.nn.Module) -> str:
 
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     return ",".join(sorted(kernels)) or "none"
+
+
+def packed_layers(model: torch.nn.Module) -> str:
+    """``model``'s packed linear layers (:class:`~paged_attention.modeling.packed_linear.
+    PackedLinear`) as ``dtype:count`` per dtype, comma-separated; ``none`` when it has none
+    (``PAGED_ATTENTION_PACK_LINEAR=0``, or nothing to pack). What was packed, not the variable:
+    a layer the machine could not pack is a plain one."""
+    from paged_attention.modeling.packed_linear import PackedLinear
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            name = str(module.dtype).removeprefix("torch.")
+            counts[name] = counts.get(name, 0) + 1
+    return ",".join(f"{name}:{counts[name]}" for name in sorted(counts)) or "none"
 
 
 def model_identity(name: str) -> str:

@@ -239,10 +239,8 @@ def converted_gguf(gguf: Path) -> Path:
     and it is written to a temporary directory that is renamed into place when complete, so an
     interrupted conversion leaves no entry behind (and two concurrent ones leave one)."""
     gguf = gguf.resolve()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    root = cache_root()
-    target = root / f"{gguf.stem}-{key[:16]}"
+    target = converted_gguf_directory(gguf)
+    root = target.parent
     if (target / "config.json").is_file():
         return target
     try:
@@ -266,6 +264,15 @@ def converted_gguf(gguf: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def converted_gguf_directory(gguf: Path) -> Path:
+    """Where :func:`converted_gguf` keeps ``gguf`` converted (there or not yet): keyed by the
+    file's resolved path, size and modification time."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / f"{gguf.stem}-{key[:16]}"
 
 
 def _convert_gguf(gguf: Path, directory: Path) -> None:
@@ -309,7 +316,11 @@ def _hub_snapshot(name: str) -> Path:
 
 
 def _load_directory(directory: Path, name: str, dtype: torch.dtype | None, device: torch.device):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    return _directory_model(directory, name, dtype, device), _directory_tokenizer(directory, name)
+
+
+def _directory_model(directory: Path, name: str, dtype: torch.dtype | None, device: torch.device):
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     try:
@@ -323,15 +334,36 @@ def _load_directory(directory: Path, name: str, dtype: torch.dtype | None, devic
             )
     except Exception as error:  # a broken checkpoint fails in many library-specific ways
         raise ModelLoadError(f"{name}: cannot load the model: {_first_line(error)}") from error
-    tokenizer = None
-    if _has_tokenizer(directory):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(directory)
-        except Exception as error:
-            raise ModelLoadError(
-                f"{name}: cannot load the tokenizer: {_first_line(error)}"
-            ) from error
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval()
+
+
+def _directory_tokenizer(directory: Path, name: str):
+    """The tokenizer saved in ``directory``, None when it holds none."""
+    from transformers import AutoTokenizer
+
+    if not _has_tokenizer(directory):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as error:
+        raise ModelLoadError(f"{name}: cannot load the tokenizer: {_first_line(error)}") from error
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """The tokenizer :func:`load_model` gives ``name``, read without the model (the server's
+    own process reads it while the engine's loads the model); None where ``name`` has none or
+    a GGUF file is not converted yet (:func:`converted_gguf` has not run: it is the model
+    load's work). Raises :class:`ModelLoadError`."""
+    source = model_source(name)
+    if source == TINY_MODEL:
+        from paged_attention.modeling.tiny import byte_tokenizer
+
+        return byte_tokenizer()
+    if source.is_file():
+        source = converted_gguf_directory(source)
+        if not (source / "config.json").is_file():
+            return None
+    return _directory_tokenizer(source, name)
 
 
 @contextlib.contextmanager
