@@ -886,9 +886,13 @@ def spec_decode_section(data: dict) -> str:
     rounds = max(len(rows) for rows in groups.values())
     header = ["shape", "config", "tokens/s", "steps", "drafts accepted", "same tokens as plain",
               "load average, each round"]  # fmt: skip
+    drafter = ""
+    if data.get("draft_weights"):
+        drafter = f" and with a draft model (the same model, weights {data['draft_weights']})"
     text = (
-        f"Speculative decoding with n-gram (prompt lookup) drafts against plain decoding, "
-        f"{data.get('model', 'smollm2')} in bfloat16, greedy: {first['requests']} chat requests "
+        f"Speculative decoding with n-gram (prompt lookup) drafts{drafter} against plain "
+        f"decoding, {data.get('model', 'smollm2')} in bfloat16, greedy: {first['requests']} "
+        "chat requests "
         f"asking to repeat a Python function with a variable renamed ({first['prompt_tokens']} "
         f"prompt tokens in all), {first['generated'] // first['requests']} new tokens each, the "
         "end of sequence ignored. Each configuration on a fresh engine over the same model, "
@@ -1053,7 +1057,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "block_manager": ("Block manager: cost per step", block_manager_section, None),
     "mla": ("Multi-head latent attention: latent and expanded caches", mla_section, None),
     "engine_step": ("Engine: cost per step, tree against tree", engine_step_section, None),
-    "spec_decode": ("Speculative decoding: n-gram drafts", spec_decode_section, None),
+    "spec_decode": ("Speculative decoding: n-gram and model drafts", spec_decode_section, None),
     "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
     "quantized": ("Quantized weights end to end", quantized_section, None),
     "start": ("Start: `serve` until it answers", start_section, None),
