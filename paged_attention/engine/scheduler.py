@@ -211,9 +211,7 @@ class Scheduler:
         <paged_attention.engine.step_update.StepUpdate.apply>`). Returns the requests updated;
         one with no ``seqs`` left has finished and holds no blocks."""
         self.commit(out)
-        updated = self._update.apply(sampled, finish_reason, end_token_ids)
-        self.drafts.let_go_of_freed()
-        return updated
+        return self._update.apply(sampled, finish_reason, end_token_ids)
 
     # ------------------------------------------------------------------ the phases
 
