@@ -57,6 +57,16 @@ YARN = dict(
 )
 
 
+def logits_in_pieces(model, ids: torch.Tensor, cache, pieces) -> torch.Tensor:
+    """The logits of ``ids`` fed through ``cache`` piece by piece (``(start, end)`` columns),
+    concatenated: a prompt, then chunks over the cached context, then single tokens."""
+    name = cache_argument_name(model)
+    logits = [
+        model(input_ids=ids[:, a:b], use_cache=True, **{name: cache}).logits for a, b in pieces
+    ]
+    return torch.cat(logits, dim=1)
+
+
 @pytest.mark.parametrize(
     "model_type, settings", [*((family, {}) for family in FAMILIES), ("deepseek_v3", YARN)]
 )
@@ -72,15 +82,8 @@ def test_logits_match_transformers_over_prefill_chunk_and_decode(model_type, set
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
         assert_latent_shapes(cache.kv_cache, 16)
-        name = cache_argument_name(model)
         pieces = [(0, 6), (6, 9), *((i, i + 1) for i in range(9, 13))]
-        got = torch.cat(
-            [
-                model(input_ids=ids[:, a:b], use_cache=True, **{name: cache}).logits
-                for a, b in pieces
-            ],
-            dim=1,
-        )
+        got = logits_in_pieces(model, ids, cache, pieces)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     # The scale matters: attention is far from uniform at these weights.
     assert (expected.softmax(-1) - got.softmax(-1)).abs().max() < 1e-5
@@ -99,15 +102,8 @@ def test_bfloat16_logits_err_as_little_as_transformers_own_bfloat16():
         own = (model(input_ids=ids).logits.float() - truth).abs()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
-        name = cache_argument_name(model)
         pieces = [(0, 6), (6, 9), *((i, i + 1) for i in range(9, 13))]
-        got = torch.cat(
-            [
-                model(input_ids=ids[:, a:b], use_cache=True, **{name: cache}).logits
-                for a, b in pieces
-            ],
-            dim=1,
-        )
+        got = logits_in_pieces(model, ids, cache, pieces)
     assert got.dtype == torch.bfloat16 and cache.kv_cache.key_caches[0].dtype == torch.bfloat16
     error = (got.float() - truth).abs()
     assert 0 < own.max() and error.max() < 2 * own.max() and error.mean() < 2 * own.mean()

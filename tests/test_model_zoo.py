@@ -73,6 +73,14 @@ LATENT = dict(
     n_routed_experts=4,
 )
 # Per model type: what its tiny config sets besides COMMON (the keys its class knows).
+DEEPSEEK_V3 = dict(
+    LATENT,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    moe_intermediate_size=64,
+)
 ZOO = {
     "llama": {},
     "mistral": dict(sliding_window=WINDOW),
@@ -162,14 +170,7 @@ ZOO = {
         no_rope_layers=[1, 0],
         intermediate_size_mlp=128,
     ),
-    "deepseek_v3": dict(
-        LATENT,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_intermediate_size=64,
-    ),
+    "deepseek_v3": DEEPSEEK_V3,
     # DeepSeek-V2-Lite's form: no query compression; keys of 64 + 64, values of 64
     "deepseek_v2": dict(
         LATENT,
@@ -181,15 +182,7 @@ ZOO = {
         moe_intermediate_size=64,
     ),
     # DeepSeek sparse attention: each query reads the 8 cached tokens its indexer scores highest
-    "deepseek_v32": dict(
-        LATENT,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_intermediate_size=64,
-        index_topk=8,
-    ),
+    "deepseek_v32": dict(DEEPSEEK_V3, index_topk=8),
     # one decoder layer of two latent attention sublayers (layer indices 0 and 1), zero experts
     "longcat_flash": dict(
         LATENT,

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_mla import logits_in_pieces  # noqa: E402
 from test_model_zoo import BLOCK, VOCAB, ZOO, Zoo, build, left_padded  # noqa: E402
 
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
@@ -75,15 +76,8 @@ def test_logits_match_transformers_over_prefill_chunk_and_decode(sparse):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         try:
             cache = PagedCache(model, block_size=BLOCK, num_blocks=16)
-            name = cache_argument_name(model)
             pieces = [(0, 9), (9, 12), *((i, i + 1) for i in range(12, 20))]
-            got = torch.cat(
-                [
-                    model(input_ids=ids[:, a:b], use_cache=True, **{name: cache}).logits
-                    for a, b in pieces
-                ],
-                dim=1,
-            )
+            got = logits_in_pieces(model, ids, cache, pieces)
         finally:
             model.set_attn_implementation(sparse.default)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
