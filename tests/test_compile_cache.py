@@ -1,7 +1,8 @@
 """The compile cache of decode steps (paged_attention/engine/compile_cache.py): the tiny model
-compiled in one process is loaded by the next, which gives the eager engine's tokens without
-compiling anything again (nor tracing it through AOTAutograd again); another key is cold; the
-commands' choice between compiled and eager steps."""
+compiled ahead of time in one process is loaded by the next, which gives the eager engine's
+tokens without tracing or compiling anything, reads the weights of its own model, and compiles
+again a step saved for other tensors; another key is cold; the commands' choice between
+compiled and eager steps."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ from paged_attention.modeling.quantized import QuantizedLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One process of a command: the tiny model's decode steps (batch size 1) through the cache
+# One process of a command: the tiny model's decode steps (batch sizes 1 and 2) through the cache
 # under $PAGED_ATTENTION_CACHE, then the tokens of the compiled engine and of an eager one, and
-# the counters of inductor's FX graph cache and of AOTAutograd's cache.
+# the counters of AOTAutograd (any trace counts). $BLOCKS: the cache's blocks (a step's
+# tensors); $NEGATE: negate a layer's weights first (a model the saved step did not see).
 PROCESS = """
 import json
+import os
 import torch
 from torch._dynamo.utils import counters
 from paged_attention.engine import Engine, SamplingParams
@@ -43,24 +46,28 @@ from paged_attention.modeling.models import load_model
 
 torch.set_num_threads(1)
 model, _ = load_model("tiny", dtype="float32")
-cache = CompileCache(CompileKey.of("tiny", model, None, [1]))
+if os.environ.get("NEGATE"):
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.neg_()
+blocks = int(os.environ.get("BLOCKS", "16"))
+cache = CompileCache(CompileKey.of("tiny", model, None, [1, 2]))
 warm = cache.is_warm()
-prompt, params = [[5, 6, 7, 8]], SamplingParams(max_new_tokens=8)
-eager = Engine(model, num_blocks=16, max_num_seqs=1, eos_token_id=[]).generate(prompt, params)
-engine = Engine(model, num_blocks=16, max_num_seqs=1, eos_token_id=[], compile=True)
+# two sequences, then one: steps of both sizes
+prompt, params = [[5, 6, 7, 8], [9, 4]], [SamplingParams(max_new_tokens=n) for n in (8, 4)]
+eager = Engine(model, num_blocks=blocks, max_num_seqs=2, eos_token_id=[]).generate(prompt, params)
+engine = Engine(model, num_blocks=blocks, max_num_seqs=2, eos_token_id=[], compile=True)
 said = []
 compile_decode_steps(engine, cache, said.append)
 compiled = engine.generate(prompt, params)
 others = [
-    CompileCache(CompileKey.of("tiny", load_model("tiny", dtype="bfloat16")[0], None, [1])),
+    CompileCache(CompileKey.of("tiny", load_model("tiny", dtype="bfloat16")[0], None, [1, 2])),
     CompileCache(CompileKey.of("tiny", model, None, [1, 8])),
 ]
 print(json.dumps({
     "warm": warm,
     "said": said,
-    "eager": eager[0].outputs,
-    "compiled": compiled[0].outputs,
-    "inductor": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+    "eager": [out.outputs for out in eager],
+    "compiled": [out.outputs for out in compiled],
     "aot_autograd": dict(counters["aot_autograd"]),
     "others_warm": [other.is_warm() for other in others],
     "directories": [str(c.directory) for c in [cache, *others]],
@@ -68,8 +75,8 @@ print(json.dumps({
 """
 
 
-def run_process(cache: Path) -> dict:
-    env = dict(os.environ, PAGED_ATTENTION_CACHE=str(cache), PYTHONPATH=str(ROOT))
+def run_process(cache: Path, **variables: str) -> dict:
+    env = dict(os.environ, PAGED_ATTENTION_CACHE=str(cache), PYTHONPATH=str(ROOT), **variables)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the project's cache holds inductor's too
     result = subprocess.run(
         [sys.executable, "-c", PROCESS], capture_output=True, text=True, env=env, timeout=900
@@ -81,26 +88,60 @@ def run_process(cache: Path) -> dict:
 def test_a_second_process_loads_the_compiled_steps_and_another_key_misses(tmp_path):
     first = run_process(tmp_path)
     assert not first["warm"] and first["said"][0].startswith("compiling decode steps")
-    assert first["inductor"].get("fxgraph_cache_miss", 0) >= 1
+    assert first["said"][1].startswith("compiled batch size 1 in ")
+    assert first["said"][2].startswith("compiled batch size 2 in ")
+    assert first["aot_autograd"].get("autograd_cache_miss", 0) >= 1
     assert first["compiled"] == first["eager"]
-    entries = list((tmp_path / "compiled").glob("*/artifacts.bin"))
-    assert len(entries) == 1 and (tmp_path / "inductor").is_dir()
+    entries = sorted(p.name for p in (tmp_path / "compiled").glob("*/step-*.aot"))
+    assert entries == ["step-1.aot", "step-2.aot"] and (tmp_path / "inductor").is_dir()
 
     second = run_process(tmp_path)
     assert second["warm"] and second["said"][0].startswith("loading compiled decode steps")
-    # every graph came from the cache: a process that ignored it would miss (and compile)
-    assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
-    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
-    assert second["inductor"].get("fxgraph_cache_bypass", 0) == 0
-    # nor was the graph traced through AOTAutograd again (frozen weights would bypass its cache)
-    assert first["aot_autograd"].get("autograd_cache_saved", 0) >= 1
-    assert second["aot_autograd"].get("autograd_cache_hit", 0) >= 1
-    assert second["aot_autograd"].get("autograd_cache_miss", 0) == 0
-    assert second["aot_autograd"].get("autograd_cache_bypass", 0) == 0
+    assert len(second["said"]) == 2 and second["said"][1].startswith("decode steps ready")
+    # nothing was traced: a process that compiled would count AOTAutograd's cache lookups
+    assert second["aot_autograd"] == {}
     assert second["compiled"] == second["eager"] == first["eager"]
     # another dtype, other batch sizes: other entries, cold
     assert second["others_warm"] == [False, False]
     assert len(set(second["directories"])) == 3
+
+    # the loaded step multiplies the weights of the model it serves, not those it was saved with
+    negated = run_process(tmp_path, NEGATE="1")
+    assert negated["warm"] and negated["aot_autograd"] == {}
+    assert negated["compiled"] == negated["eager"] != first["eager"]
+
+    # a step saved for other tensors (a cache of another size) is refused, compiled again and
+    # saved over the old one
+    resized = run_process(tmp_path, BLOCKS="24")
+    assert resized["warm"] and "compiling batch size 1 again" in resized["said"][1]
+    assert "other tensors" in resized["said"][1]
+    assert "compiling batch size 2 again" in resized["said"][2]
+    assert resized["compiled"] == resized["eager"] == first["eager"]
+    assert resized["said"][3].startswith("compiled batch size 1 in ")
+    assert run_process(tmp_path, BLOCKS="24")["aot_autograd"] == {}
+
+
+def test_a_step_that_does_not_load_is_compiled_again_and_an_entry_is_warm_when_whole(tmp_path):
+    from paged_attention.modeling.models import load_model
+
+    model, _ = load_model("tiny", dtype="float32")
+    cache = CompileCache(CompileKey.of("tiny", model, None, [1, 8]), tmp_path)
+
+    class Executor:
+        sizes = [1, 8]
+
+        def adopt(self, size, step):
+            raise AssertionError("a step that did not load cannot be adopted")
+
+    said = []
+    assert not cache.is_warm() and cache.load_into(Executor(), said.append) == [] and not said
+    cache.directory.mkdir(parents=True)
+    cache.step_file(8).write_bytes(b"not a saved step")
+    assert not cache.is_warm()  # size 1 is missing
+    assert cache.load_into(Executor(), said.append) == []
+    assert len(said) == 1 and said[0].startswith("compiling batch size 8 again")
+    cache.step_file(1).write_bytes(b"")
+    assert cache.is_warm()
 
 
 def test_the_key_names_what_the_steps_depend_on(tmp_path):
@@ -171,26 +212,22 @@ def test_toggling_packing_between_loads_selects_another_entry(monkeypatch, tmp_p
     assert (digests["1"].key.packed_linear != "none") == packable
 
 
-def test_a_key_with_nothing_packed_keeps_the_digest_it_had_without_the_field():
-    import hashlib
-    from dataclasses import asdict
+def test_the_key_names_the_code_a_step_was_traced_from(tmp_path):
+    import transformers
 
-    from paged_attention.modeling.models import load_model
+    from paged_attention.engine.compile_cache import code_identity, sources_digest
 
-    key = CompileKey.of("tiny", load_model("tiny", dtype="float32")[0], "auto", [1])
-    fields = {k: v for k, v in asdict(key).items() if k != "packed_linear"}
-    text = json.dumps(fields, sort_keys=True)
-    assert key.digest() == hashlib.sha256(text.encode()).hexdigest()
-
-
-def test_an_empty_cache_is_cold_and_saving_nothing_writes_nothing(tmp_path):
-    from paged_attention.modeling.models import load_model
-
-    model, _ = load_model("tiny", dtype="float32")
-    cache = CompileCache(CompileKey.of("tiny", model, None, [1]), tmp_path)
-    assert not cache.is_warm() and not cache.load()
-    torch.compiler.save_cache_artifacts()  # forget what this process compiled so far
-    assert not cache.save() and not cache.is_warm()
+    assert transformers.__version__ in code_identity()
+    assert sources_digest(ROOT / "paged_attention") in code_identity()
+    (tmp_path / "modeling").mkdir()
+    (tmp_path / "server").mkdir()
+    (tmp_path / "modeling" / "layer.py").write_text("x = 1\n")
+    (tmp_path / "server" / "app.py").write_text("y = 1\n")
+    before = sources_digest(tmp_path)
+    (tmp_path / "server" / "app.py").write_text("y = 2\n")  # the server is not traced
+    assert sources_digest(tmp_path) == before
+    (tmp_path / "modeling" / "layer.py").write_text("x = 2\n")
+    assert sources_digest(tmp_path) != before
 
 
 @pytest.mark.parametrize(

@@ -2,50 +2,59 @@
 loads what the first one compiled instead of compiling it again.
 
 Compiling the decode step of one padded batch size
-(:class:`~paged_attention.engine.model_runner.CompiledDecode`) goes through three stages, each
-with a cache of its own: dynamo traces the Python into a graph, AOTAutograd traces that graph
-into ATen operations (its cache keeps the result), inductor generates C++ from it and the C++
-compiler builds it (inductor's FX graph cache keeps the generated code, its code cache the built
-library). For a 30-layer model on two cores the last stage takes minutes, the first two tens of
-seconds. ``torch.compiler.save_cache_artifacts()`` returns the AOTAutograd and FX graph cache
-entries of one process as bytes and ``load_cache_artifacts`` puts them back into another's
-caches, so the other process's compile finds them: only dynamo traces again (11-18 s of a
-17-27 s warm start for SmolLM2's batch size 1 on two cores; docs/performance.md).
+(:class:`~paged_attention.engine.model_runner.CompiledDecode`) goes through three stages:
+dynamo traces the Python into a graph (and rewrites the function's bytecode around it),
+AOTAutograd traces that graph into ATen operations, inductor generates C++ from it and the C++
+compiler builds it. For a 30-layer model on two cores the last stage takes minutes, the first
+two tens of seconds. Each size is compiled ahead of time (``torch.compile(...).aot_compile``,
+the mechanism vLLM's compile cache uses), which gives an ``AOTCompiledFunction``: dynamo's
+rewritten bytecode, the guards on its tensors and inductor's compiled graph, saved whole to one
+file per size. Another process loads that file and runs it: nothing is traced or generated
+again, and the built C++ comes from inductor's own on-disk cache (:func:`inductor_cache_dir`),
+else it is built again from the saved code.
 
 The steps compiled here have no frozen weights
-(:meth:`~paged_attention.engine.model_runner.CompiledDecode.make_cacheable`): AOTAutograd
-keeps no graph whose weights are constants, so with frozen weights a later process traced
-the model through AOTAutograd again and ran freezing's passes over it again (about half of
-a warm start's time).
+(:meth:`~paged_attention.engine.model_runner.CompiledDecode.make_cacheable`): the weights are
+inputs, read from the loading process's modules. A loaded step keeps only its guards on
+tensors (every input's shape, dtype and strides), checked once when it is adopted: a step saved
+for another cache size or buffer width is refused and compiled again. What no guard sees is in
+the key: the code the step was traced from (:func:`code_identity`).
 
-:class:`CompileCache` keeps those bytes in one file per configuration under the project's cache
-directory (:func:`~paged_attention.modeling.models.cache_root`: ``$PAGED_ATTENTION_CACHE``, else
-``$XDG_CACHE_HOME/paged_attention``, else ``~/.cache/paged_attention``), in ``compiled/``. The
-configuration (:class:`CompileKey`) is what changes the compiled steps or whether they exist:
-the model (its file's path, size and modification time), its dtype, what its linear layers hold
-(``--weights``, the kernel its quantized layers run, as resolved when they were built, and which
-float layers were packed for oneDNN: :mod:`~paged_attention.modeling.packed_linear`, which
-``PAGED_ATTENTION_PACK_LINEAR=0`` turns off), the padded batch sizes, the torch version and the
-CPU's vector instruction set. A file is written whole under a temporary name and renamed into
-place, so an interrupted start leaves no entry behind; an entry that is there is "warm".
+:class:`CompileCache` keeps the files under the project's cache directory
+(:func:`~paged_attention.modeling.models.cache_root`: ``$PAGED_ATTENTION_CACHE``, else
+``$XDG_CACHE_HOME/paged_attention``, else ``~/.cache/paged_attention``), in ``compiled/``, one
+directory per configuration (:class:`CompileKey`): the model (its file's path, size and
+modification time), its dtype, what its linear layers hold (``--weights``, the kernel its
+quantized layers run, as resolved when they were built, and which float layers were packed for
+oneDNN: :mod:`~paged_attention.modeling.packed_linear`, which ``PAGED_ATTENTION_PACK_LINEAR=0``
+turns off), the padded batch sizes, the torch version, the CPU's vector instruction set and the
+code. A file is written whole under a temporary name and renamed into place, each size as soon
+as it is compiled, so an interrupted start keeps the sizes it finished; a configuration whose
+every size is there is "warm".
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib
 import json
 import os
+import pickle
+import sys
 import tempfile
+import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 """Bumped when what an entry holds, or how the steps are compiled, changes."""
-ARTIFACTS = "artifacts.bin"
 KEY_FILE = "key.json"
+STEP_FILE = "step-{size}.aot"
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class CompileKey:
     packed_linear: str = "none"
     """Its packed float linear layers (:func:`packed_layers`): a packed layer is a custom op in
     the compiled graph, an unpacked one a matrix product, so the two compile differently."""
+    code: str = ""
+    """The code a step was traced from: :func:`code_identity`."""
     format: int = CACHE_FORMAT
 
     @classmethod
@@ -79,15 +90,11 @@ class CompileKey:
             cpu_capability=torch.backends.cpu.get_cpu_capability(),
             quantized_kernel=quantized_kernels(model),
             packed_linear=packed_layers(model),
+            code=code_identity(),
         )
 
     def digest(self) -> str:
-        fields = asdict(self)
-        # A model with nothing packed compiles the same steps as before the field existed:
-        # its entries (minutes of compiling each) keep their digest.
-        if fields["packed_linear"] == "none":
-            del fields["packed_linear"]
-        text = json.dumps(fields, sort_keys=True)
+        text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -135,9 +142,31 @@ def model_identity(name: str) -> str:
     return "\0".join(parts)
 
 
+@functools.cache
+def code_identity() -> str:
+    """transformers' version and the digest of this package's sources a decode step runs
+    (:func:`sources_digest`): a saved step is bytecode rewritten from them, run without being
+    traced again, so a change to any of them selects another entry."""
+    import transformers
+
+    package = Path(__file__).resolve().parents[1]
+    return f"transformers {transformers.__version__}, sources {sources_digest(package)}"
+
+
+def sources_digest(package: Path) -> str:
+    """A digest of the Python files under ``package`` but those of its ``server`` and ``cli``
+    (which no decode step runs)."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if relative.parts[0] not in ("server", "cli"):
+            digest.update(str(relative).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 class CompileCache:
     """The compiled decode steps of one :class:`CompileKey`, on disk under ``root`` (default:
-    ``compiled/`` in the project's cache directory)."""
+    ``compiled/`` in the project's cache directory): one file per padded batch size."""
 
     def __init__(self, key: CompileKey, root: Path | None = None) -> None:
         if root is None:
@@ -147,47 +176,76 @@ class CompileCache:
         self.key = key
         self.directory = Path(root) / key.digest()[:24]
 
-    @property
-    def artifacts(self) -> Path:
-        return self.directory / ARTIFACTS
+    def step_file(self, size: int) -> Path:
+        return self.directory / STEP_FILE.format(size=size)
 
     def is_warm(self) -> bool:
-        """Whether an earlier process saved this key's compiled steps."""
-        return self.artifacts.is_file()
+        """Whether earlier processes saved the step of every size of this key."""
+        return all(self.step_file(size).is_file() for size in self.key.sizes)
 
-    def load(self) -> bool:
-        """Puts the saved steps into inductor's caches, so that compiling this key's steps finds
-        them; False when there is no entry (or it cannot be read: then the steps compile)."""
-        try:
-            data = self.artifacts.read_bytes()
-        except OSError:
-            return False
-        return torch.compiler.load_cache_artifacts(data) is not None
+    def load_into(self, executor, say) -> list[int]:
+        """Adopts into ``executor`` (a :class:`~paged_attention.engine.model_runner.
+        CompiledDecode` of this key) every saved step it accepts; returns their sizes. A step
+        that cannot be read or loaded (written by another torch, say) or that ``executor``
+        refuses is skipped with a line to ``say``: it is compiled again."""
+        adopted = []
+        for size in executor.sizes:
+            path = self.step_file(size)
+            if not path.is_file():
+                continue
+            try:
+                executor.adopt(size, _load_step(path))
+            except Exception as error:  # noqa: BLE001 -- a stale entry must not stop a start
+                say(f"compiling batch size {size} again: its saved step did not load ({error})")
+                continue
+            adopted.append(size)
+        return adopted
 
-    def save(self) -> bool:
-        """Saves what this process compiled (call it once every size is compiled); False when
-        inductor recorded nothing to save. Raises OSError when the directory is not writable."""
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            return False
-        data = saved[0]
+    def save(self, size: int, step) -> None:
+        """Saves ``step``, the ``AOTCompiledFunction`` of ``size``. Raises OSError when the
+        directory is not writable."""
+        saved = type(step).serialize(step).serialized_data
+        data = pickle.dumps({"step": saved, "modules": _installed_modules(step)})
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / KEY_FILE).write_text(json.dumps(asdict(self.key), indent=1) + "\n")
-        handle, staging = tempfile.mkstemp(prefix=f".{ARTIFACTS}.", dir=self.directory)
+        target = self.step_file(size)
+        handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", dir=self.directory)
         try:
             with os.fdopen(handle, "wb") as file:
                 file.write(data)
-            os.replace(staging, self.artifacts)
+            os.replace(staging, target)
         except BaseException:
             Path(staging).unlink(missing_ok=True)
             raise
-        return True
+
+
+def _installed_modules(step) -> dict[str, str]:
+    """The modules dynamo put into the globals of ``step``'s function under names of its own
+    (``___module_<name>_<id>``), by those names: a loading process imports them again."""
+    names = step.fn.__globals__
+    return {
+        name: value.__name__
+        for name, value in names.items()
+        if name.startswith("___module_") and isinstance(value, types.ModuleType)
+    }
+
+
+def _load_step(path: Path):
+    """The ``AOTCompiledFunction`` saved in ``path``, its function's globals those of the
+    module that defines the compiled steps, with the modules it names."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    entry = pickle.loads(path.read_bytes())
+    names = dict(vars(sys.modules["paged_attention.engine.model_runner"]))
+    for name, module in entry["modules"].items():
+        names[name] = importlib.import_module(module)
+    return AOTCompiledFunction.deserialize(entry["step"], names)
 
 
 @contextlib.contextmanager
 def inductor_cache_dir(root: Path | None = None):
-    """Within it, inductor's own on-disk cache (where the C++ it built lives: the saved
-    artifacts hold the generated code, not the built libraries) is ``root`` (default:
+    """Within it, inductor's own on-disk cache (where the C++ it built lives: a saved step
+    holds the generated code, not the built library) is ``root`` (default:
     ``inductor/`` in the project's cache directory), so that it outlives ``/tmp``; unless
     ``TORCHINDUCTOR_CACHE_DIR`` names a directory of the user's. Yields the directory in
     use."""
@@ -215,39 +273,35 @@ def should_compile(requested: bool | None, device: str, cache: CompileCache) -> 
 
 
 def compile_decode_steps(engine, cache: CompileCache, say) -> dict[int, float]:
-    """Compiles every padded batch size of ``engine`` (built with ``compile=True``) now,
-    through ``cache``: loaded from it when warm, saved into it when not (or when what it held
-    no longer matched: the model's code changed). ``say(line)`` tells the user what happens
-    (one line before, one after). Returns the seconds each size took."""
-    from torch._dynamo.utils import counters
-
+    """Readies every padded batch size of ``engine`` (built with ``compile=True``) now,
+    through ``cache``: each size's saved step is loaded, each one missing (or refused) is
+    compiled and saved at once. ``say(line)`` tells the user what happens (a line before, one
+    per size compiled, one after). Returns the seconds each size took to run first (compiling
+    it, or loading its kernels)."""
     executor = engine.runner.graphs
     executor.make_cacheable()
     sizes = ", ".join(map(str, executor.sizes))
+    started = time.perf_counter()
     with inductor_cache_dir():
-        if cache.load():
+        if cache.is_warm():
             say(f"loading compiled decode steps for batch sizes {sizes} from {cache.directory}")
         else:
             say(
                 f"compiling decode steps for batch sizes {sizes} (minutes each on a "
                 f"small CPU; once: they are cached in {cache.directory} for later starts)"
             )
-        misses = _cache_misses(counters)
-        seconds = engine.compile_decode_steps()
-        if _cache_misses(counters) > misses or not cache.is_warm():
+        adopted = cache.load_into(executor, say)
+        missing = [size for size in executor.sizes if size not in adopted]
+        for number, size in enumerate(missing, 1):
+            seconds = executor.ready(size)
+            say(f"compiled batch size {size} in {seconds:.1f} s ({number} of {len(missing)})")
             try:
-                cache.save()
+                cache.save(size, executor.ahead_steps[size])
             except OSError as error:
-                say(f"could not cache the compiled decode steps: {error}")
-    say(f"decode steps compiled for batch sizes {sizes} in {sum(seconds.values()):.1f} s")
+                say(f"could not cache the compiled decode step of batch size {size}: {error}")
+        seconds = executor.compile_all()
+    say(f"decode steps ready for batch sizes {sizes} in {time.perf_counter() - started:.1f} s")
     return seconds
-
-
-def _cache_misses(counters) -> int:
-    """How often AOTAutograd's cache and inductor's FX graph cache have missed so far."""
-    return (
-        counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
-    )
 
 
 def eager_hint(cache: CompileCache) -> str:

@@ -16,10 +16,12 @@ static batch buffers (:class:`~paged_attention.kv.step_inputs.StaticStepBuffers`
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import types
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch._inductor.config
@@ -36,6 +38,9 @@ from paged_attention.modeling.transformers_backend import (
     PagedCacheBase,
     cache_argument_name,
 )
+
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
 
 class StepCache(PagedCacheBase):
@@ -284,14 +289,15 @@ class CompiledDecode(_StaticDecode):
     so the sizes are few: a step pads to the next one.
     The weights are captured when a size is compiled: an engine serves the weights it first
     saw. :meth:`make_cacheable` trades freezing (the packed float weights, the concatenated
-    projections) for steps that AOTAutograd's and inductor's caches keep across processes
-    (:mod:`paged_attention.engine.compile_cache`): their weights are inputs. A quantized
-    model's linear layers are custom ops that freezing neither packs nor concatenates, so for
-    it the steps run the same kernels either way.
+    projections) for steps compiled ahead of time that another process loads
+    (:mod:`paged_attention.engine.compile_cache`): their weights are inputs, read from the
+    engine's modules at every step. A quantized model's linear layers are custom ops that
+    freezing neither packs nor concatenates, so for it the steps run the same kernels either
+    way.
 
     Every size is a function with a code object of its own (dynamo keeps compiled graphs per
     code object): it holds one graph, so its later calls skip dynamo's guards (their inputs are
-    the same static buffers and frozen weights every time), and an engine's graphs, with their
+    the same static buffers and weights every time), and an engine's graphs, with their
     packed weights, die with it.
     """
 
@@ -299,17 +305,27 @@ class CompiledDecode(_StaticDecode):
     INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True}
     CACHEABLE_OPTIONS = {"freezing": False}
     """What :meth:`make_cacheable` changes: without freezing the weights are inputs of the
-    compiled graph, not constants of it, so AOTAutograd's cache keeps the traced graph too (it
-    keeps no graph with frozen constants) and a later process skips tracing it through
-    AOTAutograd; nor are there oneDNN's packed weights, mkldnn tensors that inductor's FX graph
-    cache cannot store."""
+    compiled graph, not constants of it, so a saved step holds no weights (nor oneDNN's packed
+    ones, mkldnn tensors that cannot be saved) and serves the weights of the process that
+    loads it."""
 
     def __init__(self, runner: ModelRunner, buffers: StaticStepBuffers) -> None:
         super().__init__(runner, buffers)
         self.inductor_options = dict(self.INDUCTOR_OPTIONS)
         self.compile_seconds: dict[int, float] = {}
-        """Seconds the first step of each size took (compiling it, then running it)."""
-        self._steps: dict[int, Callable[[int], torch.Tensor]] = {}
+        """Seconds the first step of each size took: compiling it (or, for a step loaded by
+        :meth:`adopt`, loading its kernels), then running it."""
+        self.ahead_steps: dict[int, AOTCompiledFunction] = {}
+        """The steps compiled ahead of time (after :meth:`make_cacheable`) or adopted, by size:
+        what :mod:`~paged_attention.engine.compile_cache` saves."""
+        self._ahead = False
+        self._steps: dict[int, Callable[[], torch.Tensor]] = {}
+
+    def __getstate__(self) -> dict:
+        # A step compiled ahead of time saves the objects its guards reach, this executor
+        # among them: the steps it compiled before (their guard managers cannot be saved, and
+        # a loading process has its own) stay out.
+        return {**self.__dict__, "_steps": {}, "ahead_steps": {}}
 
     def _step(self, size: int) -> torch.Tensor:
         return self.runner.logits(*self._inputs(size))
@@ -319,35 +335,87 @@ class CompiledDecode(_StaticDecode):
         return self._run_size(size)[: len(out.decode)].float()
 
     def make_cacheable(self) -> None:
-        """Sizes compiled from now on are kept by inductor's on-disk caches: the float linear
-        layers multiply unpacked weights (a quantized model's layers are custom ops, which
-        nothing packs). Raises ValueError once a size has been compiled."""
+        """Sizes compiled from now on are compiled ahead of time, into :attr:`ahead_steps`,
+        without freezing: the float linear layers multiply unpacked weights (a quantized
+        model's layers are custom ops, which nothing packs). Raises ValueError once a size has
+        been compiled."""
         if self._steps:
             raise ValueError("make_cacheable must come before the first size is compiled")
         self.inductor_options.update(self.CACHEABLE_OPTIONS)
+        self._ahead = True
+
+    def adopt(self, size: int, step: AOTCompiledFunction) -> None:
+        """Runs ``step``, this class's step of ``size`` compiled ahead of time by another
+        process (and loaded by :mod:`~paged_attention.engine.compile_cache`), for ``size``.
+        Its guards on tensors are checked once, here: they hold every input's shape, dtype and
+        strides (the static buffers, the cache's blocks, the weights), which no later step
+        changes. Raises ValueError, adopting nothing, when ``size`` is not one of
+        :attr:`sizes`, is compiled already, or ``step`` was compiled for other tensors."""
+        if size not in self.sizes or size in self._steps:
+            state = "compiled already" if size in self._steps else f"not one of {self.sizes}"
+            raise ValueError(f"cannot adopt a step of batch size {size}: {state}")
+        with torch.no_grad():
+            if not step.guard_check(self, size):
+                raise ValueError(
+                    f"the saved decode step of batch size {size} was compiled for other tensors "
+                    "(shapes, dtypes or strides) than this engine's"
+                )
+        step.disable_guard_check()
+        self.ahead_steps[size] = step
+        self._steps[size] = functools.partial(step, self, size)
 
     def compile_all(self) -> dict[int, float]:
-        """Compiles every size not compiled yet, now, on padding rows only (they store and
-        attend nothing, so the cache is untouched); returns :attr:`compile_seconds`."""
+        """Compiles (or, adopted, loads) every size that has not run yet and runs it, now, on
+        padding rows only (they store and attend nothing, so the cache is untouched); returns
+        :attr:`compile_seconds`."""
         for size in self.sizes:
-            if size not in self._steps:
-                self.pad(size)
-                self._run_size(size)
+            self.ready(size)
         return dict(self.compile_seconds)
+
+    def ready(self, size: int) -> float:
+        """Compiles (or, adopted, loads) ``size`` and runs it on padding rows unless it has
+        run already; returns its :attr:`compile_seconds`."""
+        if size not in self.compile_seconds:
+            self.pad(size)
+            self._run_size(size)
+        return self.compile_seconds[size]
 
     def _run_size(self, size: int) -> torch.Tensor:
         """The compiled step of the first ``size`` rows of the static buffers (compiled first
         if this size has not run yet)."""
-        step = self._steps.get(size)
         with torch.no_grad():
-            if step is not None:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return step(size)
+            if size in self.compile_seconds:
+                return self._steps[size]()
             started = time.perf_counter()
-            function = types.FunctionType(CompiledDecode._step.__code__.replace(), globals())
-            step = torch.compile(types.MethodType(function, self), fullgraph=True, dynamic=False)
-            with torch._inductor.config.patch(self.inductor_options):
-                logits = step(size)
-            self._steps[size] = step
+            if size in self._steps:
+                logits = self._steps[size]()
+            else:
+                self._steps[size], logits = self._compile(size)
             self.compile_seconds[size] = time.perf_counter() - started
             return logits
+
+    def _compile(self, size: int) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+        """The compiled step of ``size`` and the logits of its first run."""
+        function = types.FunctionType(CompiledDecode._step.__code__.replace(), globals())
+        method = types.MethodType(function, self)
+        if self._ahead:
+            # Tensor guards only: the others name objects of this process (transformers'
+            # local classes) that a saved step cannot hold.
+            options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+            compiled = torch.compile(
+                method, fullgraph=True, dynamic=False, options={**options, **self.inductor_options}
+            )
+            ahead = compiled.aot_compile(((size,), {}))
+            ahead.disable_guard_check()
+            self.ahead_steps[size] = ahead
+            step = functools.partial(ahead, self, size)
+            return step, step()
+        compiled = torch.compile(method, fullgraph=True, dynamic=False)
+        with torch._inductor.config.patch(self.inductor_options):
+            logits = compiled(size)
+
+        def step() -> torch.Tensor:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return compiled(size)
+
+        return step, logits
