@@ -54,6 +54,13 @@ def test_speculative_ngram_changes_no_greedy_answer(capsys):
     assert out == transformers_answer(question, 16) + "\n"
 
 
+def test_a_draft_model_changes_no_greedy_answer(capsys):
+    # the tiny model drafting for itself (another instance of it): every draft is kept
+    code, out = chat(capsys, "--max-tokens", "16", "--speculative-model", "tiny", QUESTIONS[1])
+    assert code == 0
+    assert out == transformers_answer(QUESTIONS[1], 16) + "\n"
+
+
 def test_prompts_from_a_file_are_answered_together_in_order(tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(QUESTIONS[:2]) + "\n\n" + QUESTIONS[2] + "\n")
@@ -143,6 +150,9 @@ def usage_error(capsys, *args) -> str:
         (["--top-p", "0", "hi"], "--top-p"),
         (["--max-tokens", "0", "hi"], "--max-tokens"),
         (["--speculative-ngram", "0", "hi"], "--speculative-ngram"),
+        (["--num-speculative-tokens", "2", "hi"], "--num-speculative-tokens: it is the draft"),
+        (["--speculative-model", "/no/such.gguf", "hi"], "--speculative-model /no/such.gguf: "),
+        (["--speculative-ngram", "2", "--speculative-model", "tiny", "hi"], "not allowed with"),
         (["--seed", str(2**64), "hi"], "--seed"),
         (["--file", "/no/such/prompts.txt"], "--file /no/such/prompts.txt"),
         (["--file", "x", "hi"], "give a prompt or --file, not both"),

@@ -909,6 +909,17 @@ def test_serve_speculative_ngram_drafts_and_keeps_the_greedy_answer(tiny, monkey
     assert drafted.outputs == expected.outputs
     assert speculative.stats.draft_tokens > 0
 
+    # a draft model: the tiny model drafting for itself (another instance), 2 tokens a step
+    options = [*base, "--speculative-model", MODEL, "--num-speculative-tokens", "2"]
+    drafting = serve.build_engine(*tiny, parser.parse_args(options))
+    config = drafting.scheduler.drafts.config
+    assert config.method == "draft_model" and config.num_speculative_tokens == 2
+    assert config.draft_model is not tiny[0]
+    (drafted,) = drafting.generate([prompt], params)
+    assert drafted.outputs == expected.outputs
+    assert drafting.stats.draft_tokens > 0
+    assert drafting.stats.accepted_draft_tokens > 0
+
 
 def test_serve_compile_compiles_every_batch_size_before_serving(tiny, tmp_path, monkeypatch):
     # --compile compiles (and caches); then the default compiles too, the cache being warm

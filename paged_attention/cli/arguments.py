@@ -81,17 +81,18 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
         help="CPU: run decode steps through torch.compile, one graph per padded batch size "
         "(1, 8, 32 and --max-num-seqs), compiled before the first request. The first --compile "
         "of a model takes minutes per batch size on a small CPU (building the C++) and caches "
-        "the result in ~/.cache/paged_attention; later starts load it instead of compiling "
-        "again (only dynamo traces the model again: tens of seconds per batch size; "
-        "docs/performance.md). Default: "
+        "the result in ~/.cache/paged_attention; later starts load the compiled steps "
+        "instead of compiling them again (seconds; docs/performance.md). Default: "
         "compiled when that cache is warm, else eager (with a line saying so); --no-compile: "
         "eager",
     )
 
 
 def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
-    """``--speculative-ngram K``, as ``serve`` and ``chat`` take it (default: off)."""
-    parser.add_argument(
+    """``--speculative-ngram K`` or ``--speculative-model MODEL`` (with
+    ``--num-speculative-tokens K``), as ``serve`` and ``chat`` take them (default: off)."""
+    methods = parser.add_mutually_exclusive_group()
+    methods.add_argument(
         "--speculative-ngram",
         type=positive_int,
         metavar="K",
@@ -99,15 +100,46 @@ def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
         "of the prompt and answer) and verified by the model; greedy answers are the plain "
         "ones up to rounding (in bfloat16 a near-tie may go the other way)",
     )
+    methods.add_argument(
+        "--speculative-model",
+        metavar="MODEL",
+        help="speculative decoding with a draft model: MODEL (as --model takes it, loaded in "
+        "the model's dtype with its weights as shipped) over the same vocabulary proposes its "
+        "greedy continuation, --num-speculative-tokens tokens per step, verified by the model. "
+        "It drafts one sequence at a time: it speeds up one user, not a batch "
+        "(docs/engine.md)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        metavar="K",
+        help="tokens --speculative-model drafts per step (default 3)",
+    )
 
 
-def speculative_config(args: argparse.Namespace):
-    """The engine's speculative decoding from ``--speculative-ngram``, or None (off)."""
+def speculative_config(args: argparse.Namespace, model):
+    """The engine's speculative decoding from ``--speculative-ngram`` or
+    ``--speculative-model`` (loaded here, like ``model``), or None (off). Raises
+    :class:`UsageError` naming the option when the draft model cannot be loaded or serve."""
     from paged_attention.engine import SpeculativeConfig
 
-    if not args.speculative_ngram:
+    if args.num_speculative_tokens is not None and not args.speculative_model:
+        raise UsageError("--num-speculative-tokens: it is the draft of --speculative-model")
+    if args.speculative_ngram:
+        return SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)
+    if not args.speculative_model:
         return None
-    return SpeculativeConfig(num_speculative_tokens=args.speculative_ngram)
+    from paged_attention.engine.draft_model import check_draft_model
+    from paged_attention.modeling.models import ModelLoadError, load_model
+
+    name = args.speculative_model
+    try:
+        draft, _ = load_model(name, dtype=model.dtype, device=args.device, weights="auto")
+        check_draft_model(model, draft)
+    except (ModelLoadError, ValueError) as error:
+        raise UsageError(f"--speculative-model {name}: {error}") from None
+    tokens = args.num_speculative_tokens or 3
+    return SpeculativeConfig("draft_model", num_speculative_tokens=tokens, draft_model=draft)
 
 
 def decode_compile_cache(model, args: argparse.Namespace, max_num_seqs: int, say):

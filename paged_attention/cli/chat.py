@@ -187,12 +187,12 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int = MAX_NUM_SEQS):
         raise UsageError(f"--model {args.model}: it has no tokenizer with a chat template")
     block_size = 16
     compiled = decode_compile_cache(model, args, max_num_seqs, _say)
+    speculative = speculative_config(args, model)
     try:
         cache = CacheConfig(
             block_size=block_size, num_blocks=args.kv_budget or DEFAULT_KV_TOKENS // block_size
         )
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs)
-        speculative = speculative_config(args)
         config = EngineConfig(
             cache, scheduler, compile=compiled is not None, speculative=speculative
         )

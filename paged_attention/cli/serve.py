@@ -366,7 +366,7 @@ def build_engine(model, tokenizer, args: argparse.Namespace):
                 max_num_batched_tokens=args.max_num_batched_tokens,
             ),
             compile=compiled is not None,
-            speculative=speculative_config(args),
+            speculative=speculative_config(args, model),
         )
         engine = Engine(model, config, tokenizer=tokenizer)
     except ValueError as error:  # sizes the engine refuses, or a model it cannot serve
