@@ -275,9 +275,10 @@ def should_compile(requested: bool | None, device: str, cache: CompileCache) -> 
 def compile_decode_steps(engine, cache: CompileCache, say) -> dict[int, float]:
     """Readies every padded batch size of ``engine`` (built with ``compile=True``) now,
     through ``cache``: each size's saved step is loaded, each one missing (or refused) is
-    compiled and saved at once. ``say(line)`` tells the user what happens (a line before, one
-    per size compiled, one after). Returns the seconds each size took to run first (compiling
-    it, or loading its kernels)."""
+    compiled, run once on padding rows and saved at once. A loaded step first runs with the
+    first step of its size (the engine's warm-up runs the first of all, which pays the
+    kernels' one-time set-up). ``say(line)`` tells the user what happens (a line before, one
+    per size compiled, one after). Returns the seconds each size compiled here took."""
     executor = engine.runner.graphs
     executor.make_cacheable()
     sizes = ", ".join(map(str, executor.sizes))
@@ -299,9 +300,8 @@ def compile_decode_steps(engine, cache: CompileCache, say) -> dict[int, float]:
                 cache.save(size, executor.ahead_steps[size])
             except OSError as error:
                 say(f"could not cache the compiled decode step of batch size {size}: {error}")
-        seconds = executor.compile_all()
     say(f"decode steps ready for batch sizes {sizes} in {time.perf_counter() - started:.1f} s")
-    return seconds
+    return {size: executor.compile_seconds[size] for size in missing}
 
 
 def eager_hint(cache: CompileCache) -> str:
