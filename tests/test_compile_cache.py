@@ -151,6 +151,7 @@ def test_the_key_names_what_the_steps_depend_on(tmp_path):
     key = CompileKey.of("tiny", model, "auto", [1, 8])
     assert (key.model, key.dtype, key.weights, key.sizes) == ("tiny", "float32", "auto", (1, 8))
     assert key.torch_version == torch.__version__ and key.quantized_kernel == "none"
+    assert key.threads == torch.get_num_threads()
     assert CompileKey.of("tiny", model, "auto", (1, 8)).digest() == key.digest()
     assert CompileKey.of("tiny", model, "q8", (1, 8)).digest() != key.digest()
     # a model file's identity changes with its contents' size and time

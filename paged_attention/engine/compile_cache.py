@@ -27,10 +27,10 @@ directory per configuration (:class:`CompileKey`): the model (its file's path, s
 modification time), its dtype, what its linear layers hold (``--weights``, the kernel its
 quantized layers run, as resolved when they were built, and which float layers were packed for
 oneDNN: :mod:`~paged_attention.modeling.packed_linear`, which ``PAGED_ATTENTION_PACK_LINEAR=0``
-turns off), the padded batch sizes, the torch version, the CPU's vector instruction set and the
-code. A file is written whole under a temporary name and renamed into place, each size as soon
-as it is compiled, so an interrupted start keeps the sizes it finished; a configuration whose
-every size is there is "warm".
+turns off), the padded batch sizes, the torch version, the CPU's vector instruction set, torch's
+thread count and the code. A file is written whole under a temporary name and renamed into
+place, each size as soon as it is compiled, so an interrupted start keeps the sizes it
+finished; a configuration whose every size is there is "warm".
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ class CompileKey:
     the compiled graph, an unpacked one a matrix product, so the two compile differently."""
     code: str = ""
     """The code a step was traced from: :func:`code_identity`."""
+    threads: int = 0
+    """torch's CPU threads: inductor splits the loops it generates for that many (and the
+    compiled steps' dynamo guards held it before they were saved ahead of time)."""
     format: int = CACHE_FORMAT
 
     @classmethod
@@ -91,6 +94,7 @@ class CompileKey:
             quantized_kernel=quantized_kernels(model),
             packed_linear=packed_layers(model),
             code=code_identity(),
+            threads=torch.get_num_threads(),
         )
 
     def digest(self) -> str:
