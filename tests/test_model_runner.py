@@ -241,3 +241,16 @@ def test_compile_is_for_cpu_models():
     eager = Engine(build("llama"), num_blocks=16, block_size=BLOCK)
     with pytest.raises(ValueError, match="compile_decode_steps needs an engine built with compile"):
         eager.compile_decode_steps()
+
+
+def test_a_loaded_step_is_adopted_for_one_of_the_sizes_only_and_once():
+    from paged_attention.engine import Engine
+
+    engine = Engine(build("llama"), num_blocks=16, block_size=BLOCK, max_num_seqs=2, compile=True)
+    compiled = engine.runner.graphs
+    with pytest.raises(ValueError, match=r"batch size 4: not one of \[1, 2\]"):
+        compiled.adopt(4, object())
+    compiled._steps[2] = lambda: None  # as a compiled size holds it
+    with pytest.raises(ValueError, match="batch size 2: compiled already"):
+        compiled.adopt(2, object())
+    assert compiled.ahead_steps == {}
