@@ -129,10 +129,11 @@ class Engine:
         its kernels: about half a second of SmolLM2's first prefill on two cores), as
         llama-server warms up before it serves. Its prompt and generated token fill less than a
         block (for blocks of 3 tokens or more), so it leaves nothing in the prefix cache; the
-        counters (``stats``) start again from zero. It runs on one of torch's CPU threads (the
-        count is restored afterwards): its work is first touches and first runs, which more
-        threads do not shorten, and on cores shared with other busy processes every parallel
-        region of a step waits for a descheduled thread (docs/performance.md, the start). A
+        counters (``stats``) start again from zero. On the CPU without compiled steps (whose
+        guards include the thread count) it runs on one of torch's threads, the count restored
+        afterwards: its work is first touches and first runs, which more threads do not
+        shorten, and on cores shared with other busy processes every parallel region of a step
+        waits for a descheduled thread (docs/performance.md, the start). A
         server calls this before it accepts requests; raises ValueError while any request is
         unfinished. Returns the seconds it took."""
         if self.has_unfinished():
@@ -142,7 +143,10 @@ class Engine:
         length = max(1, min(self.block_size - 2, context - 2))
         params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        # compiled steps guard the thread count they were compiled under: they keep it
+        one_thread = not self.config.compile and self.runner.device.type == "cpu"
+        if one_thread:
+            torch.set_num_threads(1)
         try:
             self.generate([[0] * length], params)
         finally:
