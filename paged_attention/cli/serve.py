@@ -306,12 +306,17 @@ def _fork_after_imports(
 
     from paged_attention.cli.loading import LoadingResponder
 
-    for name in ENGINE_MODULES:
-        importlib.import_module(name)
+    # What is imported lives as long as the process: the collector's passes over it while it
+    # is imported find next to nothing, and frozen, the child's first full collection does not
+    # write to (copy) every page those objects lie on (the pattern of gc.freeze's manual)
+    gc.disable()
+    try:
+        for name in ENGINE_MODULES:
+            importlib.import_module(name)
+    finally:
+        gc.freeze()
+        gc.enable()
     loading.stop()
-    # What is imported lives as long as the process: out of the collector's sight, the child's
-    # first full collection does not write to (copy) every page those objects lie on
-    gc.freeze()
     engine = start_engine_process(args, "fork", wait=False, send_tokenizer=not own_tokenizer)
     loading = LoadingResponder(sock)
     loading.start()
