@@ -306,9 +306,10 @@ def _fork_after_imports(
 
     from paged_attention.cli.loading import LoadingResponder
 
-    # What is imported lives as long as the process: the collector's passes over it while it
-    # is imported find next to nothing, and frozen, the child's first full collection does not
-    # write to (copy) every page those objects lie on (the pattern of gc.freeze's manual)
+    # What is imported lives as long as the process: the collector's passes while it is
+    # imported walk its hundreds of thousands of objects to free a few MB of cycles, and
+    # frozen, the child's first full collection does not write to (copy) every page those
+    # objects lie on (the pattern of gc.freeze's manual; docs/performance.md, the start)
     gc.disable()
     try:
         for name in ENGINE_MODULES:

@@ -130,10 +130,10 @@ class Engine:
         llama-server warms up before it serves. Its prompt and generated token fill less than a
         block (for blocks of 3 tokens or more), so it leaves nothing in the prefix cache; the
         counters (``stats``) start again from zero. On the CPU without compiled steps (whose
-        guards include the thread count) it runs on one of torch's threads, the count restored
-        afterwards: its work is first touches and first runs, which more threads do not
-        shorten, and on cores shared with other busy processes every parallel region of a step
-        waits for a descheduled thread (docs/performance.md, the start). A
+        guards include the thread count) it runs on one of torch's threads (a process-wide
+        setting, restored afterwards): its work is mostly first touches and first runs, and on
+        cores shared with other busy processes every parallel region of a step waits for a
+        descheduled thread (docs/performance.md, the start). A
         server calls this before it accepts requests; raises ValueError while any request is
         unfinished. Returns the seconds it took."""
         if self.has_unfinished():
