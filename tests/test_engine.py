@@ -980,6 +980,37 @@ def test_warm_up_leaves_no_trace(model):
     assert [o.outputs for o in outputs] == [o.outputs for o in expected]
 
 
+def test_warm_up_runs_on_one_thread_and_restores_the_count(model):
+    """The warm-up's steps run on one CPU thread; the count is restored afterwards, also when a
+    step fails."""
+    threads = torch.get_num_threads()
+    seen = []
+
+    def record(module, args):
+        seen.append(torch.get_num_threads())
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(record)
+    try:
+        torch.set_num_threads(2)
+        engine = Engine(model, num_blocks=64, block_size=BLOCK)
+        engine.warm_up()
+        assert len(seen) == 2 and set(seen) == {1}  # the prefill and the decode step
+        assert torch.get_num_threads() == 2
+        hook.remove()
+
+        def fail(module, args):
+            raise RuntimeError("step failed")
+
+        hook = model.get_input_embeddings().register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="step failed"):
+            engine.warm_up()
+        assert torch.get_num_threads() == 2
+        assert_all_freed(engine)
+    finally:
+        hook.remove()
+        torch.set_num_threads(threads)
+
+
 def test_warm_up_refuses_a_busy_engine(model):
     engine = Engine(model, num_blocks=64, block_size=BLOCK)
     request_id = engine.add_request([5, 6, 7], SamplingParams(4))

@@ -74,7 +74,7 @@ def test_a_response_is_whole_http():
 HEAVY_MODULES = ("torch", "transformers", "starlette", "uvicorn", "paged_attention.engine.engine")
 
 ORDER = """
-import json, sys, threading
+import gc, importlib, json, sys, threading
 sys.argv = ["paged-attention", "serve", "--model", "tiny", "--port", "0"]
 from paged_attention.cli import loading, main as command_line, serve
 
@@ -87,11 +87,20 @@ def start(self):  # the loading answers start
 
 def start_engine_process(args, start_method, wait, send_tokenizer):  # stands for the fork
     modules = [name for name in {heavy!r} if name in sys.modules]
-    events.append(["engine", start_method, modules, threading.active_count(), send_tokenizer])
+    threads, collector = threading.active_count(), [gc.get_freeze_count() > 0, gc.isenabled()]
+    events.append(["engine", start_method, modules, threads, send_tokenizer, *collector])
     raise SystemExit(0)
+
+real_import = importlib.import_module
+
+def import_module(name, *args, **kwargs):  # the engine's modules, imported before the fork
+    if name == "torch" and name not in sys.modules:
+        events.append(["importing torch", gc.isenabled()])
+    return real_import(name, *args, **kwargs)
 
 loading.LoadingResponder.start = start
 serve.start_engine_process = start_engine_process
+importlib.import_module = import_module
 sys.argv = ["paged-attention", "serve", "--model", "tiny", "--port", "0"]
 try:
     command_line.main()
@@ -110,14 +119,17 @@ def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
 def test_serve_answers_before_importing_torch_and_forks_after():
     """The command line's serve process answers 503 before it imports torch, transformers or
     the engine; it imports what the engine's process needs before forking it (so the child
-    does not import it again), with no other thread running at the fork; it reads the
-    tokenizer itself, so the engine's process is not asked to send it."""
+    does not import it again), with the garbage collector off while it imports, no other
+    thread running at the fork and what it imported frozen (``gc.freeze``: the child's
+    collections do not copy the pages those objects lie on), the collector on again; it reads
+    the tokenizer itself, so the engine's process is not asked to send it."""
     run = run_python(ORDER.format(heavy=HEAVY_MODULES), timeout=180)
     assert run.returncode == 0, run.stderr
-    answering, engine = json.loads(run.stdout)
+    answering, importing, engine = json.loads(run.stdout)
     assert answering == ["answering", []]
+    assert importing == ["importing torch", False]  # the collector off while it imports
     expected = ["torch", "transformers", "paged_attention.engine.engine"]
-    assert engine == ["engine", "fork", expected, 1, False]
+    assert engine == ["engine", "fork", expected, 1, False, True, True]
 
 
 def test_serve_answers_loading_then_ready_then_stops():

@@ -298,15 +298,25 @@ def _fork_after_imports(
 ):
     """Import :data:`ENGINE_MODULES` while ``loading`` answers, then fork the engine's process
     with no other thread running (``loading`` stops for the fork: connections wait in the
-    socket's backlog) and answer again; ``own_tokenizer``: this process reads the tokenizer
-    itself (the engine's process does not send it). Returns ``(the new responder, the engine's
-    process)``."""
+    socket's backlog) and the objects that exist then frozen (``gc.freeze``), and answer again;
+    ``own_tokenizer``: this process reads the tokenizer itself (the engine's process does not
+    send it). Returns ``(the new responder, the engine's process)``."""
+    import gc
     import importlib
 
     from paged_attention.cli.loading import LoadingResponder
 
-    for name in ENGINE_MODULES:
-        importlib.import_module(name)
+    # What is imported lives as long as the process: the collector's passes while it is
+    # imported walk its hundreds of thousands of objects to free a few MB of cycles, and
+    # frozen, the child's first full collection does not write to (copy) every page those
+    # objects lie on (the pattern of gc.freeze's manual; docs/performance.md, the start)
+    gc.disable()
+    try:
+        for name in ENGINE_MODULES:
+            importlib.import_module(name)
+    finally:
+        gc.freeze()
+        gc.enable()
     loading.stop()
     engine = start_engine_process(args, "fork", wait=False, send_tokenizer=not own_tokenizer)
     loading = LoadingResponder(sock)

@@ -129,7 +129,11 @@ class Engine:
         its kernels: about half a second of SmolLM2's first prefill on two cores), as
         llama-server warms up before it serves. Its prompt and generated token fill less than a
         block (for blocks of 3 tokens or more), so it leaves nothing in the prefix cache; the
-        counters (``stats``) start again from zero. A
+        counters (``stats``) start again from zero. On the CPU without compiled steps (whose
+        guards include the thread count) it runs on one of torch's threads (a process-wide
+        setting, restored afterwards): its work is mostly first touches and first runs, and on
+        cores shared with other busy processes every parallel region of a step waits for a
+        descheduled thread (docs/performance.md, the start). A
         server calls this before it accepts requests; raises ValueError while any request is
         unfinished. Returns the seconds it took."""
         if self.has_unfinished():
@@ -138,7 +142,15 @@ class Engine:
         context = self.max_model_len or self.block_size
         length = max(1, min(self.block_size - 2, context - 2))
         params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-        self.generate([[0] * length], params)
+        threads = torch.get_num_threads()
+        # compiled steps guard the thread count they were compiled under: they keep it
+        one_thread = not self.config.compile and self.runner.device.type == "cpu"
+        if one_thread:
+            torch.set_num_threads(1)
+        try:
+            self.generate([[0] * length], params)
+        finally:
+            torch.set_num_threads(threads)
         vars(self.stats).update(vars(EngineStats()))
         return time.perf_counter() - started
 
