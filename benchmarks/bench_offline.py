@@ -10,6 +10,10 @@ dtype on loading), in bfloat16 and in float32. Configurations:
 * ``ours``: ``Engine(model, tokenizer=..., max_memory=KV)`` with every other setting its default
   (eager steps: ``compile`` is off by default), the model from
   ``load_model("smollm2", dtype=..., weights="bf16"|"fp32")``;
+* ``ours-compiled``: ``ours`` with ``compile=True``, its decode steps compiled before it is
+  ready the way ``paged-attention serve`` runs them by default once its compile cache is warm:
+  ``compile_decode_steps`` through the project's ``CompileCache`` keyed by the model, its
+  weights and the padded batch sizes of the engine's default ``max_num_seqs`` (1, 8, 32, 64);
 * ``ours-unpacked``: ``ours`` with ``PAGED_ATTENTION_PACK_LINEAR=0``: the float linear layers
   left as ``torch.nn.Linear`` instead of packed at load for oneDNN
   (:mod:`paged_attention.modeling.packed_linear`); the A/B of packing, not run by default;
@@ -20,8 +24,13 @@ dtype on loading), in bfloat16 and in float32. Configurations:
   (``--vllm-python``).
 
 Each run is a fresh process (its peak memory is that engine's alone), the configurations taking
-turns (A B C, A B C, ...) over ``--rounds``, each dtype in turn within a round. A run loads its
-engine (timed: process start to engine ready, imports included), generates one short warm-up
+turns (A B C, A B C, ...) over ``--rounds``, each dtype in turn within a round. Before the first
+round, each configuration whose step is compiled through a cache on disk (``ours-compiled``,
+``vllm``) gets one untimed process per dtype that builds its engine and exits, so that the timed
+runs find the cache warm as any later start does (a machine's first one compiles: minutes per
+batch size on two cores); ``--no-compile-warm-up`` skips them. A run loads its
+engine (timed: process start to engine ready, imports and loading or compiling the compiled
+steps included), generates one short warm-up
 request (a prompt no timed prompt starts with), then times ``generate`` of the 32 requests:
 output tokens per second is 32 x 64 over that wall time. Peak memory is the largest sum of the
 resident set sizes of the run's process tree (vLLM's engine core is a child process), sampled
@@ -40,8 +49,8 @@ and the same affinity.
     python benchmarks/bench_offline.py --rounds 2 --json docs/results/bench_offline.json
 
 ``--configs ours,ours-auto`` runs without vLLM, ``--configs ours,ours-unpacked`` is packing's
-A/B; ``--quick`` (the tests) serves the tiny model a
-few tokens, ours only.
+A/B; ``--quick`` (the tests) serves the tiny model a few tokens (4 requests, at most 4 at
+once: compiled batch sizes 1 and 4), ours only.
 """
 
 from __future__ import annotations
