@@ -10,6 +10,10 @@ dtype on loading), in bfloat16 and in float32. Configurations:
 * ``ours``: ``Engine(model, tokenizer=..., max_memory=KV)`` with every other setting its default
   (eager steps: ``compile`` is off by default), the model from
   ``load_model("smollm2", dtype=..., weights="bf16"|"fp32")``;
+* ``ours-compiled``: ``ours`` with ``compile=True``, its decode steps compiled before it is
+  ready the way ``paged-attention serve`` runs them by default once its compile cache is warm:
+  ``compile_decode_steps`` through the project's ``CompileCache`` keyed by the model, its
+  weights and the padded batch sizes of the engine's default ``max_num_seqs`` (1, 8, 32, 64);
 * ``ours-unpacked``: ``ours`` with ``PAGED_ATTENTION_PACK_LINEAR=0``: the float linear layers
   left as ``torch.nn.Linear`` instead of packed at load for oneDNN
   (:mod:`paged_attention.modeling.packed_linear`); the A/B of packing, not run by default;
@@ -20,8 +24,13 @@ dtype on loading), in bfloat16 and in float32. Configurations:
   (``--vllm-python``).
 
 Each run is a fresh process (its peak memory is that engine's alone), the configurations taking
-turns (A B C, A B C, ...) over ``--rounds``, each dtype in turn within a round. A run loads its
-engine (timed: process start to engine ready, imports included), generates one short warm-up
+turns (A B C, A B C, ...) over ``--rounds``, each dtype in turn within a round. Before the first
+round, each configuration whose step is compiled through a cache on disk (``ours-compiled``,
+``vllm``) gets one untimed process per dtype that builds its engine and exits, so that the timed
+runs find the cache warm as any later start does (a machine's first one compiles: minutes per
+batch size on two cores); ``--no-compile-warm-up`` skips them. A run loads its
+engine (timed: process start to engine ready, imports and loading or compiling the compiled
+steps included), generates one short warm-up
 request (a prompt no timed prompt starts with), then times ``generate`` of the 32 requests:
 output tokens per second is 32 x 64 over that wall time. Peak memory is the largest sum of the
 resident set sizes of the run's process tree (vLLM's engine core is a child process), sampled
@@ -40,8 +49,8 @@ and the same affinity.
     python benchmarks/bench_offline.py --rounds 2 --json docs/results/bench_offline.json
 
 ``--configs ours,ours-auto`` runs without vLLM, ``--configs ours,ours-unpacked`` is packing's
-A/B; ``--quick`` (the tests) serves the tiny model a
-few tokens, ours only.
+A/B; ``--quick`` (the tests) serves the tiny model a few tokens (4 requests, one at a time: one
+compiled batch size, a cold compile being minutes on a loaded two-core machine), ours only.
 """
 
 from __future__ import annotations
@@ -58,8 +67,11 @@ import time
 from pathlib import Path
 
 STARTED = time.perf_counter()
-CONFIGS = ("ours", "ours-unpacked", "ours-auto", "vllm")
-DEFAULT_CONFIGS = ("ours", "ours-auto", "vllm")
+CONFIGS = ("ours", "ours-compiled", "ours-unpacked", "ours-auto", "vllm")
+DEFAULT_CONFIGS = ("ours", "ours-compiled", "vllm")
+COMPILING = ("ours-compiled", "vllm")
+"""The configurations whose step is compiled through a cache on disk: each gets an untimed
+first process per dtype (:func:`compile_warm_up`)."""
 PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
 """``0`` in ``ours-unpacked``'s environment (paged_attention.modeling.packed_linear.PACK_ENV; not
 imported: the parent runs before torch is imported)."""
@@ -97,7 +109,7 @@ def workload(quick: bool) -> dict:
         from paged_attention.modeling.tiny import tiny_chat_model
 
         tokenizer, model, directory = tiny_chat_model()[1], "tiny", None
-        requests, new_tokens = 4, 8
+        requests, new_tokens, max_num_seqs = 4, 8, 1
     else:
         from transformers import AutoTokenizer
 
@@ -105,7 +117,7 @@ def workload(quick: bool) -> dict:
 
         directory = converted_gguf(smollm2_gguf())
         tokenizer, model = AutoTokenizer.from_pretrained(directory), "smollm2"
-        requests, new_tokens = len(QUESTIONS), 64
+        requests, new_tokens, max_num_seqs = len(QUESTIONS), 64, None
     renderer = PromptRenderer(tokenizer)
     prompts = [
         renderer.chat_ids(ChatPrompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
@@ -117,6 +129,7 @@ def workload(quick: bool) -> dict:
         "prompts": prompts,
         "warm_up": tokenizer.encode(WARM_UP_TEXT, add_special_tokens=False),
         "new_tokens": new_tokens,
+        "max_num_seqs": max_num_seqs,
     }
 
 
@@ -137,7 +150,9 @@ def checkpoint_view(directory: Path) -> Path:
 
 
 def run_ours(spec: dict) -> dict:
-    """Our engine with its defaults over ``spec``'s workload (float weights, or ``auto``)."""
+    """Our engine with its defaults over ``spec``'s workload (float weights, or ``auto``);
+    ``ours-compiled``: with its decode steps compiled before it is ready (:func:`compile_steps`).
+    A ``prepare_only`` spec stops once the engine is ready (the compile warm-up)."""
     import torch
 
     torch.set_num_threads(len(spec["cores"]))
@@ -147,8 +162,15 @@ def run_ours(spec: dict) -> dict:
 
     weights = "auto" if spec["config"] == "ours-auto" else FLOAT_WEIGHTS[spec["dtype"]]
     model, tokenizer = load_model(spec["model"], dtype=spec["dtype"], weights=weights)
-    engine = Engine(model, tokenizer=tokenizer, max_memory=spec["kv_bytes"])
+    compiled = spec["config"] == "ours-compiled"
+    sizes = {} if spec["max_num_seqs"] is None else {"max_num_seqs": spec["max_num_seqs"]}
+    engine = Engine(
+        model, tokenizer=tokenizer, max_memory=spec["kv_bytes"], compile=compiled, **sizes
+    )
+    compile_settings = compile_steps(spec["model"], model, weights, engine) if compiled else {}
     ready = time.perf_counter()
+    if spec.get("prepare_only"):
+        return {"load_s": ready - STARTED, "settings": compile_settings}
     engine.generate([spec["warm_up"]], SamplingParams(max_new_tokens=4, temperature=0.0))
     params = SamplingParams(max_new_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
@@ -164,9 +186,29 @@ def run_ours(spec: dict) -> dict:
         "prefix_caching": engine.config.cache.enable_prefix_caching,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        **compile_settings,
     }
     tokens = [list(o.outputs[0]) for o in outputs]
     return timing(ready, started, elapsed, tokens, settings)
+
+
+def compile_steps(name: str, model, weights: str, engine) -> dict:
+    """Compiles ``engine``'s decode steps the way ``paged-attention serve`` does: through the
+    project's compile cache, keyed by the model, its weights and the padded batch sizes of the
+    engine's ``max_num_seqs``; loaded from the cache when an earlier process compiled them
+    (``"warm"``), compiled and saved into it when not (``"cold"``). Returns those settings."""
+    from paged_attention.engine.compile_cache import CompileCache, CompileKey, compile_decode_steps
+    from paged_attention.engine.model_runner import CompiledDecode
+
+    sizes = CompiledDecode.sizes_for(engine.max_num_seqs)
+    cache = CompileCache(CompileKey.of(name, model, weights, sizes))
+    state = "warm" if cache.is_warm() else "cold"
+    seconds = compile_decode_steps(engine, cache, lambda line: print(line, file=sys.stderr))
+    return {
+        "compile_cache": state,
+        "compile_sizes": sizes,
+        "compile_s": sum(seconds.values()),
+    }
 
 
 def run_vllm(spec: dict) -> dict:
@@ -178,6 +220,8 @@ def run_vllm(spec: dict) -> dict:
 
     llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], seed=0)
     ready = time.perf_counter()
+    if spec.get("prepare_only"):
+        return {"load_s": ready - STARTED, "settings": {}}
     llm.generate(
         [TokensPrompt(prompt_token_ids=spec["warm_up"])],
         SamplingParams(max_tokens=4, temperature=0.0),
@@ -287,8 +331,11 @@ def child_environment(config: str, cores: list[int], kv_gib: int) -> dict[str, s
     return env
 
 
-def run_one(config: str, dtype: str, work: dict, options: argparse.Namespace) -> dict:
-    """One run of ``config`` in ``dtype`` in a fresh process: its result, load and memory."""
+def run_one(
+    config: str, dtype: str, work: dict, options: argparse.Namespace, prepare_only: bool = False
+) -> dict:
+    """One run of ``config`` in ``dtype`` in a fresh process: its result, load and memory;
+    ``prepare_only``: the process stops once its engine is ready (no tokens, no timings)."""
     python = options.vllm_python if config == "vllm" else sys.executable
     spec = {
         **work,
@@ -296,6 +343,7 @@ def run_one(config: str, dtype: str, work: dict, options: argparse.Namespace) ->
         "dtype": dtype,
         "cores": options.cores,
         "kv_bytes": options.kv_gib * 2**30,
+        "prepare_only": prepare_only,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
         json.dump(spec, file)
@@ -322,6 +370,14 @@ def run_one(config: str, dtype: str, work: dict, options: argparse.Namespace) ->
     result = json.loads(lines[-1][len(RESULT_MARK) :])
     if config == "vllm":
         result["settings"]["compile_cache"] = vllm_compile_cache(out + err)
+    if prepare_only:
+        return {
+            "config": config,
+            "dtype": dtype,
+            "load_s": result["load_s"],
+            "process_s": time.perf_counter() - started,
+            **{k: v for k, v in result["settings"].items() if k.startswith("compile")},
+        }
     return {
         "config": config,
         "dtype": dtype,
@@ -419,6 +475,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB of each engine")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--quick", action="store_true", help="the tiny model, ours only (tests)")
+    parser.add_argument(
+        "--no-compile-warm-up",
+        action="store_true",
+        help="no untimed first run of the compiling configurations (their caches already warm)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -446,6 +507,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def compile_warm_up(work: dict, options: argparse.Namespace) -> list[dict]:
+    """One untimed process per dtype of each configuration that compiles its step
+    (:data:`COMPILING`), before the first round, so that every timed run finds its compile cache
+    warm, as it is after a first start; what each found (``compile_cache``) and how long it
+    took. None with ``--no-compile-warm-up``."""
+    if options.no_compile_warm_up:
+        return []
+    warm_ups = []
+    for dtype in options.dtypes:
+        for config in (c for c in options.configs if c in COMPILING):
+            warm_up = run_one(config, dtype, work, options, prepare_only=True)
+            warm_ups.append(warm_up)
+            print(
+                f"compile warm-up {config} {dtype}: cache {warm_up['compile_cache']}, "
+                f"ready in {warm_up['load_s']:.1f} s"
+            )
+    return warm_ups
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
@@ -456,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info()
     print(describe_machine(machine))
     work = workload(args.quick)
+    warm_ups = compile_warm_up(work, args)
     rows = []
     for round_index in range(args.rounds):
         for dtype in args.dtypes:
@@ -478,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
             },
             "settings": {"cores": args.cores, "kv_gib": args.kv_gib, "rounds": args.rounds},
             "target_ratio": TARGET_RATIO,
+            "compile_warm_up": warm_ups,
             "rows": rows,
             "summary": summary,
         }

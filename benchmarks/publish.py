@@ -907,6 +907,7 @@ def spec_decode_section(data: dict) -> str:
 
 OFFLINE_ENGINES = {
     "ours": "ours",
+    "ours-compiled": "ours, compiled decode steps",
     "ours-auto": "ours, `--weights auto`",
     "ours-unpacked": "ours, float layers not packed (`PAGED_ATTENTION_PACK_LINEAR=0`)",
     "vllm": "vLLM",
@@ -924,6 +925,15 @@ def offline_engine_text(data: dict) -> str:
             f"{'compiled' if ours['compile'] else 'eager'} steps (the default), block size "
             f"{ours['block_size']}, max {ours['max_num_seqs']} sequences"
         )
+    compiled = settings.get("ours-compiled")
+    if compiled:
+        sizes = ", ".join(map(str, compiled["compile_sizes"]))
+        parts.append(
+            f"ours, compiled decode steps: as `serve` runs them by default once its compile "
+            f"cache is warm, one step compiled by inductor per padded batch size ({sizes}; "
+            f"max {compiled['max_num_seqs']} sequences), loaded from that cache before the "
+            "engine is ready"
+        )
     vllm = settings.get("vllm")
     if vllm:
         step = "eager" if vllm["enforce_eager"] else f"compiled by {vllm['compile_backend']}"
@@ -937,14 +947,31 @@ def offline_engine_text(data: dict) -> str:
 
 
 def offline_compile_cache(data: dict) -> str:
-    """What vLLM's load times include: loading its compiled model, or compiling it."""
-    states = [r["settings"].get("compile_cache") for r in data["rows"] if r["config"] == "vllm"]
-    if not states:
+    """What the load times of the compiling engines include: loading their compiled steps, or
+    compiling them; and the untimed first processes that warmed their caches."""
+    parts = []
+    for config, name in (("vllm", "vLLM's"), ("ours-compiled", "ours compiled")):
+        rows = [r for r in data["rows"] if r["config"] == config]
+        states = [r["settings"].get("compile_cache") for r in rows]
+        if not states:
+            continue
+        if set(states) == {"warm"}:
+            parts.append(f"{name}: loading its compiled steps from its compile cache, in every run")
+        else:
+            cold = states.count("cold")
+            parts.append(f"{name}: compiling in {cold} of {len(states)} runs, else loading")
+    if not parts:
         return ""
-    if set(states) == {"warm"}:
-        return " (vLLM's: loading its compiled model from its compile cache, in every run)"
-    cold = states.count("cold")
-    return f" (vLLM's: compiling its model in {cold} of {len(states)} runs, else loading it)"
+    warm_ups = data.get("compile_warm_up") or []
+    text = f" ({'; '.join(parts)})"
+    if warm_ups:
+        found = ", ".join(
+            f"{OFFLINE_ENGINES[w['config']]} {w['dtype']} {w['compile_cache']} "
+            f"({w['load_s']:.0f} s)"
+            for w in warm_ups
+        )
+        text += f"; before the first round an untimed process of each warmed its cache ({found})"
+    return text
 
 
 def offline_section(data: dict) -> str:

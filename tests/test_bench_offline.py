@@ -60,7 +60,8 @@ def fake_row(config, dtype, rate, tokens):
 def test_configurations_take_turns_within_each_round(monkeypatch, tmp_path):
     calls = []
 
-    def fake_run_one(config, dtype, work, options):
+    def fake_run_one(config, dtype, work, options, prepare_only=False):
+        assert not prepare_only  # neither configuration compiles: no warm-up process
         calls.append((config, dtype))
         return fake_row(config, dtype, 10.0, [[1, 2]] * len(work["prompts"]))
 
@@ -73,7 +74,25 @@ def test_configurations_take_turns_within_each_round(monkeypatch, tmp_path):
     assert [r["round"] for r in record["rows"]] == [0] * 4 + [1] * 4
     assert record["benchmark"] == "bench_offline" and record["machine"]["cpu_model"]
     assert record["workload"]["requests"] == 4 and "tokens" not in record["rows"][0]
-    assert publish.kind_of(record) == "offline"
+    assert publish.kind_of(record) == "offline" and record["compile_warm_up"] == []
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_compiling_configurations_warm_their_caches_before_the_first_round(monkeypatch, skip):
+    calls = []
+
+    def fake_run_one(config, dtype, work, options, prepare_only=False):
+        calls.append((config, dtype, prepare_only))
+        if prepare_only:
+            return {"config": config, "dtype": dtype, "load_s": 5.0, "compile_cache": "cold"}
+        return fake_row(config, dtype, 10.0, [[1, 2]] * len(work["prompts"]))
+
+    monkeypatch.setattr(bench_offline, "run_one", fake_run_one)
+    argv = ["--quick", "--configs", "ours,ours-compiled", "--rounds", "1"]
+    bench_offline.main(argv + (["--no-compile-warm-up"] if skip else []))
+    warm_ups = [] if skip else [("ours-compiled", d, True) for d in ("bfloat16", "float32")]
+    timed = [(c, d, False) for d in ("bfloat16", "float32") for c in ("ours", "ours-compiled")]
+    assert calls == warm_ups + timed
 
 
 def test_answers_are_compared_with_vllms_of_the_same_dtype_and_round():
@@ -136,7 +155,23 @@ def test_ours_unpacked_is_ours_with_packing_switched_off(monkeypatch):
 
 def test_the_default_configurations_leave_packings_a_b_out():
     args = bench_offline.parse_args(["--vllm-python", sys.executable])
-    assert args.configs == ["ours", "ours-auto", "vllm"]
+    assert args.configs == ["ours", "ours-compiled", "vllm"]
+
+
+def test_ours_compiled_loads_the_steps_its_warm_up_compiled(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGED_ATTENTION_CACHE", str(tmp_path))  # a cold cache of its own
+    options = bench_offline.parse_args(["--quick", "--configs", "ours,ours-compiled"])
+    work = bench_offline.workload(quick=True)
+    warm_up = bench_offline.run_one("ours-compiled", "float32", work, options, prepare_only=True)
+    assert warm_up["compile_cache"] == "cold" and warm_up["compile_sizes"] == [1]
+    assert "tok_per_s" not in warm_up  # nothing generated, nothing timed
+    compiled = bench_offline.run_one("ours-compiled", "float32", work, options)
+    settings = compiled["settings"]
+    assert settings["compile"] is True and settings["compile_cache"] == "warm"
+    assert settings["compile_sizes"] == [1] and settings["max_num_seqs"] == 1
+    assert compiled["load_s"] > settings["compile_s"] > 0  # compiling is part of getting ready
+    eager = bench_offline.run_one("ours", "float32", work, options)
+    assert compiled["tokens"] == eager["tokens"] and compiled["generated"] == 4 * 8
 
 
 def test_the_resident_memory_of_a_process_tree():
@@ -165,11 +200,14 @@ def test_bad_arguments_are_refused_naming_the_argument(argv, message):
 def test_the_published_table_marks_a_ratio_below_the_target():
     rows = []
     for round_index in (0, 1):
-        for config, rate in (("ours", 150.0), ("vllm", 200.0)):
+        for config, rate in (("ours", 150.0), ("ours-compiled", 310.0), ("vllm", 200.0)):
             row = fake_row(config, "float32", rate + round_index, [[1, 2]] * 2)
             row["settings"] = {
                 "ours": {"torch": "2.14", "torch_threads": 2, "compile": False,
                          "block_size": 16, "max_num_seqs": 64},
+                "ours-compiled": {"compile": True, "max_num_seqs": 64,
+                                  "compile_sizes": [1, 8, 32, 64],
+                                  "compile_cache": "warm" if round_index else "cold"},
                 "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
                          "compile_backend": "inductor", "compilation_mode": "2",
                          "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
@@ -182,6 +220,9 @@ def test_the_published_table_marks_a_ratio_below_the_target():
         "workload": {"model": "smollm2", "requests": 2, "prompt_tokens": 40, "new_tokens": 2},
         "settings": {"cores": [0, 1], "kv_gib": 1, "rounds": 2},
         "target_ratio": 1.5,
+        "compile_warm_up": [
+            {"config": "ours-compiled", "dtype": "float32", "load_s": 600, "compile_cache": "cold"}
+        ],
         "rows": rows,
         "summary": bench_offline.summarize(rows),
     }
@@ -190,7 +231,12 @@ def test_the_published_table_marks_a_ratio_below_the_target():
     assert "150.5 (150.0, 151.0)" in ours_line and "0.75x ✗" in ours_line
     assert "2 of 2, 2 of 2" in ours_line
     assert "compiled by inductor" in text and "eager steps (the default)" in text
-    assert "from its compile cache, in every run" in text
+    assert "vLLM's: loading its compiled steps from its compile cache, in every run" in text
+    compiled = next(line for line in text.splitlines() if "| ours, compiled decode" in line)
+    assert "310.5 (310.0, 311.0)" in compiled and "1.55x |" in compiled  # meets the target
+    assert "per padded batch size (1, 8, 32, 64; max 64 sequences)" in text
+    assert "ours compiled: compiling in 1 of 2 runs, else loading" in text
+    assert "(ours, compiled decode steps float32 cold (600 s))" in text
 
 
 @pytest.mark.parametrize(
