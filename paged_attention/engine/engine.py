@@ -129,11 +129,11 @@ class Engine:
         its kernels: about half a second of SmolLM2's first prefill on two cores), as
         llama-server warms up before it serves. Its prompt and generated token fill less than a
         block (for blocks of 3 tokens or more), so it leaves nothing in the prefix cache; the
-        counters (``stats``) start again from zero. On the CPU without compiled steps (whose
-        guards include the thread count) it runs on one of torch's threads (a process-wide
-        setting, restored afterwards): its work is mostly first touches and first runs, and on
-        cores shared with other busy processes every parallel region of a step waits for a
-        descheduled thread (docs/performance.md, the start). A
+        counters (``stats``) start again from zero. On the CPU without compiled steps (which are
+        compiled for the thread count they run with) it runs on one of torch's threads (a
+        process-wide setting, restored afterwards): its work is mostly first touches and first
+        runs, and on cores shared with other busy processes every parallel region of a step
+        waits for a descheduled thread (docs/performance.md, the start). A
         server calls this before it accepts requests; raises ValueError while any request is
         unfinished. Returns the seconds it took."""
         if self.has_unfinished():
@@ -143,7 +143,8 @@ class Engine:
         length = max(1, min(self.block_size - 2, context - 2))
         params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
         threads = torch.get_num_threads()
-        # compiled steps guard the thread count they were compiled under: they keep it
+        # compiled steps keep the thread count they were compiled for (torch.compile guards
+        # it; a saved step's key holds it)
         one_thread = not self.config.compile and self.runner.device.type == "cpu"
         if one_thread:
             torch.set_num_threads(1)
