@@ -284,6 +284,7 @@ def test_a_poor_draft_changes_no_token(target, small):
 def test_the_draft_model_runs_k_passes_a_step_for_all_drafting_sequences(target, small):
     k = 3
     engine = Engine(target, num_blocks=128, block_size=BLOCK, speculative=draft_config(small, k))
+    assert engine.core.scheduler.drafts.proposer.kv_cache.num_blocks == 128  # on top of num_blocks
     calls = []
     hook = small.register_forward_hook(lambda *args: calls.append(1))
     try:

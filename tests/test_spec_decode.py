@@ -447,6 +447,30 @@ def test_drafts_past_what_the_pool_has_left_are_cut_when_placed():
     assert manager.num_free_device_blocks() == 1 and out.num_tokens == 2 + 8 + 3
 
 
+def test_budget_the_proposals_leave_unused_goes_to_the_sequences_left_out():
+    """A step with room for 5 drafts: the first sequence's limit of 4 leaves 1 for the second
+    and none for the third; the first finds no n-gram, so the third gets a round of its own
+    with the 4 left."""
+    manager = BlockManager(64, 4)
+    scheduler = Scheduler(manager, max_num_seqs=3, speculative=NGRAM)
+    phrase = [20, 21, 22] * 4 + [20, 21]
+    prompts_ = [list(range(3, 17)), phrase, list(phrase)]
+    requests = [
+        Request(i, p, SamplingParams(16), torch.Generator(), RequestMetrics(0.0))
+        for i, p in enumerate(prompts_)
+    ]
+    for request in requests:
+        scheduler.add(request)
+    out = scheduler.schedule()  # the prompts
+    drawn = [(requests[0], _drawn(99)), (requests[1], _drawn(22)), (requests[2], _drawn(22))]
+    scheduler.update_from_output(out, drawn, _unfinished, ())
+    scheduler.max_num_batched_tokens = 8  # 3 decodes and 5 drafts
+    out = scheduler.schedule()
+    assert [c.request for c in out.decode] == requests
+    assert [c.drafts for c in out.decode] == [[], [20], [20, 21, 22, 20]]
+    assert out.num_tokens == 8
+
+
 def _unfinished(request, seq):
     return None
 

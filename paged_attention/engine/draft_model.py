@@ -6,8 +6,9 @@ tokens are the target's whatever the draft says: a better draft only means more 
 tokens per step. Greedy drafts are deterministic (a one-hot draft distribution), which is what
 makes the verification's rejection rule exact for sampled requests too.
 
-Drafting is batched: every sequence drafting in a step goes through the draft model together,
-``k`` forward passes for the step (one per draft position), however many sequences draft. The
+Drafting is batched: every sequence drafting in a step goes through the draft model together
+(:meth:`DraftModelProposer.propose_batch`), ``k`` forward passes (one per draft position),
+however many sequences draft. The
 draft model runs the way the engine runs the model, over a paged KV cache of its own (its own
 :class:`~paged_attention.kv.block_manager.BlockManager` and
 :class:`~paged_attention.kv.cache.PagedKVCache`, the model switched to the ``paged_attention``

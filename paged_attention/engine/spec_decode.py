@@ -116,29 +116,45 @@ class DraftSlots:
     def reserve(self, out: SchedulerOutput, budget: float) -> int:
         """After the step's decode slots are reserved: drafts for its decoding sequences, within
         ``budget`` tokens and the blocks the pool has beyond its watermark (a sequence the pool
-        cannot give more slots decodes plainly; nothing is preempted for drafts). The budget is
-        shared out in decode order before drafting, and every drafting sequence is proposed for
-        in one call (the draft model drafts them together). Returns the drafted tokens; the
-        step's decode rows are re-read from the manager if any."""
+        cannot give more slots decodes plainly; nothing is preempted for drafts). The drafting
+        sequences are proposed for together, one call per round (the draft model drafts them
+        in one batch): a round shares the budget out in decode order, and the sequences it left
+        without any get another round with what the proposals left unused (n-gram proposals
+        are often shorter than their limits). Returns the drafted tokens; the step's decode
+        rows are re-read from the manager if any."""
         self._carry_copies(out)
         if self.proposer is None or not out.decode:
             return 0
-        chunks, work, left = [], [], budget
-        for chunk in out.decode:
+        drafted, pending = 0, list(out.decode)
+        while pending and budget - drafted > 0:
+            placed, pending = self._draft_round(pending, budget - drafted, out)
+            drafted += placed
+        self.proposer.end_step()
+        if drafted:
+            ids = [c.seq.seq_id for c in out.decode]
+            counts = [c.count for c in out.decode]
+            out.inputs = StepInputs.from_manager(self.manager, ids, counts)
+        return drafted
+
+    def _draft_round(
+        self, pending: list[ScheduledChunk], budget: float, out: SchedulerOutput
+    ) -> tuple[int, list[ScheduledChunk]]:
+        """Drafts for ``pending`` within ``budget``, in one call to the proposer: the tokens
+        placed, and the chunks the budget ran out before (none when nothing was proposed)."""
+        chunks, work, left, skipped = [], [], budget, []
+        for chunk in pending:
             limit = self._limit(chunk, left)
             if limit > 0:
                 request, seq = chunk.request, chunk.seq
                 chunks.append(chunk)
                 work.append((seq.seq_id, request.prompt + seq.tokens, limit))
                 left -= limit
-        proposals = self.proposer.propose_batch(work) if work else []
-        self.proposer.end_step()
-        drafted = sum(self._place(c, drafts, out) for c, drafts in zip(chunks, proposals))
-        if drafted:
-            ids = [c.seq.seq_id for c in out.decode]
-            counts = [c.count for c in out.decode]
-            out.inputs = StepInputs.from_manager(self.manager, ids, counts)
-        return drafted
+            elif left <= 0:
+                skipped.append(chunk)
+        if not work:
+            return 0, []
+        proposals = self.proposer.propose_batch(work)
+        return sum(self._place(c, d, out) for c, d in zip(chunks, proposals)), skipped
 
     def _limit(self, chunk: ScheduledChunk, budget: float) -> int:
         """The most drafts ``chunk``'s sequence may get: the config's, within ``budget``, short
