@@ -124,6 +124,47 @@ def test_kept_caches_give_each_sequences_greedy_drafts_step_after_step(small, re
     assert set(proposer.manager.seq_ids()) == set(proposer.states)
 
 
+def test_a_sliding_window_draft_model_keeps_its_caches_too():
+    """A Mistral with a 16-token window: its draft pool lets go of the blocks no layer reads,
+    and cutting back rejected drafts still gives each sequence its greedy drafts."""
+
+    def mistral():
+        torch.manual_seed(3)
+        config = transformers.MistralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=16,
+            max_position_embeddings=512,
+        )
+        return transformers.MistralForCausalLM(config).eval()
+
+    proposer, windowed = proposer_of(mistral(), num_blocks=64), mistral()
+    assert proposer.manager.sliding_window == 16
+    rng = torch.Generator().manual_seed(1)
+    live = dict(enumerate(prompts(3, seed=5, low=20, high=40)))
+    for _ in range(6):
+        work = [(seq_id, tokens, 4) for seq_id, tokens in live.items()]
+        drafts = proposer.propose_batch(work)
+        proposer.end_step()
+        for (seq_id, tokens, limit), got in zip(work, drafts):
+            assert got == greedy_continuation(windowed, tokens, limit)
+            accepted = int(torch.randint(0, limit + 1, (1,), generator=rng))
+            live[seq_id] = (
+                tokens + got[:accepted] + [int(torch.randint(3, 256, (1,), generator=rng))]
+            )
+    manager = proposer.manager
+    used = manager.num_device_blocks - manager.num_free_device_blocks()
+    assert used < sum(-(-len(held) // BLOCK) for held in proposer.states.values())
+    # Cut back far behind the window (blocks the kept tokens read were let go): built anew.
+    changed = proposer.states[0][:20] + [9, 9, 9]
+    (drafts,) = proposer.propose_batch([(0, changed, 3)])
+    assert drafts == greedy_continuation(windowed, changed, 3)
+
+
 def test_one_forward_pass_per_draft_position_for_the_whole_batch(small):
     proposer = proposer_of(small)
     calls = []
