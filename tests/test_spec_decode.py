@@ -396,6 +396,85 @@ def test_no_drafts_beyond_the_pool_and_its_watermark():
     assert scheduler.stats.preemptions_by_recompute == 0 and scheduler.running == [request]
 
 
+def test_the_step_proposes_for_all_its_drafting_sequences_in_one_call():
+    """The drafting sequences of a step are gathered and proposed for together; the n-gram
+    proposer's batch is its per-sequence proposals."""
+    manager = BlockManager(64, 4)
+    scheduler = Scheduler(manager, max_num_seqs=4, speculative=NGRAM)
+    proposer = scheduler.drafts.proposer
+    calls = []
+
+    def propose_batch(work):
+        calls.append([(seq_id, list(tokens), limit) for seq_id, tokens, limit in work])
+        return NgramProposer.propose_batch(proposer, work)
+
+    proposer.propose_batch = propose_batch
+    requests = []
+    for i, tokens in enumerate(repetitive_prompts(3, seed=20, length=14)):
+        requests.append(
+            Request(i, tokens, SamplingParams(16), torch.Generator(), RequestMetrics(0.0))
+        )
+        scheduler.add(requests[-1])
+    out = scheduler.schedule()  # the prompts
+    scheduler.update_from_output(out, [(r, _drawn(r.prompt[0])) for r in requests], _unfinished, ())
+    out = scheduler.schedule()
+    (work,) = calls
+    assert [seq_id for seq_id, _, _ in work] == [c.seq.seq_id for c in out.decode]
+    assert all(limit == NGRAM.num_speculative_tokens for _, _, limit in work)
+    expected = [proposer.propose(tokens, limit) for _, tokens, limit in work]
+    assert [c.drafts for c in out.decode] == expected and all(expected)
+
+
+def test_drafts_past_what_the_pool_has_left_are_cut_when_placed():
+    """Limits are set before any drafts take slots: the pool's room is read again as each
+    sequence's drafts are placed, so the first takes the blocks beyond the watermark and the
+    second keeps the rest of its last block only."""
+    manager = BlockManager(11, 4, watermark=0.1)  # one block of watermark
+    speculative = SpeculativeConfig(num_speculative_tokens=8)
+    scheduler = Scheduler(manager, max_num_seqs=2, speculative=speculative)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    requests = [
+        Request(i, list(prompt), SamplingParams(16), torch.Generator(), RequestMetrics(0.0))
+        for i in range(2)
+    ]
+    for request in requests:
+        scheduler.add(request)
+    out = scheduler.schedule()  # the prompts: 6 blocks
+    scheduler.update_from_output(out, [(r, _drawn(4)) for r in requests], _unfinished, ())
+    out = scheduler.schedule()  # 13 slots each in 8 blocks; 2 free beyond the watermark
+    first, second = out.decode
+    assert first.drafts == [5, 6, 7, 8, 9, 1, 2, 3] and second.drafts == [5, 6, 7]
+    assert manager.num_free_device_blocks() == 1 and out.num_tokens == 2 + 8 + 3
+
+
+def test_budget_the_proposals_leave_unused_goes_to_the_sequences_left_out():
+    """A step with room for 5 drafts: the first sequence's limit of 4 leaves 1 for the second
+    and none for the third; the first finds no n-gram, so the third gets a round of its own
+    with the 4 left."""
+    manager = BlockManager(64, 4)
+    scheduler = Scheduler(manager, max_num_seqs=3, speculative=NGRAM)
+    phrase = [20, 21, 22] * 4 + [20, 21]
+    prompts_ = [list(range(3, 17)), phrase, list(phrase)]
+    requests = [
+        Request(i, p, SamplingParams(16), torch.Generator(), RequestMetrics(0.0))
+        for i, p in enumerate(prompts_)
+    ]
+    for request in requests:
+        scheduler.add(request)
+    out = scheduler.schedule()  # the prompts
+    drawn = [(requests[0], _drawn(99)), (requests[1], _drawn(22)), (requests[2], _drawn(22))]
+    scheduler.update_from_output(out, drawn, _unfinished, ())
+    scheduler.max_num_batched_tokens = 8  # 3 decodes and 5 drafts
+    out = scheduler.schedule()
+    assert [c.request for c in out.decode] == requests
+    assert [c.drafts for c in out.decode] == [[], [20], [20, 21, 22, 20]]
+    assert out.num_tokens == 8
+
+
+def _unfinished(request, seq):
+    return None
+
+
 def _drawn(token):
     from paged_attention.engine.request import Drawn
 

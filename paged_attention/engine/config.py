@@ -117,10 +117,12 @@ class CacheConfig:
             v_head_size=geometry.v_head_size,
         )
 
-    def sizes(self, geometry) -> tuple[int, int]:
+    def sizes(self, geometry, extra_block_bytes: int = 0) -> tuple[int, int]:
         """``(device blocks, host blocks)`` for the model ``geometry`` describes: ``num_blocks``
         or as many as ``max_memory`` holds, and ``num_host_blocks`` or its default for the
-        model's device. Raises ValueError naming ``max_memory`` when it holds no block."""
+        model's device. Raises ValueError naming ``max_memory`` when it holds no block.
+        ``extra_block_bytes``: device bytes set aside beside each block (a draft model's pool
+        has one block for each of the model's), paid by ``max_memory`` too."""
         num_blocks = self.num_blocks
         if num_blocks is None:
             memory = self.max_memory
@@ -128,7 +130,10 @@ class CacheConfig:
             budget = None if fraction is not None else memory
             try:
                 num_blocks = num_blocks_for_budget(
-                    self.block_bytes(geometry), geometry.device, budget, fraction
+                    self.block_bytes(geometry) + extra_block_bytes,
+                    geometry.device,
+                    budget,
+                    fraction,
                 )
             except ValueError as error:
                 raise ValueError(f"max_memory={memory!r}: {error}") from None
@@ -137,14 +142,14 @@ class CacheConfig:
             host = default_num_host_blocks(num_blocks, geometry.device)
         return num_blocks, host
 
-    def memory_shortfall(self, geometry) -> str | None:
-        """Why the cache (device blocks and host swap space) does not fit the memory available
-        on the model's device and on the host, or None."""
-        num_blocks, host_blocks = self.sizes(geometry)
+    def memory_shortfall(self, geometry, extra_block_bytes: int = 0) -> str | None:
+        """Why the cache (device blocks, ``extra_block_bytes`` beside each, and host swap space)
+        does not fit the memory available on the model's device and on the host, or None."""
+        num_blocks, host_blocks = self.sizes(geometry, extra_block_bytes)
         device = geometry.device
         block = self.block_bytes(geometry)
         host_available = _cache_module._host_available_bytes()
-        on_device, on_host = num_blocks * block, host_blocks * block
+        on_device, on_host = num_blocks * (block + extra_block_bytes), host_blocks * block
         if device.type == "cuda":
             device_free = torch.cuda.mem_get_info(device)[0]
         else:
@@ -155,20 +160,22 @@ class CacheConfig:
         ):
             if needed > available:
                 return (
-                    f"{num_blocks} blocks of {block} bytes need {needed / 2**30:.1f} GiB "
+                    f"{num_blocks} blocks of {block + extra_block_bytes} bytes need "
+                    f"{needed / 2**30:.1f} GiB "
                     f"of {where}; {available / 2**30:.1f} GiB are available"
                 )
         return None
 
-    def build(self, geometry) -> PagedKVCache:
-        """The model's KV cache as this config sizes it (:meth:`sizes`); raises
+    def build(self, geometry, extra_block_bytes: int = 0) -> PagedKVCache:
+        """The model's KV cache as this config sizes it (:meth:`sizes`, with
+        ``extra_block_bytes`` beside each block left to its owner); raises
         :class:`KVBudgetError` before allocating anything when it does not fit the memory
         there is."""
-        shortfall = self.memory_shortfall(geometry)
+        shortfall = self.memory_shortfall(geometry, extra_block_bytes)
         if shortfall is not None:
             name = "num_blocks" if self.num_blocks is not None else "max_memory"
             raise KVBudgetError(f"{name}: {shortfall}", shortfall)
-        num_blocks, host_blocks = self.sizes(geometry)
+        num_blocks, host_blocks = self.sizes(geometry, extra_block_bytes)
         return geometry.kv_cache(
             self.block_size,
             num_blocks,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_attention.engine.config import EngineConfig
-from paged_attention.engine.draft_model import check_draft_model
+from paged_attention.engine.draft_model import check_draft_model, draft_block_bytes
 from paged_attention.engine.hybrid_runner import HybridRunner, check_hybrid_engine
 from paged_attention.engine.logprobs import record_prompt_logprobs
 from paged_attention.engine.model_runner import CompiledDecode, ModelRunner
@@ -74,15 +74,17 @@ class EngineCore:
                 "speculative decoding is not supported with tensor parallelism; pass "
                 "speculative=None"
             )
+        draft_bytes = 0  # a draft model's pool: one block of its own per block of the model's
         if config.speculative is not None and config.speculative.draft_model is not None:
             check_draft_model(model, config.speculative.draft_model)
+            draft_bytes = draft_block_bytes(config.speculative.draft_model, cache.block_size)
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:  # not yet with tensor parallelism: graphs of NCCL not run here
             cuda_graphs = geometry.device.type == "cuda" and geometry.tensor_parallel.size == 1
             cuda_graphs = cuda_graphs and not geometry.latent  # its attention is not captured
         self.config = config
         self.model = model
-        self.kv_cache = config.cache.build(geometry)
+        self.kv_cache = config.cache.build(geometry, draft_bytes)
         self.block_manager = geometry.block_manager(
             self.kv_cache, config.cache.enable_prefix_caching, config.scheduler.max_num_seqs
         )

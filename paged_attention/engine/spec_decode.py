@@ -69,6 +69,11 @@ class NgramProposer:
                 return ids[follow : follow + limit].tolist()
         return []
 
+    def propose_batch(self, work: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """:meth:`propose` for each ``(seq_id, tokens, limit)`` of ``work`` (the proposers'
+        common interface: the draft model's drafts all sequences together)."""
+        return [self.propose(tokens, limit) for _, tokens, limit in work]
+
     @property
     def states(self) -> dict:
         """Nothing is kept between steps."""
@@ -78,14 +83,16 @@ class NgramProposer:
         """Nothing is kept between steps."""
 
 
-def make_proposer(config: SpeculativeConfig | None):
-    """The proposer of ``config``'s method, or None when nothing is drafted."""
+def make_proposer(config: SpeculativeConfig | None, manager: BlockManager):
+    """The proposer of ``config``'s method, or None when nothing is drafted. A draft model's
+    pool has as many blocks of the same size as ``manager``'s device pool."""
     if config is None:
         return None
     if config.method == "draft_model":
         from paged_attention.engine.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config.draft_model)
+        blocks, size = manager.num_device_blocks, manager.block_size
+        return DraftModelProposer(config.draft_model, blocks, size)
     return NgramProposer(config)
 
 
@@ -103,22 +110,25 @@ class DraftSlots:
     def __init__(self, manager: BlockManager, config: SpeculativeConfig | None) -> None:
         self.manager = manager
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, manager)
         self._carried: list[tuple[int, tuple[int, int]]] = []
 
     def reserve(self, out: SchedulerOutput, budget: float) -> int:
         """After the step's decode slots are reserved: drafts for its decoding sequences, within
         ``budget`` tokens and the blocks the pool has beyond its watermark (a sequence the pool
-        cannot give more slots decodes plainly; nothing is preempted for drafts). Returns the
-        drafted tokens; the step's decode rows are re-read from the manager if any."""
+        cannot give more slots decodes plainly; nothing is preempted for drafts). The drafting
+        sequences are proposed for together, one call per round (the draft model drafts them
+        in one batch): a round shares the budget out in decode order, and the sequences it left
+        without any get another round with what the proposals left unused (n-gram proposals
+        are often shorter than their limits). Returns the drafted tokens; the step's decode
+        rows are re-read from the manager if any."""
         self._carry_copies(out)
         if self.proposer is None or not out.decode:
             return 0
-        drafted = 0
-        for chunk in out.decode:
-            if budget - drafted <= 0:
-                break
-            drafted += self._draft(chunk, int(min(budget - drafted, 1 << 30)), out)
+        drafted, pending = 0, list(out.decode)
+        while pending and budget - drafted > 0:
+            placed, pending = self._draft_round(pending, budget - drafted, out)
+            drafted += placed
         self.proposer.end_step()
         if drafted:
             ids = [c.seq.seq_id for c in out.decode]
@@ -126,20 +136,44 @@ class DraftSlots:
             out.inputs = StepInputs.from_manager(self.manager, ids, counts)
         return drafted
 
-    def _draft(self, chunk: ScheduledChunk, budget: int, out: SchedulerOutput) -> int:
+    def _draft_round(
+        self, pending: list[ScheduledChunk], budget: float, out: SchedulerOutput
+    ) -> tuple[int, list[ScheduledChunk]]:
+        """Drafts for ``pending`` within ``budget``, in one call to the proposer: the tokens
+        placed, and the chunks the budget ran out before (none when nothing was proposed)."""
+        chunks, work, left, skipped = [], [], budget, []
+        for chunk in pending:
+            limit = self._limit(chunk, left)
+            if limit > 0:
+                request, seq = chunk.request, chunk.seq
+                chunks.append(chunk)
+                work.append((seq.seq_id, request.prompt + seq.tokens, limit))
+                left -= limit
+            elif left <= 0:
+                skipped.append(chunk)
+        if not work:
+            return 0, []
+        proposals = self.proposer.propose_batch(work)
+        return sum(self._place(c, d, out) for c, d in zip(chunks, proposals)), skipped
+
+    def _limit(self, chunk: ScheduledChunk, budget: float) -> int:
+        """The most drafts ``chunk``'s sequence may get: the config's, within ``budget``, short
+        of ``max_new_tokens`` (a step emits at most one token more than it drafts) and within
+        the pool's room; 0 for requests not given drafts."""
         request, seq = chunk.request, chunk.seq
-        if not drafts_allowed(request):
+        if budget <= 0 or not drafts_allowed(request):
             return 0
-        # A step emits at most one token more than it drafts: no draft past max_new_tokens.
-        limit = min(self.config.num_speculative_tokens, budget)
-        limit = min(limit, request.params.max_new_tokens - len(seq.tokens) - 1, self._room(chunk))
-        if limit <= 0:
-            return 0
-        drafts = self.proposer.propose(request.prompt + seq.tokens, limit, seq.seq_id)
+        limit = min(self.config.num_speculative_tokens, int(min(budget, 1 << 30)))
+        return min(limit, request.params.max_new_tokens - len(seq.tokens) - 1, self._room(chunk))
+
+    def _place(self, chunk: ScheduledChunk, drafts: list[int], out: SchedulerOutput) -> int:
+        """Slots for ``drafts`` after ``chunk``'s decode slot, as many as the pool still has
+        room for (earlier sequences of the step took theirs since the limits were set)."""
+        drafts = drafts[: self._room(chunk)]
         if not drafts:
             return 0
         try:
-            pairs = self.manager.append_slots(seq.seq_id, len(drafts), drafts)
+            pairs = self.manager.append_slots(chunk.seq.seq_id, len(drafts), drafts)
         except OutOfBlocksError:
             return 0
         if pairs:
