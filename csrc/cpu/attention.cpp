@@ -140,7 +140,12 @@ void fill_params_and_run(AttentionParams& p, const AttentionDims& dims, const At
   p.head_size = dims.head_size;
   p.v_head_size = dims.v_head_size;
   p.block_size = dims.block_size;
-  p.max_unit_tokens = std::min(dims.max_seq_len, p.partition_size);
+  // A unit attends at most the longest sequence of this call, often far fewer tokens than
+  // max_seq_len (a compiled step passes its capture-time bound every time): the per-thread
+  // scratch holds that many logits.
+  int64_t longest = 0;
+  for (int64_t s = 0; s < dims.num_seqs; ++s) longest = std::max<int64_t>(longest, p.seq_lens[s]);
+  p.max_unit_tokens = std::min(longest, p.partition_size);
   if (sliding_window > 0) {
     // The first query row's window, plus the positions of the rows after it.
     p.max_unit_tokens = std::min(p.max_unit_tokens, sliding_window + p.max_query_len - 1);

@@ -142,12 +142,12 @@ struct Scratch {
               int64_t block_size, int64_t max_tokens) {
     const int64_t rows_pad = round_up(rows, kHeadTile);
     logit_stride = round_up(std::max<int64_t>(max_tokens, 1), kLanes);
-    query_patterns.resize(kv_heads * rows_pad * head_size);
-    logits.resize(kv_heads * rows * logit_stride);
-    block_logits.resize(rows_pad * block_size);
-    prob_patterns.resize(kValueBlocks * rows_pad * kMaxPatterns * kLanes);
+    query_patterns.grow(kv_heads * rows_pad * head_size);
+    logits.grow(kv_heads * rows * logit_stride);
+    block_logits.grow(rows_pad * block_size);
+    prob_patterns.grow(kValueBlocks * rows_pad * kMaxPatterns * kLanes);
     // A value tile of 4-byte elements has v_head_size * block_size / 16 chunks (the most).
-    accumulators.resize(kv_heads * rows_pad * v_head_size * block_size);
+    accumulators.grow(kv_heads * rows_pad * v_head_size * block_size);
   }
 };
 
@@ -855,7 +855,9 @@ inline void run_units(const AttentionParams& p, std::atomic<int64_t>& next_unit)
   const int64_t runs = kv_head_runs(p);
   const int64_t units = unit_count(p);
   const int64_t max_head_rows = p.max_query_len * queries_per_kv;
-  Scratch s;
+  // Kept by each thread from call to call: a decode step makes one call per layer, and
+  // allocating and zeroing the buffers each time cost more than attending a short context.
+  thread_local Scratch s;
   s.resize(p.unit_kv_heads, max_head_rows, p.head_size, p.v_head_size, p.block_size,
            p.max_unit_tokens);
   std::vector<float> result(p.unit_kv_heads * max_head_rows * p.v_head_size);

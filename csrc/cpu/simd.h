@@ -360,14 +360,23 @@ class AlignedArray {
   void resize(int64_t n) {
     constexpr int64_t kSlack = 128 / sizeof(T);  // alignment, then >= 64 bytes of readable slack
     storage_.assign(n + kSlack, T{});
+    capacity_ = n;
     const auto address = reinterpret_cast<uintptr_t>(storage_.data());
     data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(T);
+  }
+  // At least n elements, keeping the storage (and its contents) when it holds them already: for
+  // buffers reused from call to call whose users write every element before reading it.
+  void grow(int64_t n) {
+    if (n > capacity_) {
+      resize(n);
+    }
   }
   T* data() { return data_; }
 
  private:
   std::vector<T> storage_;
   T* data_ = nullptr;
+  int64_t capacity_ = 0;
 };
 
 using AlignedFloats = AlignedArray<float>;
