@@ -93,8 +93,8 @@ def test_bad_arguments_are_refused():
         gguf_linear(x, qs, scales, "Q8_0")
     with pytest.raises(TypeError, match="x must be float32 or bfloat16, got Half"):
         gguf_linear(x.half(), qs, scales, "Q4_1")
-    with pytest.raises(TypeError, match="scales must be float32"):
-        gguf_linear(x, qs, scales.double(), "Q4_1")
+    with pytest.raises(TypeError, match="scales must be int16, got Float"):
+        gguf_linear(x, qs, scales.float(), "Q4_1")
     with pytest.raises(TypeError, match="qs must be uint8"):
         gguf_linear(x, qs.to(torch.int8), scales, "Q4_1")
     with pytest.raises(ValueError, match="x has 96 input features, the weight 64"):
@@ -136,3 +136,27 @@ def test_layout_matches_the_op_documented_bytes():
             for t in range(4):
                 assert laid[64 * i + 4 * r + t] & 15 == q[r, 4 * i + t]
                 assert laid[64 * i + 4 * r + t] >> 4 == q[r, 16 + 4 * i + t]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scales_are_the_file_fields(fmt):
+    """Per block and row the layout keeps the file's float16 d (bits unchanged), then m (Q4_1),
+    d again (Q4_0) or the row's quants summed (Q8_0): 2 bytes per row and block beside the
+    quants for the 4-bit formats, as the file has, 4 for Q8_0."""
+    blocks, _ = weight_blocks((32, 96), fmt, seed=8)
+    _, scales = kernel_layout(blocks, fmt)
+    assert scales.dtype == torch.int16 and scales.shape == (2, 3, 2, 16)
+    fields = scales.numpy().view(np.uint16)  # (groups, blocks, field, row in group)
+    halves = blocks.view(np.uint16)  # (rows, blocks, bytes / 2)
+    for g in range(2):
+        for b in range(3):
+            rows = slice(16 * g, 16 * g + 16)
+            assert (fields[g, b, 0] == halves[rows, b, 0]).all()
+            if fmt == "Q4_1":
+                second = halves[rows, b, 1]
+            elif fmt == "Q4_0":
+                second = halves[rows, b, 0]
+            else:
+                quants = blocks[rows, b, 2:].view(np.int8)
+                second = quants.sum(-1, dtype=np.int16).view(np.uint16)
+            assert (fields[g, b, 1] == second).all()

@@ -9,11 +9,16 @@
 //   Q4_0, Q4_1  256 bytes: byte 64 i + 4 r + t holds input 4 i + t of row r in its low nibble and
 //               input 16 + 4 i + t in its high nibble (i in 0..3), the q in 0..15;
 //   Q8_0        512 bytes: byte 64 i + 4 r + t is input 4 i + t of row r (i in 0..7), int8.
-// and `scales` (float32) the 16 rows' d, then their e, where a block's product is
+// and `scales` (int16, 64 bytes) the 16 rows' d (the file's float16), then a second field per
+// row, from which the kernel takes e, where a block's product is
 //   d * dx * dot(q, qx) + e * s
-// with qx the int8 activations and s: Q4_1: e = m, s = dx * sum(qx); Q4_0 (w = d (q - 8)):
-// e = -8 d, s = dx * sum(qx); Q8_0: the activations enter vpdpbusd unsigned, as qx + 128, so
-// e = -128 d * sum(q), s = dx.
+// with qx the int8 activations and s:
+//   Q4_1  field m (float16): e = m, s = dx * sum(qx);
+//   Q4_0  (w = d (q - 8)) field d again: e = d, s = -8 dx * sum(qx);
+//   Q8_0  the activations enter vpdpbusd unsigned, as qx + 128: field sum(q) (an int16, the
+//         row's quants summed over the block): e = -128 d * sum(q), s = dx.
+// So a block of 16 rows reads 2 bytes per row beside its quants for Q4_0 and Q4_1, as the file
+// does, and 4 for Q8_0 (2 in the file): fewer bytes per decoded token than float32 fields.
 //
 // Variants: "vnni" (AVX-512 with VNNI, picked when torch's capability and the CPU say AVX-512
 // and the CPU has VNNI, see variants.h) and "reference", the portable scalar loop of the same
@@ -21,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -96,7 +102,9 @@ void quantize_activations(const scalar_t* x, int64_t rows, int64_t k, Format for
         a.q[i * kGroup + j] = static_cast<uint8_t>(format == Format::kQ8_0 ? q + 128 : q);
       }
       a.dx[i] = dx;
-      a.s[i] = format == Format::kQ8_0 ? dx : dx * static_cast<float>(sum);
+      // Q4_0's -8 goes to this side, so that its second field is the file's d, exactly.
+      const float weight_offset = format == Format::kQ4_0 ? -8.0f : 1.0f;
+      a.s[i] = format == Format::kQ8_0 ? dx : weight_offset * dx * static_cast<float>(sum);
     }
   });
 }
@@ -112,7 +120,7 @@ int weight_quant(Format format, const uint8_t* qs, int r, int j) {
 struct Problem {
   Format format;
   const uint8_t* qs;
-  const float* scales;
+  const uint16_t* scales;
   int64_t k, n;
   const QuantizedActivations* a;
   void* y;  // rows x n, float or bfloat16
@@ -128,6 +136,14 @@ struct Problem {
   }
 };
 
+float half_to_float(uint16_t bits) { return c10::Half(bits, c10::Half::from_bits()); }
+
+// e of the block product (see the top of this file) from a row's d and its second field.
+float second_factor(Format format, float d, uint16_t field) {
+  if (format == Format::kQ8_0) return -128.0f * d * static_cast<float>(static_cast<int16_t>(field));
+  return half_to_float(field);
+}
+
 // Output groups [begin, end) of activation rows [row0, row0 + rows).
 void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end) {
   const int64_t blocks = p.k / kGroup, bytes = quant_bytes(p.format);
@@ -137,7 +153,7 @@ void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begi
         float sum = 0.0f;
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* qs = p.qs + (g * blocks + b) * bytes;
-          const float* scales = p.scales + (g * blocks + b) * 2 * kRows;
+          const uint16_t* fields = p.scales + (g * blocks + b) * 2 * kRows;
           const uint8_t* qx = p.a->q.data() + row * p.k + b * kGroup;
           int32_t dot = 0;
           for (int j = 0; j < kGroup; ++j) {
@@ -145,7 +161,8 @@ void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begi
             dot += weight_quant(p.format, qs, r, j) * x;
           }
           const float dx = p.a->dx[row * blocks + b], s = p.a->s[row * blocks + b];
-          sum += scales[r] * dx * static_cast<float>(dot) + scales[kRows + r] * s;
+          const float d = half_to_float(fields[r]);
+          sum += d * dx * static_cast<float>(dot) + second_factor(p.format, d, fields[kRows + r]) * s;
         }
         p.store(row * p.n + g * kRows + r, &sum, 1);
       }
@@ -186,7 +203,7 @@ PA_GGUF_VNNI_TARGET void groups_vnni(const Problem& p, int64_t row0, int64_t beg
     for (auto& pair : acc) pair[0] = pair[1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* qs = p.qs + (g * blocks + b) * kBytes;
-      const float* scales = p.scales + (g * blocks + b) * 2 * kRows;
+      const uint16_t* fields = p.scales + (g * blocks + b) * 2 * kRows;
       __m512i w[8];
       if constexpr (kFormat == Format::kQ8_0) {
         for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(qs + 64 * i);
@@ -197,7 +214,15 @@ PA_GGUF_VNNI_TARGET void groups_vnni(const Problem& p, int64_t row0, int64_t beg
           w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         }
       }
-      const __m512 d = _mm512_loadu_ps(scales), e = _mm512_loadu_ps(scales + kRows);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
+      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + kRows));
+      __m512 e;
+      if constexpr (kFormat == Format::kQ8_0) {
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(second));
+        e = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(-128.0f)), sums);
+      } else {
+        e = _mm512_cvtph_ps(second);
+      }
       for (int r = 0; r < kTileRows; ++r) {
         const int64_t row = row0 + r;
         const __m512i dot = block_dot<kFormat>(w, p.a->q.data() + row * p.k + b * kGroup);
@@ -274,7 +299,7 @@ void check_arguments(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                    "gguf_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_TYPE(qs.scalar_type() == at::kByte, "gguf_linear: qs must be uint8, got ",
                    qs.scalar_type());
-  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "gguf_linear: scales must be float32, got ",
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kShort, "gguf_linear: scales must be int16, got ",
                    scales.scalar_type());
   TORCH_CHECK_VALUE(x.dim() == 2, "gguf_linear: x must be 2-d (rows, in features), got ", x.dim(),
                     " dimensions");
@@ -308,7 +333,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     } else {
       quantize_activations(xc.const_data_ptr<float>(), m, k, format, a);
     }
-    const Problem p{format, qs.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), k, n, &a,
+    const Problem p{format, qs.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.const_data_ptr<int16_t>()), k, n, &a,
                     y.data_ptr(), bf16};
     // 4 groups (64 output rows) per task at least: fewer cost more to schedule than they share.
     at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {

@@ -30,7 +30,7 @@ from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, 
 
 logger = logging.getLogger("paged_attention.modeling")
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """Raised when what :class:`QuantizedLinear` keeps in its buffers changes meaning."""
 
 

@@ -12,9 +12,9 @@ rounding): :func:`error_bound`.
 The op reads the weights in its own layout, built once per weight by :func:`kernel_layout`
 from the file's blocks (the C++ source, ``csrc/cpu/gguf_linear.cpp``, describes it): per
 group of 16 output rows, each block's quants interleaved four inputs per row, and the rows'
-scales as float32. Its variants: ``"vnni"`` (AVX-512 with VNNI), ``"reference"`` (a portable
-scalar loop of the same arithmetic, slow) and ``"auto"``, which picks ``vnni`` where
-:func:`vnni_usable` says so.
+scales as the file's float16 fields. Its variants: ``"vnni"`` (AVX-512 with VNNI),
+``"reference"`` (a portable scalar loop of the same arithmetic, slow) and ``"auto"``, which
+picks ``vnni`` where :func:`vnni_usable` says so.
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ def gguf_linear(x, qs, scales, fmt: str, variant: str = "auto") -> torch.Tensor:
 def kernel_layout(blocks: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's ``(qs, scales)`` from a weight's GGUF ``blocks``, a uint8 array (rows, blocks,
     bytes per block) with rows a multiple of :data:`GROUP_ROWS`: ``qs`` uint8 (groups, blocks,
-    256 or 512 for Q8_0), ``scales`` float32 (groups, blocks, 2, 16): the rows' ``d`` and ``e``
-    (``m`` for Q4_1, ``-8 d`` for Q4_0, ``-128 d * sum(q)`` for Q8_0)."""
+    256 or 512 for Q8_0), ``scales`` int16 (groups, blocks, 2, 16): the rows' ``d`` (the
+    file's float16 bits), then a second field per row: ``m`` (Q4_1, float16 bits), ``d`` again
+    (Q4_0, whose ``-8`` the kernel applies to the activations' side) or the block's quants
+    summed (Q8_0, an integer), from which the kernel takes each block's offset term. Two bytes
+    per row and block beside the quants, as in the file (four for Q8_0)."""
     rows, count, _ = blocks.shape
     if rows % GROUP_ROWS:
         raise ValueError(f"blocks: {rows} rows is not a multiple of {GROUP_ROWS}")
@@ -65,18 +68,18 @@ def kernel_layout(blocks: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Ten
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
         # byte 64 i + 4 r + t: input 4 i + t of row r
         qs = q.reshape(groups, GROUP_ROWS, count, 8, 4).transpose(0, 2, 3, 1, 4)
-        e = -128.0 * d * q.astype(np.int32).sum(-1)
+        second = q.astype(np.int16).sum(-1, dtype=np.int16).view(np.uint16)
     elif fmt in ("Q4_0", "Q4_1"):
         # byte j of a block holds input j (low nibble) and j + 16 (high): byte 64 i + 4 r + t
         # of the layout is byte 4 i + t of row r's block
         packed = blocks[..., 2 if fmt == "Q4_0" else 4 :]
         qs = packed.reshape(groups, GROUP_ROWS, count, 4, 4).transpose(0, 2, 3, 1, 4)
-        e = -8.0 * d if fmt == "Q4_0" else _halves(blocks, 2)
+        second = d if fmt == "Q4_0" else _halves(blocks, 2)
     else:
         raise ValueError(f"fmt: expected Q4_0, Q4_1 or Q8_0, got {fmt!r}")
     qs = np.ascontiguousarray(qs).reshape(groups, count, -1).view(np.uint8)
-    scales = np.stack([d, e.astype(np.float32)]).reshape(2, groups, GROUP_ROWS, count)
-    scales = np.ascontiguousarray(scales.transpose(1, 3, 0, 2))
+    scales = np.stack([d, second]).reshape(2, groups, GROUP_ROWS, count)
+    scales = np.ascontiguousarray(scales.transpose(1, 3, 0, 2)).view(np.int16)
     return torch.from_numpy(qs), torch.from_numpy(scales)
 
 
@@ -93,9 +96,5 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _halves(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 field at byte ``offset`` of each block, as float32."""
-    return (
-        np.ascontiguousarray(blocks[..., offset : offset + 2])
-        .view(np.float16)[..., 0]
-        .astype(np.float32)
-    )
+    """The bits of the float16 field at byte ``offset`` of each block, as uint16."""
+    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.uint16)[..., 0]
