@@ -329,11 +329,15 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
     GGUF loader gives (float32, the conversion cache), exactly."""
     from gguf import GGMLQuantizationType, quants
 
-    from paged_attention.modeling.quantized import QuantizedLinear, ShippedTensors
+    from paged_attention.modeling.quantized import QuantizedLinear, ShippedTensors, selected_kernel
 
     model, _ = smollm2_as_shipped
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert [m.format for m in layers].count("Q4_1") == 210 and model.lm_head.format == "Q8_0"
+    # the gguf kernel's layers fused, per layer: the query, key and value projections as one,
+    # the output, gate and up as one, down (modeling/fused_projections.py)
+    q4_layers = 120 if selected_kernel() == "gguf" else 210
+    assert [m.format for m in layers].count("Q4_1") == q4_layers
+    assert model.lm_head.format == "Q8_0"
     floats, _ = load_model("smollm2", weights="fp32")
     shipped = ShippedTensors.read(models.smollm2_gguf(), floats)
     for layer in (0, 29):
@@ -347,6 +351,7 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
 def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped, monkeypatch):
     """The GGUF's layers, built once, are saved beside the converted model, and a load that
     reads them has the buffers of a fresh build from the GGUF file, exactly."""
+    from paged_attention.modeling.fused_projections import fuse_projections
     from paged_attention.modeling.packed_linear import PACK_ENV
     from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, selected_kernel
     from paged_attention.modeling.quantized_cache import cache_file
@@ -357,9 +362,10 @@ def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipp
     monkeypatch.setenv(PACK_ENV, "0")  # quantize_model takes torch.nn.Linear layers
     fresh, _ = load_model("smollm2", weights="bf16")
     quantize_model(fresh, "auto", models.smollm2_gguf())
+    fuse_projections(fresh)
     ours = {n: m for n, m in cached.named_modules() if isinstance(m, QuantizedLinear)}
     theirs = {n: m for n, m in fresh.named_modules() if isinstance(m, QuantizedLinear)}
-    assert list(ours) == list(theirs) and len(ours) == 211
+    assert list(ours) == list(theirs) and len(ours) == (121 if selected_kernel() == "gguf" else 211)
     for name, layer in ours.items():
         expected = dict(theirs[name].named_buffers())
         assert list(dict(layer.named_buffers())) == list(expected)

@@ -143,6 +143,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
                 quantize_model(model, weights, gguf)
         except ValueError as error:
             raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
+        from paged_attention.modeling.fused_projections import fuse_projections
+
+        fuse_projections(model)  # sibling quantized projections as one product each
     if device.type == "cpu" and weights is not None:
         from paged_attention.modeling.packed_linear import (
             LOAD_PACKED_DTYPES,
