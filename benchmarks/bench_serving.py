@@ -705,7 +705,7 @@ def run_token_workloads(args, workloads, configs) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models and workloads")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -742,6 +742,11 @@ def main() -> None:
     )
     parser.add_argument("--json", default="results/bench_serving.json")
     parser.add_argument("--plot", default="results/bench_serving.png")
+    return parser
+
+
+def main() -> None:
+    parser = argument_parser()
     args = parser.parse_args()
     if args.merge:
         runs = []
