@@ -1,10 +1,14 @@
 """One user through ``serve`` against the offline engine, in one run: the tokens/s of a
-single streamed chat of ``--max-tokens`` tokens (the openai client, greedy), the engine's own
-rate for the same prompt offline, and the seconds from starting ``serve`` until ``/health``
+single streamed chat of ``--max-tokens`` tokens (the openai client, greedy), the rate of the
+same engine offline for the same prompt (the engine ``serve`` builds from the same arguments,
+``--serve-args`` included, its compiled steps loaded from the same cache; built in this
+process from this checkout), and the seconds from starting ``serve`` until ``/health``
 answers. Servers are started from the checkouts given (``--checkouts before=PATH,after=PATH``)
 in turn, A B A B, so a shared machine's load falls on both alike; /proc/loadavg is recorded.
 
     python benchmarks/bench_server_process.py --checkouts before=../old,after=. --rounds 2
+    python benchmarks/bench_server_process.py --checkouts now=. --rounds 3 \
+        --serve-args '--max-num-seqs 1 --max-n 1'
     python benchmarks/bench_server_process.py --checkouts after=. --start-methods
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -32,14 +37,19 @@ def loadavg() -> str:
         return " ".join(file.read().split()[:3])
 
 
-def serve_once(checkout: str, model: str, max_tokens: int, threads: int | None) -> dict:
+def serve_arguments(model: str, threads: int | None, serve_args: str) -> list[str]:
+    """``serve``'s arguments after the command: the model, the threads and ``serve_args``."""
+    threads_args = ["--threads", str(threads)] if threads else []
+    return ["--model", model, "--log-level", "warning", *threads_args, *shlex.split(serve_args)]
+
+
+def serve_once(checkout: str, model: str, max_tokens: int, threads, serve_args: str) -> dict:
     import httpx
     import openai
 
     port = free_port()
-    command = [sys.executable, "-m", "paged_attention", "serve", "--model", model]
-    command += ["--port", str(port), "--log-level", "warning"]
-    command += ["--threads", str(threads)] if threads else []
+    command = [sys.executable, "-m", "paged_attention", "serve", "--port", str(port)]
+    command += serve_arguments(model, threads, serve_args)
     environment = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
     started = time.perf_counter()
     server = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL)
@@ -79,17 +89,14 @@ def serve_once(checkout: str, model: str, max_tokens: int, threads: int | None) 
         server.wait(60)
 
 
-def offline(model: str, max_tokens: int, threads: int | None) -> dict:
-    import torch
+def offline(model: str, max_tokens: int, threads: int | None, serve_args: str) -> dict:
+    from paged_attention.cli import serve
+    from paged_attention.engine import SamplingParams
 
-    from paged_attention.engine import Engine, SamplingParams
-    from paged_attention.modeling.models import load_model
-
-    if threads:
-        torch.set_num_threads(threads)
-
-    loaded, tokenizer = load_model(model)
-    engine = Engine(loaded, tokenizer=tokenizer, num_blocks=4096 // 16, block_size=16)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(serve_arguments(model, threads, serve_args))
+    engine, _ = serve.ServeSpec(args).build()
     messages = [{"role": "user", "content": PROMPT}]
     rate = None
     for _ in range(2):
@@ -124,6 +131,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch threads (serve --threads)")
+    parser.add_argument("--serve-args", default="", help="more arguments for serve (both sides)")
     parser.add_argument("--json")
     parser.add_argument(
         "--start-methods",
@@ -140,10 +148,12 @@ def main() -> None:
     results = []
     for round_ in range(args.rounds):
         entry = {"round": round_, "load_before": loadavg()}
-        entry["offline"] = offline(args.model, args.max_tokens, args.threads)
+        entry["offline"] = offline(args.model, args.max_tokens, args.threads, args.serve_args)
         print(f"offline: {entry['offline']}", file=sys.stderr, flush=True)
         for name, path in checkouts.items():
-            entry[name] = serve_once(path, args.model, args.max_tokens, args.threads)
+            entry[name] = serve_once(
+                path, args.model, args.max_tokens, args.threads, args.serve_args
+            )
             print(f"{name}: {entry[name]}", file=sys.stderr, flush=True)
         entry["load_after"] = loadavg()
         results.append(entry)
