@@ -948,12 +948,14 @@ def test_stats():
     assert device.reserved_slots == 12 and device.empty_slots == 2
     assert device.fragmentation == pytest.approx(2 / 12)
     assert device.blocks_saved_by_sharing == 3  # 6 table entries in 3 blocks
+    assert bm.blocks_saved_by_sharing() == 3
     assert stats.bytes_saved_by_sharing == 3000
     assert stats.num_seqs == 3 and stats.num_swapped_seqs == 0
     bm.swap_out([1, 2])
     stats = bm.stats()
     assert stats.host.used_blocks == 2 and stats.host.blocks_saved_by_sharing == 2
     assert stats.num_swapped_seqs == 2 and stats.device.used_blocks == 2
+    assert bm.blocks_saved_by_sharing() == stats.device.blocks_saved_by_sharing == 0
 
 
 # ---------------------------------------------------------------------------- replay

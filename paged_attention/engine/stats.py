@@ -70,7 +70,7 @@ class EngineStats:
             r.params.num_seqs * (len(r.prompt) + r.params.max_new_tokens) for r in running
         )
         contiguous = -(-contiguous_slots // manager.block_size)
-        saved = manager.stats().device.blocks_saved_by_sharing
+        saved = manager.blocks_saved_by_sharing()
         self.peak_blocks = max(self.peak_blocks, in_use)
         self.peak_contiguous_blocks = max(self.peak_contiguous_blocks, contiguous)
         self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, saved)

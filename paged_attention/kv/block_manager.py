@@ -203,6 +203,11 @@ class BlockManager:
     def num_free_host_blocks(self) -> int:
         return self._host.num_free()
 
+    def blocks_saved_by_sharing(self) -> int:
+        """``stats().device.blocks_saved_by_sharing`` alone (the engine reads it every step)."""
+        refs = self._device.refs
+        return int(refs.sum()) - int(np.count_nonzero(refs))
+
     def seq_ids(self) -> list[int]:
         return list(self._tables.row_of)
 
