@@ -78,7 +78,9 @@ def _extensions():
     host_flags += ["-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
     link_flags = []
     if sanitizer:
+        # and reused scratch poisoned with NaN (csrc/cpu/simd.h, AlignedArray::grow)
         host_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+        host_flags.append("-DPA_POISON_REUSED_SCRATCH")
         if not debug:
             host_flags.append("-g1")  # line tables, so that the reports name file and line
         link_flags.append("-fsanitize=address")

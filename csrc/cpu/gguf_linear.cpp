@@ -162,7 +162,8 @@ void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begi
           }
           const float dx = p.a->dx[row * blocks + b], s = p.a->s[row * blocks + b];
           const float d = half_to_float(fields[r]);
-          sum += d * dx * static_cast<float>(dot) + second_factor(p.format, d, fields[kRows + r]) * s;
+          const float e = second_factor(p.format, d, fields[kRows + r]);
+          sum += d * dx * static_cast<float>(dot) + e * s;
         }
         p.store(row * p.n + g * kRows + r, &sum, 1);
       }
@@ -214,8 +215,9 @@ PA_GGUF_VNNI_TARGET void groups_vnni(const Problem& p, int64_t row0, int64_t beg
           w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
-      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + kRows));
+      const auto* halves = reinterpret_cast<const __m256i*>(fields);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+      const __m256i second = _mm256_loadu_si256(halves + 1);  // the 16 rows' second fields
       __m512 e;
       if constexpr (kFormat == Format::kQ8_0) {
         const __m512 sums = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(second));
@@ -333,8 +335,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     } else {
       quantize_activations(xc.const_data_ptr<float>(), m, k, format, a);
     }
-    const Problem p{format, qs.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.const_data_ptr<int16_t>()), k, n, &a,
-                    y.data_ptr(), bf16};
+    const auto* fields = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<int16_t>());
+    const Problem p{format, qs.const_data_ptr<uint8_t>(), fields, k, n, &a, y.data_ptr(), bf16};
     // 4 groups (64 output rows) per task at least: fewer cost more to schedule than they share.
     at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
       for (int64_t row = 0; row < m; row += kTile) {

@@ -13,8 +13,10 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -365,11 +367,14 @@ class AlignedArray {
     data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(T);
   }
   // At least n elements, keeping the storage (and its contents) when it holds them already: for
-  // buffers reused from call to call whose users write every element before reading it.
+  // buffers reused from call to call whose users write every element before reading it. The
+  // sanitizer build (PA_POISON_REUSED_SCRATCH, `make test-asan`) fills them with NaN at every
+  // call instead, so that a read before a write shows in the tests' outputs.
   void grow(int64_t n) {
-    if (n > capacity_) {
-      resize(n);
-    }
+    if (n > capacity_) resize(n);
+#ifdef PA_POISON_REUSED_SCRATCH
+    std::fill(data_, data_ + n, std::numeric_limits<T>::quiet_NaN());
+#endif
   }
   T* data() { return data_; }
 
