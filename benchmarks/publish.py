@@ -911,6 +911,7 @@ OFFLINE_ENGINES = {
     "ours-auto": "ours, `--weights auto`",
     "ours-unpacked": "ours, float layers not packed (`PAGED_ATTENTION_PACK_LINEAR=0`)",
     "vllm": "vLLM",
+    "limit": "limit: the matrix products alone",
 }
 
 
@@ -982,12 +983,18 @@ def offline_section(data: dict) -> str:
         entry = summary[(dtype, config)]
         ratio = entry.get("ratio_to_vllm")
         same = [r for r in rows if "same_as_vllm" in r]
+        of_limit = entry.get("of_limit")
+        if "target_of_limit" in entry:
+            share = f"{data['target_ratio']}x vLLM: {100 * entry['target_of_limit']:.0f}%"
+        else:
+            share = "" if of_limit is None else f"{100 * of_limit:.0f}%"
         body.append(
             [
                 dtype,
                 OFFLINE_ENGINES[config],
                 rounds_cell([r["tok_per_s"] for r in rows], 1),
                 "" if ratio is None else f"{ratio:.2f}x" + ("" if entry["meets_target"] else " ✗"),
+                share,
                 rounds_cell([r["load_s"] for r in rows], 1),
                 rounds_cell([r["peak_rss_mb"] for r in rows], 0),
                 ", ".join(f"{r['same_as_vllm']} of {data['workload']['requests']}" for r in same),
@@ -996,8 +1003,9 @@ def offline_section(data: dict) -> str:
         )
     work, settings = data["workload"], data["settings"]
     rounds = settings["rounds"]
-    header = ["dtype", "engine", "output tok/s, median (each round)", "vs vLLM", "load s",
-              "peak resident MB", "answers equal to vLLM's", "load average, each run"]  # fmt: skip
+    header = ["dtype", "engine", "output tok/s, median (each round)", "vs vLLM", "of the limit",
+              "load s", "peak resident MB", "answers equal to vLLM's",
+              "load average, each run"]  # fmt: skip
     text = (
         f"The offline engine against vLLM's CPU engine on one workload: {work['model']} "
         f"(SmolLM2-135M-Instruct; both engines load the same float checkpoint, the GGUF "
@@ -1011,9 +1019,27 @@ def offline_section(data: dict) -> str:
         "after a one-request warm-up; load s from the process's start until the engine is "
         f"ready{offline_compile_cache(data)}; peak resident memory of the run's process "
         "tree. vs vLLM: the median's ratio to vLLM's in the same dtype, ✗ below the "
-        f"{data['target_ratio']}x target.\n\n"
+        f"{data['target_ratio']}x target."
+        f"{offline_limit_text(data)}\n\n"
     )
-    return text + table(header, body, "llrrrrll")
+    return text + table(header, body, "llrrrrrll")
+
+
+def offline_limit_text(data: dict) -> str:
+    """What the ``limit`` rows are, when the run has them."""
+    if not any(r["config"] == "limit" for r in data["rows"]):
+        return ""
+    return (
+        " The limit rows run no engine: the workload's matrix products alone (per layer the "
+        "query/key/value projections as one product, the output projection, gate/up as one and "
+        "down, over the prompts' distinct prefixes and then 32 rows at each later step, and the "
+        "LM head at every step; every layer's own weights, one layer after the other, the "
+        "faster of `torch.nn.Linear` and the packed oneDNN layer), timed in the same round and "
+        "given as output tokens per second: an engine whose products run on this machine's "
+        "matrix library cannot be faster, since it also runs the attention and the rest. Of "
+        "the limit: each median as a share of the limit's, and on the limit's row the share "
+        "that the target (that many times vLLM's median) would be."
+    )
 
 
 def agreement_remark(pairs: dict, reference: str, questions: int) -> str:

@@ -122,6 +122,20 @@ def test_the_summary_holds_each_median_and_its_ratio_to_vllms():
     ours = summary[("float32", "ours")]
     assert ours["ratio_to_vllm"] == pytest.approx(170 / 110) and ours["meets_target"]
     assert "ratio_to_vllm" not in summary[("bfloat16", "ours")]
+    assert "of_limit" not in ours  # no limit run
+
+
+def test_the_summary_gives_each_median_and_the_target_as_shares_of_the_limit():
+    rows = [
+        fake_row("vllm", "float32", 100.0, []),
+        fake_row("ours", "float32", 120.0, []),
+        fake_row("limit", "float32", 200.0, []),
+    ]
+    summary = {s["config"]: s for s in bench_offline.summarize(rows)}
+    assert summary["ours"]["of_limit"] == pytest.approx(0.6)
+    assert summary["vllm"]["of_limit"] == pytest.approx(0.5)
+    assert summary["limit"]["target_of_limit"] == pytest.approx(1.5 * 100 / 200)
+    assert "ratio_to_vllm" not in summary["limit"] and "of_limit" not in summary["limit"]
 
 
 def test_a_run_is_a_process_of_its_own_with_its_memory_and_load(monkeypatch):
@@ -142,20 +156,48 @@ def test_ours_unpacked_is_ours_with_packing_switched_off(monkeypatch):
     assert unpacked_env[bench_offline.PACK_ENV] == "0"
     options = bench_offline.parse_args(["--quick", "--configs", "ours,ours-unpacked"])
     work = bench_offline.workload(quick=True)
-    # bfloat16: loading packs that dtype only (float32 is measured faster unpacked)
+    # bfloat16: loading packs that dtype on every CPU (float32 on an AMD one only)
     packed, unpacked = (
         bench_offline.run_one(config, "bfloat16", work, options) for config in options.configs
     )
-    # the tiny model's 2 layers of 7 projections, and its LM head, where oneDNN runs bfloat16
+    # the tiny model's 2 layers of 4 projections (query, key and value as one, gate and up as
+    # one: modeling/fused_projections.py), and its LM head, where oneDNN runs bfloat16
     bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert packed["settings"]["packed_linear"] == (2 * 7 + 1 if bf16 else 0)
+    assert packed["settings"]["packed_linear"] == (2 * 4 + 1 if bf16 else 0)
     assert unpacked["settings"]["packed_linear"] == 0
     assert packed["tokens"] == unpacked["tokens"]
 
 
 def test_the_default_configurations_leave_packings_a_b_out():
     args = bench_offline.parse_args(["--vllm-python", sys.executable])
-    assert args.configs == ["ours", "ours-compiled", "vllm"]
+    assert args.configs == ["ours", "ours-compiled", "vllm", "limit"]
+
+
+def test_the_prefill_limit_counts_each_distinct_prefix_once():
+    # [1], [1, 2], [1, 2, 3], [1, 2, 4], [5]: the shared first tokens are computed once
+    assert bench_offline.prefix_tree_size([[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]]) == 5
+
+
+def test_the_products_limit_adds_its_passes_the_way_a_run_makes_them():
+    from paged_attention.modeling.tiny import tiny_llama
+
+    config = tiny_llama().config
+    rows = {"prefill": 40, "decode": 4}
+    seconds, times = bench_offline.product_seconds(config, torch.float32, rows, new_tokens=8)
+    assert set(times) == {f"{name}_{kind}_s" for name in ("layers", "lm_head") for kind in rows}
+    assert all(0 < t < 1 for t in times.values())
+    expected = times["layers_prefill_s"] + 7 * times["layers_decode_s"]
+    assert seconds == pytest.approx(expected + 8 * times["lm_head_decode_s"])
+
+
+def test_the_limit_is_a_process_of_its_own_and_above_the_engine(monkeypatch):
+    options = bench_offline.parse_args(["--quick", "--configs", "ours,limit"])
+    work = bench_offline.workload(quick=True)
+    ours, limit = (bench_offline.run_one(c, "float32", work, options) for c in options.configs)
+    assert limit["generated"] == ours["generated"] == 4 * 8 and limit["tokens"] == []
+    # the tiny model's steps are mostly the engine's own work: its products alone are faster
+    assert limit["tok_per_s"] > ours["tok_per_s"]
+    assert limit["settings"]["torch_threads"] == len(options.cores)
 
 
 def test_ours_compiled_loads_the_steps_its_warm_up_compiled(monkeypatch, tmp_path):
@@ -227,6 +269,7 @@ def test_the_published_table_marks_a_ratio_below_the_target():
         "summary": bench_offline.summarize(rows),
     }
     text = publish.offline_section(record)
+    assert "The limit rows" not in text  # no limit run
     ours_line = next(line for line in text.splitlines() if line.startswith("| float32 | ours |"))
     assert "150.5 (150.0, 151.0)" in ours_line and "0.75x ✗" in ours_line
     assert "2 of 2, 2 of 2" in ours_line
@@ -249,3 +292,33 @@ def test_the_published_table_marks_a_ratio_below_the_target():
 )
 def test_vllms_compile_cache_is_read_from_its_log(log, state):
     assert bench_offline.vllm_compile_cache(log) == state
+
+
+def test_the_published_table_gives_the_shares_of_the_limit():
+    rows = []
+    for config, rate in (("ours", 300.0), ("vllm", 200.0), ("limit", 400.0)):
+        row = fake_row(config, "float32", rate, [[1, 2]] * 2 if config != "limit" else [])
+        row["settings"] = {
+            "ours": {"torch": "2.14", "torch_threads": 2, "compile": False, "block_size": 16,
+                     "max_num_seqs": 64},
+            "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
+                     "compile_backend": "inductor", "compilation_mode": "2",
+                     "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
+                     "max_num_batched_tokens": 4096, "compile_cache": "warm"},
+            "limit": {"torch_threads": 2},
+        }[config]  # fmt: skip
+        rows.append({**row, "round": 0})
+    bench_offline.agreement(rows)
+    record = {
+        "benchmark": "bench_offline",
+        "workload": {"model": "smollm2", "requests": 2, "prompt_tokens": 40, "new_tokens": 2},
+        "settings": {"cores": [0, 1], "kv_gib": 1, "rounds": 1},
+        "target_ratio": 1.5,
+        "rows": rows,
+        "summary": bench_offline.summarize(rows),
+    }
+    text = publish.offline_section(record)
+    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 1.50x | 75% |" in lines["ours"] and "| 50% |" in lines["vLLM"]
+    assert "| 1.5x vLLM: 75% |" in lines["limit: the matrix products alone"]
+    assert "The limit rows run no engine" in text

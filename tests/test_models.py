@@ -338,7 +338,7 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
     q4_layers = 120 if selected_kernel() == "gguf" else 210
     assert [m.format for m in layers].count("Q4_1") == q4_layers
     assert model.lm_head.format == "Q8_0"
-    floats, _ = load_model("smollm2", weights="fp32")
+    floats, _ = load_model("smollm2", dtype="float32")  # transformers' own modules
     shipped = ShippedTensors.read(models.smollm2_gguf(), floats)
     for layer in (0, 29):
         for path in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
@@ -348,19 +348,18 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
             assert torch.equal(torch.from_numpy(weight), expected)
 
 
-def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped, monkeypatch):
+def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped):
     """The GGUF's layers, built once, are saved beside the converted model, and a load that
     reads them has the buffers of a fresh build from the GGUF file, exactly."""
     from paged_attention.modeling.fused_projections import fuse_projections
-    from paged_attention.modeling.packed_linear import PACK_ENV
     from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, selected_kernel
     from paged_attention.modeling.quantized_cache import cache_file
 
     saved = cache_file(models.converted_gguf(models.smollm2_gguf()), selected_kernel())
     assert saved.is_file()
     cached, _ = load_model("smollm2", weights="auto")  # the file is there: read, not built
-    monkeypatch.setenv(PACK_ENV, "0")  # quantize_model takes torch.nn.Linear layers
-    fresh, _ = load_model("smollm2", weights="bf16")
+    # transformers' own modules, unpacked: quantize_model takes torch.nn.Linear layers
+    fresh, _ = load_model("smollm2", dtype="bfloat16")
     quantize_model(fresh, "auto", models.smollm2_gguf())
     fuse_projections(fresh)
     ours = {n: m for n, m in cached.named_modules() if isinstance(m, QuantizedLinear)}

@@ -26,6 +26,7 @@ from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.modeling.packed_linear import (  # noqa: E402
     PACK_ENV,
     PackedLinear,
+    load_packed_dtypes,
     pack_model,
     packing_enabled,
     why_not_packable,
@@ -244,13 +245,12 @@ def test_a_tied_head_is_packed_as_a_copy_that_is_counted():
     assert torch.equal(model.lm_head.weight, embedding)
 
 
-def test_a_checkpoint_loaded_in_place_is_let_go(tmp_path, monkeypatch):
+def test_a_checkpoint_loaded_in_place_is_let_go(tmp_path):
     # float32 weights loaded in float32 are views of the memory-mapped safetensors file: once
     # the layers are packed, what is left on it (the embedding, the norms) is copied out, so
     # that the mapping, and the pages packing read through it, go.
     tiny_llama().save_pretrained(tmp_path)
-    monkeypatch.setenv(PACK_ENV, "0")
-    plain, _ = load_model(str(tmp_path), dtype="float32", weights="fp32")
+    plain, _ = load_model(str(tmp_path), dtype="float32")  # transformers' modules, unpacked
     mapped = [n for n, p in plain.named_parameters() if not p.untyped_storage().resizable()]
     assert "model.embed_tokens.weight" in mapped  # what the copy is for
     model = tiny_llama()
@@ -332,7 +332,8 @@ def test_the_switch(monkeypatch, value, enabled):
         ("bfloat16", "auto", None, True),
         ("bfloat16", "bf16", "0", False),
         ("bfloat16", None, None, False),
-        ("float32", "fp32", None, False),  # float32 is measured faster unpacked
+        # float32 is packed on an AMD CPU only (load_packed_dtypes)
+        ("float32", "fp32", None, torch.float32 in load_packed_dtypes()),
     ],
 )
 def test_load_model_packs_bfloat16_models_given_weights_unless_switched_off(
@@ -343,6 +344,25 @@ def test_load_model_packs_bfloat16_models_given_weights_unless_switched_off(
     else:
         monkeypatch.setenv(PACK_ENV, env)
     model, _ = load_model("tiny", dtype=dtype, weights=weights)
-    packed = packed and torch.bfloat16 in DTYPES  # else oneDNN cannot run bfloat16 here
+    if dtype == "bfloat16":
+        packed = packed and torch.bfloat16 in DTYPES  # else oneDNN cannot run bfloat16 here
     assert isinstance(model.lm_head, PackedLinear) is packed
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear) is packed
+
+
+@pytest.mark.parametrize(
+    ("vendor", "float32"),
+    [("AuthenticAMD", True), ("GenuineIntel", False), ("HygonGenuine", False), (None, False)],
+)
+def test_float32_is_packed_on_an_amd_cpu_only(tmp_path, vendor, float32):
+    """MKL's float32 product, measured the slower on an AMD EPYC and the faster on an Intel
+    Xeon (FLOAT32_PACKED_VENDORS); a CPU without a vendor line (or no cpuinfo) packs bfloat16
+    only."""
+    cpuinfo = tmp_path / "cpuinfo"
+    lines = ["processor\t: 0", "flags\t\t: fpu avx2"]
+    if vendor is not None:
+        lines.insert(1, f"vendor_id\t: {vendor}")
+    cpuinfo.write_text("\n".join(lines) + "\n")
+    expected = (torch.float32, torch.bfloat16) if float32 else (torch.bfloat16,)
+    assert load_packed_dtypes(str(cpuinfo)) == expected
+    assert load_packed_dtypes(str(tmp_path / "absent")) == (torch.bfloat16,)

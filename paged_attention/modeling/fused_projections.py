@@ -1,16 +1,26 @@
-"""Sibling quantized projections of a Llama layer run as one product: the attention's query, key
-and value projections, and the MLP's gate and up projections.
+"""Sibling projections of a Llama layer run as one product: the attention's query, key and value
+projections, and the MLP's gate and up projections.
 
-Siblings multiply the same input, so one ``gguf_linear`` call over their weights laid one after
-the other replaces two or three: the op rounds the input to int8 once, and each output row is
-computed on its own from its own blocks, so the fused layer's outputs are bitwise those of the
-separate layers (tests/test_fused_projections.py). A decode step of one sequence is a chain of
-a few hundred small products, each paying for a call, a parallel region and the start of a read
-from memory: SmolLM2 goes from 211 products per token to 121.
+Siblings multiply the same input, so one product over their weights laid one after the other
+replaces two or three. A decode step is a chain of a few hundred small products, each paying for
+a call, a parallel region and the start of a read from memory: SmolLM2 goes from 211 products
+per token to 121, and at 32 rows a step the fused float products are also the larger matrices
+the CPU's matrix library runs nearer its peak (``benchmarks/bench_offline.py``).
+
+* Quantized siblings (``gguf``-kernel :class:`~paged_attention.modeling.quantized.QuantizedLinear`
+  layers of one format): one ``gguf_linear`` call rounds the input to int8 once and computes
+  each output row from its own blocks, so the fused layer's outputs are bitwise those of the
+  separate layers.
+* Float siblings (plain ``torch.nn.Linear`` layers of one dtype on the CPU, whose weights are
+  plain tensors): one ``nn.Linear`` over the concatenated weights, packed afterwards like any
+  other (:mod:`paged_attention.modeling.packed_linear`). Each output is the same dot product,
+  but the matrix library may split the sum over the input features differently for a wider
+  matrix, so the outputs equal the separate layers' within the dtype's rounding
+  (tests/test_fused_projections.py), as inductor's ``enable_concat_linear`` does when it
+  freezes a model.
 
 :func:`fuse_projections` applies to transformers' ``LlamaAttention`` and ``LlamaMLP`` exactly
-(not subclasses, whose forward may differ) whose siblings are ``gguf``-kernel
-:class:`~paged_attention.modeling.quantized.QuantizedLinear` layers of one format, all with a
+(not subclasses, whose forward may differ) whose siblings are of one of those kinds, all with a
 bias or none; it leaves any other module as it is. The fused attention's forward is
 transformers' ``LlamaAttention.forward`` with the three projections read from one product.
 """
@@ -25,19 +35,30 @@ from torch import nn
 from paged_attention.modeling.quantized import QuantizedLinear
 
 
-def fused_layer(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
-    """One layer computing ``layers`` (same input, ``gguf`` kernel, one format, a bias on all or
-    none) side by side: their output features concatenated in order. None when they differ."""
+def fused_layer(layers: list[nn.Module]) -> nn.Module | None:
+    """One layer computing ``layers`` (same input, of one kind: ``gguf``-kernel quantized layers
+    of one format, or plain float ``nn.Linear`` layers of one dtype on the CPU; a bias on all
+    or none) side by side: their output features concatenated in order. None when they
+    differ."""
     first = layers[0]
     same = all(
-        isinstance(layer, QuantizedLinear)
-        and layer.kernel == "gguf"
-        and layer.format == first.format
+        type(layer) is type(first)
         and layer.in_features == first.in_features
         and (layer.bias is None) == (first.bias is None)
         for layer in layers
     )
     if not same:
+        return None
+    if isinstance(first, QuantizedLinear):
+        return _fused_quantized(layers)
+    if type(first) is nn.Linear:
+        return _fused_float(layers)
+    return None
+
+
+def _fused_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
+    first = layers[0]
+    if any(layer.kernel != "gguf" or layer.format != first.format for layer in layers):
         return None
     tensors = {
         "qs": torch.cat([layer.qs for layer in layers]),
@@ -48,10 +69,36 @@ def fused_layer(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
     return QuantizedLinear(tensors, first.in_features, out_features, first.format, "gguf", bias)
 
 
+def _fused_float(layers: list[nn.Linear]) -> nn.Linear | None:
+    weights = [layer.weight for layer in layers]
+    first = weights[0]
+    plain = all(
+        type(weight.data) is torch.Tensor
+        and weight.layout == torch.strided
+        and weight.device.type == "cpu"
+        and weight.dtype == first.dtype
+        and weight.dtype.is_floating_point
+        for weight in weights
+    )
+    if not plain:
+        return None
+    out_features = sum(layer.out_features for layer in layers)
+    has_bias = layers[0].bias is not None
+    fused = nn.Linear(
+        layers[0].in_features, out_features, bias=has_bias, device="meta", dtype=first.dtype
+    )
+    with torch.no_grad():
+        fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+        if has_bias:
+            bias = torch.cat([layer.bias.detach() for layer in layers])
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
 class FusedGatedMLP(nn.Module):
     """``LlamaMLP`` with its gate and up projections in one layer: ``down(act(gate) * up)``."""
 
-    def __init__(self, gate_up_proj: QuantizedLinear, down_proj: nn.Module, act_fn) -> None:
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> None:
         super().__init__()
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj

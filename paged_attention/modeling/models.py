@@ -28,10 +28,12 @@ into a causal LM and its tokenizer, on this machine alone (nothing is downloaded
 * ``q4``, ``q8``: the projections quantized, 4-bit (Q4_0 and Q4_1 tensors as shipped, others
   quantized to Q4_1) or 8-bit (Q8_0 as shipped, others quantized to Q8_0); CPU only.
 
-On the CPU, with ``weights`` given, the bfloat16 linear layers left (all of them for ``bf16``)
-are packed once for oneDNN's matrix products (float32 ones stay as they are: measured faster)
-(:mod:`paged_attention.modeling.packed_linear`); ``PAGED_ATTENTION_PACK_LINEAR=0`` leaves them
-as ``torch.nn.Linear``.
+On the CPU, with ``weights`` given, a Llama layer's sibling projections (query, key and
+value; gate and up) become one layer each (:mod:`paged_attention.modeling.fused_projections`),
+then the bfloat16 linear layers left (all of them for ``bf16``) are packed once for oneDNN's
+matrix products, and the float32 ones too on an AMD CPU, where MKL's plain product is the
+slower (:mod:`paged_attention.modeling.packed_linear`); ``PAGED_ATTENTION_PACK_LINEAR=0``
+leaves them as ``torch.nn.Linear``.
 
 Whatever goes wrong is a :class:`ModelLoadError` whose one-line message names the model and
 what is wrong.
@@ -143,18 +145,17 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
                 quantize_model(model, weights, gguf)
         except ValueError as error:
             raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
-        from paged_attention.modeling.fused_projections import fuse_projections
-
-        fuse_projections(model)  # sibling quantized projections as one product each
     if device.type == "cpu" and weights is not None:
+        from paged_attention.modeling.fused_projections import fuse_projections
         from paged_attention.modeling.packed_linear import (
-            LOAD_PACKED_DTYPES,
+            load_packed_dtypes,
             pack_model,
             packing_enabled,
         )
 
+        fuse_projections(model)  # sibling projections as one product each, before packing
         if packing_enabled():  # last: a packed layer stays where it is, in its dtype
-            pack_model(model, LOAD_PACKED_DTYPES)
+            pack_model(model, load_packed_dtypes())
     return model, tokenizer
 
 

@@ -14,7 +14,8 @@ then has to keep) at any other; an engine's steps have every number of rows.
 
 :func:`pack_model` swaps a model's float ``nn.Linear`` layers (the decoder layers' projections
 and the LM head) for packed ones. :func:`paged_attention.modeling.models.load_model` calls it
-for the bfloat16 layers (:data:`LOAD_PACKED_DTYPES`) of a model on the CPU loaded with
+for the bfloat16 layers, and the float32 ones on an AMD CPU (:func:`load_packed_dtypes`), of a
+model on the CPU loaded with
 ``weights`` given (the commands' ``--weights``: ``auto``, ``bf16``, and whatever float layers
 ``q4``/``q8`` leave), unless
 ``PAGED_ATTENTION_PACK_LINEAR=0``. Layers are left as they are (and the reason logged once)
@@ -33,8 +34,8 @@ a packed layer is not concatenated). The op names its weight by a number, not th
 tensor, which inductor's and AOTAutograd's caches cannot store: the commands' compile cache
 (:mod:`paged_attention.engine.compile_cache`) keeps a packed model's steps.
 
-Sibling projections (q/k/v, gate/up) are not merged here: merging needs the attention and MLP
-modules' forwards to split the product, which differ per architecture.
+Sibling projections (q/k/v, gate/up) are not merged here: ``load_model`` merges a Llama
+layer's before packing (:mod:`paged_attention.modeling.fused_projections`).
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ from torch import nn
 PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
 """``0`` (or ``false``, ``no``, ``off``) turns packing at load off."""
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-LOAD_PACKED_DTYPES = (torch.bfloat16,)
-"""What ``load_model`` packs: bfloat16, measured faster packed on the offline workload (221
-against 195 tok/s), not float32, measured slower (190 against 207: MKL's plain sgemm beats
-oneDNN's packed product at the engine's small row counts); docs/performance.md."""
+FLOAT32_PACKED_VENDORS = ("AuthenticAMD",)
+"""The CPU vendors (``/proc/cpuinfo``'s ``vendor_id``) on which ``load_model`` packs float32
+layers too: on an AMD EPYC, MKL's plain sgemm (what ``nn.Linear`` runs in float32) took 76 ms
+of products per 32-row decode step of SmolLM2 against oneDNN's packed 49 ms, and the offline
+engine went from 183 to about 320 tok/s packed. On an Intel Xeon MKL's sgemm was the faster
+(190 against 207 tok/s), and elsewhere it is not measured: float32 stays unpacked there
+(docs/performance.md)."""
 SKIPPED_NAMES = ("kv_b_proj",)
 """Layers whose plain weight other code reads (multi-head latent attention absorbs it)."""
 
@@ -65,6 +69,29 @@ NO_ONEDNN_BF16 = "oneDNN does not run bfloat16 on this CPU"
 """The reasons that are this machine's (logged as warnings; a layer's own kind is not)."""
 
 _log = logging.getLogger(__name__)
+
+
+def load_packed_dtypes(cpuinfo_path: str = "/proc/cpuinfo") -> tuple[torch.dtype, ...]:
+    """The float dtypes ``load_model`` packs on this CPU: bfloat16, measured faster packed on
+    the offline workload on every CPU tried, and float32 on the vendors of
+    :data:`FLOAT32_PACKED_VENDORS`."""
+    if _cpu_vendor(cpuinfo_path) in FLOAT32_PACKED_VENDORS:
+        return (torch.float32, torch.bfloat16)
+    return (torch.bfloat16,)
+
+
+@functools.cache
+def _cpu_vendor(cpuinfo_path: str) -> str:
+    """The first processor's ``vendor_id`` in ``cpuinfo_path`` ("" where there is none)."""
+    try:
+        with open(cpuinfo_path) as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
 
 
 def packing_enabled() -> bool:
