@@ -17,6 +17,9 @@ dtype on loading), in bfloat16 and in float32. Configurations:
 * ``ours-unpacked``: ``ours`` with ``PAGED_ATTENTION_PACK_LINEAR=0``: the float linear layers
   left as ``torch.nn.Linear`` instead of packed at load for oneDNN
   (:mod:`paged_attention.modeling.packed_linear`); the A/B of packing, not run by default;
+* ``ours-unfused``: ``ours`` with ``PAGED_ATTENTION_FUSE_PROJECTIONS=0``: each Llama layer's
+  query, key and value projections and its gate and up projections left as separate layers
+  (:mod:`paged_attention.modeling.fused_projections`); the A/B of fusing, not run by default;
 * ``ours-auto``: the same with ``weights="auto"`` (the GGUF's quantized blocks as shipped);
 * ``vllm``: ``vllm.LLM(model=<the converted directory>, dtype=..., seed=0)`` with every other
   setting its default (on the CPU its model step is compiled by ``torch.compile``), run by the
@@ -76,11 +79,13 @@ import time
 from pathlib import Path
 
 STARTED = time.perf_counter()
-CONFIGS = ("ours", "ours-compiled", "ours-unpacked", "ours-auto", "vllm", "limit")
+CONFIGS = ("ours", "ours-compiled", "ours-unpacked", "ours-unfused", "ours-auto", "vllm", "limit")
 DEFAULT_CONFIGS = ("ours", "ours-compiled", "vllm", "limit")
 COMPILING = ("ours-compiled", "vllm")
 """The configurations whose step is compiled through a cache on disk: each gets an untimed
 first process per dtype (:func:`compile_warm_up`)."""
+FUSE_ENV = "PAGED_ATTENTION_FUSE_PROJECTIONS"
+"""``0`` in ``ours-unfused``'s environment (paged_attention.modeling.fused_projections.FUSE_ENV)."""
 PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
 """``0`` in ``ours-unpacked``'s environment (paged_attention.modeling.packed_linear.PACK_ENV; not
 imported: the parent runs before torch is imported)."""
@@ -454,8 +459,11 @@ def child_environment(config: str, cores: list[int], kv_gib: int) -> dict[str, s
     else:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
         env.pop(PACK_ENV, None)  # ours packs (the default), ours-unpacked does not
+        env.pop(FUSE_ENV, None)  # ours fuses sibling projections, ours-unfused does not
         if config == "ours-unpacked":
             env[PACK_ENV] = "0"
+        if config == "ours-unfused":
+            env[FUSE_ENV] = "0"
     return env
 
 

@@ -910,6 +910,7 @@ OFFLINE_ENGINES = {
     "ours-compiled": "ours, compiled decode steps",
     "ours-auto": "ours, `--weights auto`",
     "ours-unpacked": "ours, float layers not packed (`PAGED_ATTENTION_PACK_LINEAR=0`)",
+    "ours-unfused": "ours, sibling projections not fused (`PAGED_ATTENTION_FUSE_PROJECTIONS=0`)",
     "vllm": "vLLM",
     "limit": "limit: the matrix products alone",
 }

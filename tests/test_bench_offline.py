@@ -152,6 +152,9 @@ def test_a_run_is_a_process_of_its_own_with_its_memory_and_load(monkeypatch):
 def test_ours_unpacked_is_ours_with_packing_switched_off(monkeypatch):
     monkeypatch.setenv(bench_offline.PACK_ENV, "0")  # the parent's setting reaches neither
     assert bench_offline.PACK_ENV not in bench_offline.child_environment("ours", [0], 1)
+    assert bench_offline.FUSE_ENV not in bench_offline.child_environment("ours", [0], 1)
+    unfused_env = bench_offline.child_environment("ours-unfused", [0], 1)
+    assert unfused_env[bench_offline.FUSE_ENV] == "0" and bench_offline.PACK_ENV not in unfused_env
     unpacked_env = bench_offline.child_environment("ours-unpacked", [0], 1)
     assert unpacked_env[bench_offline.PACK_ENV] == "0"
     options = bench_offline.parse_args(["--quick", "--configs", "ours,ours-unpacked"])

@@ -15,9 +15,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
 from paged_attention.engine import Engine, SamplingParams  # noqa: E402
 from paged_attention.modeling.fused_projections import (  # noqa: E402
+    FUSE_ENV,
     FusedGatedMLP,
     fuse_projections,
     fused_layer,
+    fusing_enabled,
 )
 from paged_attention.modeling.models import load_model  # noqa: E402
 from paged_attention.modeling.packed_linear import PackedLinear, pack_model  # noqa: E402
@@ -187,3 +189,16 @@ def test_load_model_fuses_the_siblings_given_weights(weights, fused):
         assert hasattr(layer.self_attn, "qkv_proj") is fused
         assert hasattr(layer.self_attn, "q_proj") is not fused
         assert isinstance(layer.mlp, FusedGatedMLP) is fused
+
+
+@pytest.mark.parametrize(
+    ("value", "fused"), [(None, True), ("1", True), ("0", False), ("off", False)]
+)
+def test_the_switch(monkeypatch, value, fused):
+    if value is None:
+        monkeypatch.delenv(FUSE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FUSE_ENV, value)
+    assert fusing_enabled() is fused
+    model, _ = load_model("tiny", dtype="float32", weights="fp32")
+    assert hasattr(model.model.layers[0].self_attn, "qkv_proj") is fused

@@ -28,11 +28,22 @@ transformers' ``LlamaAttention.forward`` with the three projections read from on
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
 
 from paged_attention.modeling.quantized import QuantizedLinear
+
+FUSE_ENV = "PAGED_ATTENTION_FUSE_PROJECTIONS"
+"""``0`` (or ``false``, ``no``, ``off``) leaves ``load_model``'s siblings separate: the A/B of
+fusing (``benchmarks/bench_offline.py``'s ``ours-unfused``)."""
+
+
+def fusing_enabled() -> bool:
+    """Whether :data:`FUSE_ENV` leaves fusing at load on (the default)."""
+    value = os.environ.get(FUSE_ENV, "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
 
 
 def fused_layer(layers: list[nn.Module]) -> nn.Module | None:

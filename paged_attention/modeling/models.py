@@ -33,7 +33,8 @@ value; gate and up) become one layer each (:mod:`paged_attention.modeling.fused_
 then the bfloat16 linear layers left (all of them for ``bf16``) are packed once for oneDNN's
 matrix products, and the float32 ones too on an AMD CPU, where MKL's plain product is the
 slower (:mod:`paged_attention.modeling.packed_linear`); ``PAGED_ATTENTION_PACK_LINEAR=0``
-leaves them as ``torch.nn.Linear``.
+leaves them as ``torch.nn.Linear``, ``PAGED_ATTENTION_FUSE_PROJECTIONS=0`` the siblings
+separate.
 
 Whatever goes wrong is a :class:`ModelLoadError` whose one-line message names the model and
 what is wrong.
@@ -146,14 +147,15 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
         except ValueError as error:
             raise ModelLoadError(f"{name}: weights {weights}: {_first_line(error)}") from None
     if device.type == "cpu" and weights is not None:
-        from paged_attention.modeling.fused_projections import fuse_projections
+        from paged_attention.modeling.fused_projections import fuse_projections, fusing_enabled
         from paged_attention.modeling.packed_linear import (
             load_packed_dtypes,
             pack_model,
             packing_enabled,
         )
 
-        fuse_projections(model)  # sibling projections as one product each, before packing
+        if fusing_enabled():  # sibling projections as one product each, before packing
+            fuse_projections(model)
         if packing_enabled():  # last: a packed layer stays where it is, in its dtype
             pack_model(model, load_packed_dtypes())
     return model, tokenizer
