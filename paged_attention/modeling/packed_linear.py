@@ -56,10 +56,10 @@ PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 FLOAT32_PACKED_VENDORS = ("AuthenticAMD",)
 """The CPU vendors (``/proc/cpuinfo``'s ``vendor_id``) on which ``load_model`` packs float32
-layers too: on an AMD EPYC, MKL's plain sgemm (what ``nn.Linear`` runs in float32) took 76 ms
-of products per 32-row decode step of SmolLM2 against oneDNN's packed 49 ms, and the offline
-engine went from 183 to about 320 tok/s packed. On an Intel Xeon MKL's sgemm was the faster
-(190 against 207 tok/s), and elsewhere it is not measured: float32 stays unpacked there
+layers too: on an AMD EPYC, MKL's plain sgemm (what ``nn.Linear`` runs in float32) is the
+slower by far: the offline engine's eager float32 made 273.4 tok/s packed against 163.3 unpacked
+(docs/results/bench_offline_fusion.json). On an Intel Xeon MKL's sgemm was the faster (190
+against 207 tok/s), and elsewhere it is not measured: float32 stays unpacked there
 (docs/performance.md)."""
 SKIPPED_NAMES = ("kv_b_proj",)
 """Layers whose plain weight other code reads (multi-head latent attention absorbs it)."""
