@@ -317,11 +317,13 @@ def test_a_serve_spec_that_sends_no_tokenizer():
         engine.close()
 
 
-def start_serve(port: int) -> subprocess.Popen:
+def start_serve(port: int, stderr=None, extra: list[str] | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "paged_attention", "serve", "--model", "tiny"]
     command += ["--port", str(port), "--num-blocks", "64", "--log-level", "warning"]
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(command, env=environment, start_new_session=True)
+    return subprocess.Popen(
+        command + (extra or []), env=environment, start_new_session=True, stderr=stderr
+    )
 
 
 def wait_healthy(port: int, server: subprocess.Popen) -> None:
@@ -368,6 +370,36 @@ def test_serve_leaves_no_engine_process(sig):
         else:
             server.kill()
             server.wait(60)
+        wait_for(lambda: all(gone(child.pid) for child in children), timeout=30)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_traceback():
+    """Ctrl-C twice while a request is open (its body half sent, so the graceful shutdown
+    waits for it, with --shutdown-timeout an hour): the server quits at the second, with exit
+    status 0, no traceback (uvicorn cancels the lifespan then) and no process of its own left."""
+    import socket
+
+    port = free_port()
+    server = start_serve(port, stderr=subprocess.PIPE, extra=["--shutdown-timeout", "3600"])
+    try:
+        wait_healthy(port, server)
+        children = psutil.Process(server.pid).children()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b'\r\nContent-Length: 100\r\n\r\n{"model": '
+            )
+            time.sleep(0.5)
+            os.killpg(server.pid, signal.SIGINT)
+            time.sleep(2)  # the first one began the graceful shutdown: it waits for the request
+            assert server.poll() is None
+            os.killpg(server.pid, signal.SIGINT)
+            assert server.wait(30) == 0
+        errors = server.stderr.read().decode()
+        assert "Traceback" not in errors and "CancelledError" not in errors, errors
         wait_for(lambda: all(gone(child.pid) for child in children), timeout=30)
     finally:
         if server.poll() is None:

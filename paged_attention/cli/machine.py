@@ -13,34 +13,7 @@ from pathlib import Path
 
 import torch
 
-# The instruction-set features the CPU kernels' variants are chosen by (as /proc/cpuinfo names
-# them).
-CPU_ISA_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl",
-    "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16",
-    "amx_int8", "amx_fp16",
-)  # fmt: skip
-
-
-def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
-    """The CPU's model name, vendor, and which of CPU_ISA_FLAGS it reports (Linux's
-    /proc/cpuinfo; elsewhere the model from ``platform`` and no flags)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path(cpuinfo_path).read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if not key and fields:
-                break  # the first processor's block is enough
-            fields.setdefault(key, value.strip())
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    return dict(
-        cpu_model=fields.get("model name") or platform.processor() or platform.machine(),
-        cpu_vendor=fields.get("vendor_id", ""),
-        cpu_isa_flags=[flag for flag in CPU_ISA_FLAGS if flag in flags],
-    )
+from paged_attention.ops.cpu_info import cpu_identity
 
 
 def kernel_variants() -> dict:

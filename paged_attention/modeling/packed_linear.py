@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paged_attention.ops.cpu_info import cpu_identity
+
 PACK_ENV = "PAGED_ATTENTION_PACK_LINEAR"
 """``0`` (or ``false``, ``no``, ``off``) turns packing at load off."""
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -75,23 +77,9 @@ def load_packed_dtypes(cpuinfo_path: str = "/proc/cpuinfo") -> tuple[torch.dtype
     """The float dtypes ``load_model`` packs on this CPU: bfloat16, measured faster packed on
     the offline workload on every CPU tried, and float32 on the vendors of
     :data:`FLOAT32_PACKED_VENDORS`."""
-    if _cpu_vendor(cpuinfo_path) in FLOAT32_PACKED_VENDORS:
+    if cpu_identity(cpuinfo_path)["cpu_vendor"] in FLOAT32_PACKED_VENDORS:
         return (torch.float32, torch.bfloat16)
     return (torch.bfloat16,)
-
-
-@functools.cache
-def _cpu_vendor(cpuinfo_path: str) -> str:
-    """The first processor's ``vendor_id`` in ``cpuinfo_path`` ("" where there is none)."""
-    try:
-        with open(cpuinfo_path) as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
 
 
 def packing_enabled() -> bool:

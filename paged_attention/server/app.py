@@ -92,6 +92,10 @@ def create_app(
         await anyio.sleep(0)
         try:
             yield
+        except asyncio.CancelledError:
+            # a second Ctrl+C: uvicorn quits without the lifespan's shutdown and cancels it;
+            # the engine stops all the same, below, and the quit prints no traceback
+            pass
         finally:
             server.prompts.close()
             await asyncio.to_thread(server.owner.stop)

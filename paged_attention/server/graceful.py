@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Callable
@@ -18,7 +20,10 @@ class GracefulServer(uvicorn.Server):
     before uvicorn's own ``timeout_graceful_shutdown`` would cut them); then uvicorn stops
     listening and waits for the open responses. ``run()`` returns afterwards instead of
     re-raising the signal (what uvicorn does when embedded), so a command exits 0.
-    ``on_started()`` runs once the server listens and serves (the moment to tell a user)."""
+    ``on_started()`` runs once the server listens and serves (the moment to tell a user).
+
+    A second SIGINT quits at once (uvicorn's forced exit): the requests still open are
+    cancelled without a word, not each logged as a failure with its traceback."""
 
     def __init__(
         self,
@@ -31,6 +36,21 @@ class GracefulServer(uvicorn.Server):
         self.owner = owner
         self.grace = grace
         self.on_started = on_started
+
+    def run(self, sockets=None) -> None:
+        # the open requests are cancelled after serve() returns, when asyncio.run ends
+        errors = logging.getLogger("uvicorn.error")
+        errors.addFilter(self._not_cancelled_by_a_forced_exit)
+        try:
+            super().run(sockets=sockets)
+        finally:
+            errors.removeFilter(self._not_cancelled_by_a_forced_exit)
+
+    def _not_cancelled_by_a_forced_exit(self, record: logging.LogRecord) -> bool:
+        """Whether uvicorn's ``record`` is shown: not a request's cancellation at a forced
+        exit."""
+        error = record.exc_info[1] if record.exc_info else None
+        return not (self.force_exit and isinstance(error, asyncio.CancelledError))
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
