@@ -10,6 +10,15 @@ built in place) round by round, A B A B. The rounds, their medians per tree, and
 (``paged_attention.cli.machine``) go to ``--json``.
 
     python benchmarks/bench_start.py --rounds 3 --json docs/results/bench_start.json
+
+``--split`` times, instead, where the engine's side of such a start goes: in a fresh
+interpreter per round, what ``serve``'s engine process does before it is ready, step by step
+(each module ``serve`` imports before it forks the engine's process, ``load_model``, with a
+warm compile cache the import of ``torch._inductor.graph`` that loading a compiled step begins
+with, then ``serve.build_engine``: the steps loaded and the warm-up), on one core's critical
+path as in ``serve`` (its HTTP side runs beside it, in the other process).
+
+    python benchmarks/bench_start.py --split --rounds 3 -- --max-num-seqs 1 --max-n 1
 """
 
 from __future__ import annotations
@@ -97,6 +106,64 @@ def one_start(serve_args: list[str], timeout: float, tree: Path) -> dict:
     return {"first_answer_s": answer, "health_s": health, "first_completion_s": first}
 
 
+SPLIT_CHILD = """
+import gc, importlib, json, sys, time
+modules, serve_args = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+started = previous = time.perf_counter()
+steps = {}
+def step(name):
+    global previous
+    now = time.perf_counter()
+    steps[name], previous = now - previous, now
+gc.disable()  # as serve imports them
+for name in modules:
+    importlib.import_module(name)
+    step("import " + name)
+gc.freeze()
+gc.enable()
+import argparse
+import torch
+from paged_attention.cli import serve
+from paged_attention.cli.arguments import decode_compile_cache
+from paged_attention.modeling.models import load_model
+parser = argparse.ArgumentParser()
+serve.add_arguments(parser)
+args = parser.parse_args(serve_args)
+if args.threads:
+    torch.set_num_threads(args.threads)
+step("the command line")
+model, tokenizer = load_model(
+    args.model, dtype=args.dtype, device=args.device, weights=args.weights
+)
+step("load_model")
+if decode_compile_cache(model, args, args.max_num_seqs, lambda line: None) is not None:
+    importlib.import_module("torch._inductor.graph")
+    step("import torch._inductor.graph")
+serve.build_engine(model, tokenizer, args)
+step("build_engine")
+steps["total"] = time.perf_counter() - started
+print(json.dumps(steps))
+"""
+"""The engine's side of a ``serve`` start, in steps: its JSON on the last line of stdout."""
+
+
+def one_split(serve_args: list[str], tree: Path, modules: tuple[str, ...]) -> dict:
+    """Seconds of each step of the engine's side of a start (:data:`SPLIT_CHILD`), in a fresh
+    interpreter running the checkout ``tree``."""
+    command = [sys.executable, "-c", SPLIT_CHILD, json.dumps(modules), json.dumps(serve_args)]
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tree.resolve())
+    if done.returncode != 0:
+        raise RuntimeError(f"the split exited with {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def split_medians(rows: list[dict]) -> dict[str, float]:
+    """The median seconds of each step over ``rows``, in the steps' order."""
+    names = list(dict.fromkeys(name for row in rows for name in row if name != "tree"))
+    return {name: statistics.median(row[name] for row in rows if name in row) for name in names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -108,27 +175,48 @@ def main() -> None:
     parser.add_argument(
         "serve_args", nargs="*", help="arguments for serve after --, e.g. -- --model tiny"
     )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="time the steps of the engine's side of a start instead (module docstring)",
+    )
     args = parser.parse_args()
     trees = dict(item.split("=", 1) for item in args.trees.split(","))
+    if args.split:
+        from paged_attention.cli.serve import ENGINE_MODULES
     rows = []
     for _ in range(args.rounds):
         for name, path in trees.items():
-            row = {"tree": name, **one_start(args.serve_args, args.timeout, Path(path))}
-            rows.append(row)
+            if args.split:
+                measured = one_split(args.serve_args, Path(path), ENGINE_MODULES)
+            else:
+                measured = one_start(args.serve_args, args.timeout, Path(path))
+            rows.append({"tree": name, **measured})
             print(
-                json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+                json.dumps(
+                    {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
+                )
             )
-    keys = ("first_answer_s", "health_s", "first_completion_s")
-    medians = {
-        name: {key: statistics.median(r[key] for r in rows if r["tree"] == name) for key in keys}
-        for name in trees
-    }
-    print("median", json.dumps(medians))
+    if args.split:
+        medians = {name: split_medians([r for r in rows if r["tree"] == name]) for name in trees}
+        for name, steps in medians.items():
+            print(f"{name}: median seconds of {args.rounds} rounds")
+            for step, seconds in steps.items():
+                print(f"  {step:48s} {seconds:6.2f}")
+    else:
+        keys = ("first_answer_s", "health_s", "first_completion_s")
+        medians = {
+            name: {
+                key: statistics.median(r[key] for r in rows if r["tree"] == name) for key in keys
+            }
+            for name in trees
+        }
+        print("median", json.dumps(medians))
     if args.json:
         from paged_attention.cli.machine import machine_info
 
         report = {
-            "benchmark": "bench_start",
+            "benchmark": "bench_start_split" if args.split else "bench_start",
             "command": " ".join(["python", "benchmarks/bench_start.py", *sys.argv[1:]]),
             "serve_args": args.serve_args,
             "trees": trees,

@@ -58,6 +58,8 @@ def kind_of(data: dict) -> str | None:
         return "server_compare"
     if data.get("benchmark") == "bench_start":
         return "start"
+    if data.get("benchmark") == "bench_start_split":
+        return "start_split"
     if data.get("benchmark") == "bench_offline":
         return "offline"
     if {"pairs", "runs"} <= data.keys():
@@ -852,6 +854,26 @@ START_MEASURES = (
 )
 
 
+def start_split_section(data: dict) -> str:
+    groups = rounds_of(data["rows"], lambda r: (r["tree"],))
+    body = [
+        [tree, step, rounds_cell([r[step] for r in rows if step in r], 2)]
+        for (tree,), rows in groups.items()
+        for step in dict.fromkeys(key for r in rows for key in r if key != "tree")
+    ]
+    rounds = max(len(rows) for rows in groups.values())
+    args = " ".join(data.get("serve_args") or []) or "(none)"
+    text = (
+        "Seconds of each step of what `serve`'s engine process does before it is ready, on "
+        "one core's critical path (the HTTP side runs beside it, in the other process), in a "
+        f"fresh interpreter per start, {rounds} round{'s' if rounds != 1 else ''}; serve's "
+        f"arguments: `{args}`. The imports are those `serve` makes before it forks the "
+        "engine's process; `build_engine` loads the compiled decode steps (when their cache "
+        "is warm) and warms the engine up.\n\n"
+    )
+    return text + table(["tree", "step", "median s (each start)"], body, "llr")
+
+
 def start_section(data: dict) -> str:
     groups = rounds_of(data["rows"], lambda r: (r["tree"],))
     body = [
@@ -1115,6 +1137,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "gguf_linear": ("Quantized linear layers: gguf and int4pack", gguf_linear_section, None),
     "quantized": ("Quantized weights end to end", quantized_section, None),
     "start": ("Start: `serve` until it answers", start_section, None),
+    "start_split": ("Start: where the engine's side goes", start_split_section, None),
     "offline": ("The offline engine against vLLM's CPU engine", offline_section, None),
     "greedy_agreement": (
         "Greedy agreement: weights variants and llama-server",
