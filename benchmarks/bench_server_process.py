@@ -3,8 +3,10 @@ single streamed chat of ``--max-tokens`` tokens (the openai client, greedy), the
 same engine offline for the same prompt (the engine ``serve`` builds from the same arguments,
 ``--serve-args`` included, its compiled steps loaded from the same cache; built in this
 process from this checkout), and the seconds from starting ``serve`` until ``/health``
-answers. Servers are started from the checkouts given (``--checkouts before=PATH,after=PATH``)
-in turn, A B A B, so a shared machine's load falls on both alike; /proc/loadavg is recorded.
+answers, with the cores each process used during the measured answer: ``serve``'s own (the
+HTTP side), its engine's and the client's (this process). Servers are started from the
+checkouts given (``--checkouts before=PATH,after=PATH``) in turn, A B A B, so a shared
+machine's load falls on both alike; /proc/loadavg is recorded.
 
     python benchmarks/bench_server_process.py --checkouts before=../old,after=. --rounds 2
     python benchmarks/bench_server_process.py --checkouts now=. --rounds 3 \
@@ -43,6 +45,32 @@ def serve_arguments(model: str, threads: int | None, serve_args: str) -> list[st
     return ["--model", model, "--log-level", "warning", *threads_args, *shlex.split(serve_args)]
 
 
+class CoreUse:
+    """Cores used from now on (CPU seconds over wall seconds) by ``serve``'s process (its HTTP
+    side), its child processes (the engine's) and this process (the client)."""
+
+    def __init__(self, server_pid: int) -> None:
+        import psutil
+
+        self.server = psutil.Process(server_pid)
+        self.client = psutil.Process()
+        self.started = time.perf_counter()
+        self.before = self._seconds()
+
+    def _seconds(self) -> dict[str, float]:
+        def busy(process) -> float:
+            times = process.cpu_times()
+            return times.user + times.system
+
+        engine = sum(busy(child) for child in self.server.children(recursive=True))
+        return {"server": busy(self.server), "engine": engine, "client": busy(self.client)}
+
+    def cores(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.started
+        after = self._seconds()
+        return {f"{name}_cores": (after[name] - self.before[name]) / wall for name in after}
+
+
 def serve_once(checkout: str, model: str, max_tokens: int, threads, serve_args: str) -> dict:
     import httpx
     import openai
@@ -67,6 +95,7 @@ def serve_once(checkout: str, model: str, max_tokens: int, threads, serve_args: 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         rates = []
         for _ in range(2):  # the first one warms the model up
+            processes = CoreUse(server.pid)
             times, usage = [], None
             stream = client.chat.completions.create(
                 model=model,
@@ -83,7 +112,7 @@ def serve_once(checkout: str, model: str, max_tokens: int, threads, serve_args: 
                     times.append(time.perf_counter())
             tokens = usage.completion_tokens
             rates.append((tokens - 1) / (times[-1] - times[0]))
-        return {"health_s": health, "tok_s": rates[-1], "tokens": tokens}
+        return {"health_s": health, "tok_s": rates[-1], "tokens": tokens, **processes.cores()}
     finally:
         server.terminate()
         server.wait(60)
@@ -159,8 +188,18 @@ def main() -> None:
         results.append(entry)
         print(json.dumps(entry), flush=True)
     if args.json:
+        from paged_attention.cli.machine import machine_info
+
+        report = {
+            "benchmark": "bench_server_process",
+            "command": " ".join(["python", "benchmarks/bench_server_process.py", *sys.argv[1:]]),
+            "checkouts": checkouts,
+            "serve_args": args.serve_args,
+            "machine": machine_info(),
+            "rounds": results,
+        }
         with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+            json.dump(report, file, indent=1)
 
 
 if __name__ == "__main__":

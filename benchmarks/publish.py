@@ -60,6 +60,8 @@ def kind_of(data: dict) -> str | None:
         return "start"
     if data.get("benchmark") == "bench_start_split":
         return "start_split"
+    if data.get("benchmark") == "bench_server_process":
+        return "server_process"
     if data.get("benchmark") == "bench_offline":
         return "offline"
     if {"pairs", "runs"} <= data.keys():
@@ -854,6 +856,33 @@ START_MEASURES = (
 )
 
 
+def server_process_section(data: dict) -> str:
+    names = list(data["checkouts"])
+    header = ["round", "load average", "offline engine tok/s"]
+    for name in names:
+        header += [f"{name}: tok/s", f"{name} / offline", f"{name}: /health s"]
+        header += [f"{name}: cores (HTTP side, engine, client)"]
+    body = []
+    for entry in data["rounds"]:
+        offline = entry["offline"]["tok_s"]
+        row = [str(entry["round"] + 1), entry["load_before"].split()[0], num(offline, 1)]
+        for name in names:
+            run = entry[name]
+            cores = ", ".join(num(run[f"{p}_cores"], 2) for p in ("server", "engine", "client"))
+            row += [num(run["tok_s"], 1), f"{100 * run['tok_s'] / offline:.0f}%"]
+            row += [num(run["health_s"], 1), cores]
+        body.append(row)
+    args = data.get("serve_args") or "(none)"
+    text = (
+        "Decode tokens/s of one greedy answer streamed through `serve` (the openai client), "
+        "and of the same engine offline (the engine `serve` builds from the same arguments, "
+        f"built in the benchmark's process), in the same round; serve's arguments: `{args}`. "
+        "Cores are CPU seconds over the wall time of the measured answer, of `serve`'s process "
+        "(the HTTP side), of its engine's process and of the client.\n\n"
+    )
+    return text + table(header, body, "l" + "r" * (len(header) - 1))
+
+
 def start_split_section(data: dict) -> str:
     groups = rounds_of(data["rows"], lambda r: (r["tree"],))
     body = [
@@ -1138,6 +1167,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
     "quantized": ("Quantized weights end to end", quantized_section, None),
     "start": ("Start: `serve` until it answers", start_section, None),
     "start_split": ("Start: where the engine's side goes", start_split_section, None),
+    "server_process": ("One user: `serve` against its own engine", server_process_section, None),
     "offline": ("The offline engine against vLLM's CPU engine", offline_section, None),
     "greedy_agreement": (
         "Greedy agreement: weights variants and llama-server",
