@@ -160,6 +160,60 @@ def test_serve_answers_loading_then_ready_then_stops():
             os.killpg(server.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("phase", ["importing", "engine loading"])
+def test_serve_stopped_while_loading_exits_cleanly(sig, phase):
+    """Ctrl-C (or SIGTERM) while /health still answers "loading", while the command imports
+    (the tiny model) or once the engine's process loads the model (SmolLM2, which takes a
+    second or more): one line saying so, no traceback, exit status 0, and no process of the
+    server's left."""
+    import psutil
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    model = "tiny" if phase == "importing" else "smollm2"
+    command = [sys.executable, "-m", "paged_attention", "serve", "--model", model]
+    command += ["--port", str(port), "--num-blocks", "64", "--log-level", "warning"]
+    command += ["--no-compile"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(
+        command, env=environment, start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while health(port) is None or (phase == "engine loading" and not engines(server)):
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert health(port) == (503, {"status": "loading"})
+        children = engines(server)
+        assert bool(children) == (phase == "engine loading")
+        os.killpg(server.pid, sig)
+        assert server.wait(30) == 0
+        errors = server.stderr.read()
+        assert "stopped while loading the model" in errors and "Traceback" not in errors
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(c.pid) and c.status() != "zombie" for c in children):
+            assert time.monotonic() < deadline, "a process of the server's was left"
+            time.sleep(0.1)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def engines(server: subprocess.Popen) -> list:
+    """The engine's process of ``server`` once it is forked: a child with the same command
+    line (other children come and go while it imports)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(server.pid)
+        command = parent.cmdline()
+        return [c for c in parent.children() if c.cmdline() == command]
+    except psutil.NoSuchProcess:  # a short-lived child (or the server) ended meanwhile
+        return []
+
+
 def health(port: int) -> tuple[int, dict] | None:
     """``/health``'s status and body; None while nothing answers."""
     try:

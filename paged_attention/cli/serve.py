@@ -13,10 +13,13 @@ the process exits 0. Needs the ``serve`` extra (installed from source:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 from paged_attention.cli.arguments import (
@@ -170,9 +173,26 @@ def main(args: argparse.Namespace) -> int:
     except BindError as error:
         print(f"paged-attention serve: error: {error}", file=sys.stderr)
         return 1
-    with sock:
-        serve(args, sock)
+    with sock, _sigterm_interrupts(getattr(args, "fresh_process", False)):
+        try:
+            serve(args, sock)
+        except KeyboardInterrupt:  # before the server ran: no request to finish
+            print("paged-attention serve: stopped while loading the model", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(command_line: bool):
+    """Within it, in the command line's own process, SIGTERM stops a loading server as SIGINT
+    does (KeyboardInterrupt); once it serves, the server's own handlers take both."""
+    if not command_line or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
@@ -186,8 +206,9 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     loading = LoadingResponder(sock)
     loading.start()
-    own_tokenizer = _tokenizer_readable_here(args.model)
+    engine = None
     try:
+        own_tokenizer = _tokenizer_readable_here(args.model)
         # the model loads and the engine runs in a process of its own (ServeSpec builds it
         # there); forked from the command line's fresh process, spawned inside another program
         if getattr(args, "fresh_process", False):
@@ -205,6 +226,10 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
         # pickled by that process once it is built and rebuilt here, after it
         tokenizer = _read_tokenizer(args.model, engine) if own_tokenizer else None
         engine.wait_until_ready()
+    except KeyboardInterrupt:
+        if engine is not None:  # stopped at once, not left to finish loading
+            engine.close(timeout=0)
+        raise
     finally:
         loading.stop()
     if not own_tokenizer:
