@@ -2,10 +2,11 @@
 
 ``import paged_attention`` registers the raw ops, ``torch.ops.paged_attention.*``
 (:mod:`paged_attention.ops.bindings`); the names below are imported when first used (PEP 562),
-so that importing the package does not import transformers or the engine. One process defers
-the ops too: the ``serve`` command started from the command line (``paged-attention serve``,
-``python -m paged_attention serve``), which binds its address and answers 503 "loading" before
-it imports torch (the ops are registered when it imports the engine, a moment later).
+so that importing the package does not import transformers or the engine. A command started
+from the command line (``paged-attention serve|chat|demo``, ``python -m paged_attention ...``)
+defers the ops too, so that torch is imported within the command, which stops cleanly on
+Ctrl+C, and so that ``serve`` binds its address and answers 503 "loading" before it imports
+torch (the ops are registered when the command imports the engine, a moment later).
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import os
 import sys
 
 
-def _is_serve_command_line() -> bool:
-    """Whether this process is the command line's ``serve``: ``python -m`` sets ``sys.argv[0]``
-    to ``"-m"`` while it imports the package, a console script to the script's path."""
+def _is_command_line() -> bool:
+    """Whether this process is one of the command line's commands: ``python -m`` sets
+    ``sys.argv[0]`` to ``"-m"`` while it imports the package, a console script to the
+    script's path."""
     argv = sys.argv
-    if len(argv) < 2 or argv[1] != "serve":
+    if len(argv) < 2 or argv[1] not in ("serve", "chat", "demo"):
         return False
     return argv[0] == "-m" or os.path.basename(argv[0]) == "paged-attention"
 
 
-if not _is_serve_command_line():
+if not _is_command_line():
     importlib.import_module("paged_attention.ops.bindings")
 
 __version__ = "0.1.0"

@@ -247,3 +247,59 @@ def test_compare_greedy():
     assert compare_greedy([1, 1], [1, 0, 2], logits, torch.float32) == "differs"
     assert compare_greedy([1, 2], [1, 0, 2], logits, torch.bfloat16) == "differs"
     assert compare_greedy([1], [1, 0, 2], logits, torch.bfloat16) == "differs"  # ended early
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
+    from paged_attention.cli import chat
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat, "main", interrupted)
+    try:
+        status = main(["chat", "--model", "tiny", "hello"])
+    except KeyboardInterrupt:  # not pytest's own: its run must go on
+        pytest.fail("the interrupt escaped the command line's main")
+    assert status == 130
+    assert capsys.readouterr().err == "paged-attention chat: interrupted\n"
+
+
+@pytest.mark.parametrize("command", [["chat", *TINY, "--no-compile", "hello"], ["demo", *TINY]])
+def test_ctrl_c_while_a_command_imports_torch(command):
+    """Ctrl+C from the terminal once the command line's main is imported (``-X importtime``
+    says when), while the command imports torch or runs, ends in the command's one line, not
+    a traceback."""
+    import os
+    import signal
+
+    process = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "paged_attention", *command],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    for line in process.stderr:
+        if line.rstrip().endswith("| paged_attention.cli.main"):
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    errors = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, errors[-2000:]
+    assert errors.endswith(f"paged-attention {command[0]}: interrupted\n"), errors[-2000:]
+    assert "Traceback" not in errors
+
+
+@pytest.mark.parametrize("argv0", ["-m", "/usr/bin/paged-attention"])
+@pytest.mark.parametrize("command", ["serve", "chat", "demo", "other"])
+def test_the_package_leaves_torch_to_a_command_of_the_command_line(argv0, command):
+    """Imported for a command of the command line, the package imports no torch (the command
+    does, inside its Ctrl+C handling); imported otherwise it registers the ops."""
+    probe = (
+        f"import sys; sys.argv = [{argv0!r}, {command!r}]; import paged_attention; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == str(command == "other")

@@ -13,8 +13,22 @@ COMMANDS = ("demo", "chat", "serve")
 DEMO_HELP = "serve a seeded workload with continuous batching in a small KV budget"
 
 
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl+C (128 + SIGINT, as a shell reports it);
+``serve`` exits 0 instead, Ctrl+C being how it is stopped."""
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(words, argv)
+    except KeyboardInterrupt:  # one line, not a traceback from wherever it was
+        program = " ".join(["paged-attention", *(w for w in words[:1] if w in COMMANDS)])
+        print(f"{program}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run(words: list[str], argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="paged-attention", description="PagedAttention tools")
     commands = parser.add_subparsers(dest="command", required=True)
     # Only the command asked for is imported (serve answers /health before torch is imported;
