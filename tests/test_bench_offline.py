@@ -242,35 +242,45 @@ def test_bad_arguments_are_refused_naming_the_argument(argv, message):
         bench_offline.parse_args(argv)
 
 
+def fake_settings(config: str, compile_cache: str = "warm") -> dict:
+    """The settings a run of ``config`` records (``compile_cache``: ours-compiled's)."""
+    return {
+        "ours": {"torch": "2.14", "torch_threads": 2, "compile": False, "block_size": 16,
+                 "max_num_seqs": 64},
+        "ours-compiled": {"compile": True, "max_num_seqs": 64, "compile_sizes": [1, 8, 32, 64],
+                          "compile_cache": compile_cache},
+        "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
+                 "compile_backend": "inductor", "compilation_mode": "2",
+                 "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
+                 "max_num_batched_tokens": 4096, "compile_cache": "warm"},
+        "limit": {"torch_threads": 2},
+    }[config]  # fmt: skip
+
+
+def fake_record(rows: list[dict], rounds: int, **extra) -> dict:
+    """What bench_offline writes for ``rows`` (their agreement with vLLM's answers added)."""
+    bench_offline.agreement(rows)
+    return {
+        "benchmark": "bench_offline",
+        "workload": {"model": "smollm2", "requests": 2, "prompt_tokens": 40, "new_tokens": 2},
+        "settings": {"cores": [0, 1], "kv_gib": 1, "rounds": rounds},
+        "target_ratio": 1.5,
+        **extra,
+        "rows": rows,
+        "summary": bench_offline.summarize(rows),
+    }
+
+
 def test_the_published_table_marks_a_ratio_below_the_target():
     rows = []
     for round_index in (0, 1):
         for config, rate in (("ours", 150.0), ("ours-compiled", 310.0), ("vllm", 200.0)):
             row = fake_row(config, "float32", rate + round_index, [[1, 2]] * 2)
-            row["settings"] = {
-                "ours": {"torch": "2.14", "torch_threads": 2, "compile": False,
-                         "block_size": 16, "max_num_seqs": 64},
-                "ours-compiled": {"compile": True, "max_num_seqs": 64,
-                                  "compile_sizes": [1, 8, 32, 64],
-                                  "compile_cache": "warm" if round_index else "cold"},
-                "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
-                         "compile_backend": "inductor", "compilation_mode": "2",
-                         "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
-                         "max_num_batched_tokens": 4096, "compile_cache": "warm"},
-            }[config]  # fmt: skip
+            row["settings"] = fake_settings(config, "warm" if round_index else "cold")
             rows.append({**row, "round": round_index})
-    bench_offline.agreement(rows)
-    record = {
-        "benchmark": "bench_offline",
-        "workload": {"model": "smollm2", "requests": 2, "prompt_tokens": 40, "new_tokens": 2},
-        "settings": {"cores": [0, 1], "kv_gib": 1, "rounds": 2},
-        "target_ratio": 1.5,
-        "compile_warm_up": [
-            {"config": "ours-compiled", "dtype": "float32", "load_s": 600, "compile_cache": "cold"}
-        ],
-        "rows": rows,
-        "summary": bench_offline.summarize(rows),
-    }
+    warm_up = {"config": "ours-compiled", "dtype": "float32", "load_s": 600}
+    warm_up["compile_cache"] = "cold"
+    record = fake_record(rows, rounds=2, compile_warm_up=[warm_up])
     text = publish.offline_section(record)
     assert "The limit rows" not in text  # no limit run
     ours_line = next(line for line in text.splitlines() if line.startswith("| float32 | ours |"))
@@ -301,25 +311,9 @@ def test_the_published_table_gives_the_shares_of_the_limit():
     rows = []
     for config, rate in (("ours", 300.0), ("vllm", 200.0), ("limit", 400.0)):
         row = fake_row(config, "float32", rate, [[1, 2]] * 2 if config != "limit" else [])
-        row["settings"] = {
-            "ours": {"torch": "2.14", "torch_threads": 2, "compile": False, "block_size": 16,
-                     "max_num_seqs": 64},
-            "vllm": {"vllm": "0.32.0", "torch": "2.13", "enforce_eager": False,
-                     "compile_backend": "inductor", "compilation_mode": "2",
-                     "omp_threads_bind": "0,1", "block_size": 128, "max_num_seqs": 256,
-                     "max_num_batched_tokens": 4096, "compile_cache": "warm"},
-            "limit": {"torch_threads": 2},
-        }[config]  # fmt: skip
+        row["settings"] = fake_settings(config)
         rows.append({**row, "round": 0})
-    bench_offline.agreement(rows)
-    record = {
-        "benchmark": "bench_offline",
-        "workload": {"model": "smollm2", "requests": 2, "prompt_tokens": 40, "new_tokens": 2},
-        "settings": {"cores": [0, 1], "kv_gib": 1, "rounds": 1},
-        "target_ratio": 1.5,
-        "rows": rows,
-        "summary": bench_offline.summarize(rows),
-    }
+    record = fake_record(rows, rounds=1)
     text = publish.offline_section(record)
     lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ")}
     assert "| 1.50x | 75% |" in lines["ours"] and "| 50% |" in lines["vLLM"]

@@ -4,8 +4,10 @@ projections, and the MLP's gate and up projections.
 Siblings multiply the same input, so one product over their weights laid one after the other
 replaces two or three. A decode step is a chain of a few hundred small products, each paying for
 a call, a parallel region and the start of a read from memory: SmolLM2 goes from 211 products
-per token to 121, and at 32 rows a step the fused float products are also the larger matrices
-the CPU's matrix library runs nearer its peak (``benchmarks/bench_offline.py``).
+per token to 121. Fusing the float layers, measured on the offline workload on a 2-vCPU AMD
+EPYC (``benchmarks/bench_offline.py``'s ``ours-unfused``, docs/results/bench_offline_fusion.json):
+272.0 and 274.8 tok/s fused against 255.7 and 221.1 in float32; in bfloat16 within the rounds'
+spread (461.5 and 463.8 against 475.3 and 428.8).
 
 * Quantized siblings (``gguf``-kernel :class:`~paged_attention.modeling.quantized.QuantizedLinear`
   layers of one format): one ``gguf_linear`` call rounds the input to int8 once and computes
@@ -28,11 +30,11 @@ transformers' ``LlamaAttention.forward`` with the three projections read from on
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
+from paged_attention.modeling.packed_linear import switched_on
 from paged_attention.modeling.quantized import QuantizedLinear
 
 FUSE_ENV = "PAGED_ATTENTION_FUSE_PROJECTIONS"
@@ -42,8 +44,7 @@ fusing (``benchmarks/bench_offline.py``'s ``ours-unfused``)."""
 
 def fusing_enabled() -> bool:
     """Whether :data:`FUSE_ENV` leaves fusing at load on (the default)."""
-    value = os.environ.get(FUSE_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return switched_on(FUSE_ENV)
 
 
 def fused_layer(layers: list[nn.Module]) -> nn.Module | None:
@@ -98,11 +99,10 @@ def _fused_float(layers: list[nn.Linear]) -> nn.Linear | None:
     fused = nn.Linear(
         layers[0].in_features, out_features, bias=has_bias, device="meta", dtype=first.dtype
     )
-    with torch.no_grad():
-        fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
-        if has_bias:
-            bias = torch.cat([layer.bias.detach() for layer in layers])
-            fused.bias = nn.Parameter(bias, requires_grad=False)
+    fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+    if has_bias:
+        bias = torch.cat([layer.bias.detach() for layer in layers])
+        fused.bias = nn.Parameter(bias, requires_grad=False)
     return fused
 
 

@@ -84,7 +84,13 @@ def load_packed_dtypes(cpuinfo_path: str = "/proc/cpuinfo") -> tuple[torch.dtype
 
 def packing_enabled() -> bool:
     """Whether :data:`PACK_ENV` leaves packing on (the default)."""
-    value = os.environ.get(PACK_ENV, "1").strip().lower()
+    return switched_on(PACK_ENV)
+
+
+def switched_on(variable: str) -> bool:
+    """Whether the environment ``variable`` of a switch that is on by default leaves it on:
+    unset, or anything but ``0``, ``false``, ``no`` and ``off`` (any case)."""
+    value = os.environ.get(variable, "1").strip().lower()
     return value not in ("0", "false", "no", "off")
 
 
