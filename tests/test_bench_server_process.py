@@ -43,7 +43,9 @@ def test_a_run_on_the_tiny_model_is_published_with_its_ratio_and_cores(tmp_path)
     (entry,) = report["rounds"]
     run = entry["serve"]
     assert entry["offline"]["tok_s"] > 0 and run["tok_s"] > 0 and run["health_s"] > 0
-    assert run["engine_cores"] > 0 and run["server_cores"] >= 0 and run["client_cores"] > 0
+    # The client's and the HTTP side's CPU time over a 16-token answer can fall under one clock
+    # tick, so only the engine's is sure to count here; the test above proves the others count.
+    assert run["engine_cores"] > 0 and run["server_cores"] >= 0 and run["client_cores"] >= 0
     section = publish.server_process_section(report)
     ratio = f"{100 * run['tok_s'] / entry['offline']['tok_s']:.0f}%"
     assert f"| {ratio} |" in section and "`--num-blocks 64 --no-compile`" in section
