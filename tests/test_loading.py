@@ -201,6 +201,45 @@ def test_serve_stopped_while_loading_exits_cleanly(sig, phase):
             os.killpg(server.pid, signal.SIGKILL)
 
 
+SIGNAL_INSIDE_AN_IMPORT = """
+import os, signal, subprocess, sys, time
+from paged_attention.cli.serve import _ended_by_a_signal_while_loading
+
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(engine.pid, flush=True)
+with _ended_by_a_signal_while_loading(True, lambda: engine.pid):
+    try:  # as numpy's import does: what stops it comes out as another error
+        os.kill(os.getpid(), signal.SIG{name})
+        time.sleep(5)
+    except BaseException as error:
+        raise ImportError("cannot load module more than once per process") from None
+print("not ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", ["INT", "TERM"])
+def test_a_signal_while_loading_ends_serve_even_inside_an_import(name):
+    """In the command line's process, SIGINT or SIGTERM while loading ends it at once with
+    one line and status 0, and kills the engine's process, even where the KeyboardInterrupt it
+    would raise inside a module's import would come out as another error."""
+    import psutil
+
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_INSIDE_AN_IMPORT.format(name=name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0 and "not ended" not in done.stdout
+    assert done.stderr == "paged-attention serve: stopped while loading the model\n"
+    engine = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(engine) and psutil.Process(engine).status() != "zombie":
+        assert time.monotonic() < deadline, "the engine's process was left"
+        time.sleep(0.05)
+
+
 def engines(server: subprocess.Popen) -> list:
     """The engine's process of ``server`` once it is forked: a child with the same command
     line (other children come and go while it imports)."""

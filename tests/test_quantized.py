@@ -165,7 +165,7 @@ def test_blocks_of_the_wrong_size_are_refused():
         QuantizedLinear.from_blocks(blocks.view(np.int8), "Q4_1", (16, 64), name="w")
 
 
-def small_llama():
+def small_llama(tie_word_embeddings: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -175,6 +175,7 @@ def small_llama():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()

@@ -1,6 +1,7 @@
 """paged_attention.modeling.quantized_cache: the quantized layers saved beside a converted model
 equal a fresh build from the GGUF file, are read instead of the file once saved, and a stale,
-damaged or ill-fitting file is rebuilt; a cache that cannot be written still quantizes."""
+damaged or ill-fitting file is rebuilt; a cache that cannot be written still quantizes; a model
+loaded with its saved layers equals from_pretrained's and never reads the weights they replace."""
 
 import json
 
@@ -21,6 +22,7 @@ from paged_attention.modeling.quantized import (  # noqa: E402
 from paged_attention.modeling.quantized_cache import (  # noqa: E402
     cache_file,
     cache_key,
+    load_cached,
     quantize_cached,
 )
 
@@ -31,8 +33,15 @@ FORMAT_OF = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output"
 def small_gguf(tmp_path):
     """A Llama GGUF file of small_llama()'s projections and LM head in several formats (and one
     projection in float32, which stays a float layer)."""
-    model = small_llama()
-    path = tmp_path / "small.gguf"
+    path = write_gguf(small_llama(), tmp_path / "small.gguf")
+    directory = tmp_path / "converted"
+    directory.mkdir()
+    return path, directory
+
+
+def write_gguf(model, path):
+    """``model``'s projections in the formats of FORMAT_OF (else Q8_0; layer 1's down
+    projection in float32), and its LM head in Q8_0 unless tied to the embedding."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(2)
     for index, layer in enumerate(model.model.layers):
@@ -44,19 +53,18 @@ def small_gguf(tmp_path):
                 continue
             fmt = GGMLQuantizationType[FORMAT_OF.get(key, "Q8_0")]
             writer.add_tensor(name, quants.quantize(weight, fmt), raw_dtype=fmt)
-    head = model.lm_head.weight.detach().float().numpy()
-    writer.add_tensor(
-        "output.weight",
-        quants.quantize(head, GGMLQuantizationType.Q8_0),
-        raw_dtype=GGMLQuantizationType.Q8_0,
-    )
+    if not model.config.tie_word_embeddings:
+        head = model.lm_head.weight.detach().float().numpy()
+        writer.add_tensor(
+            "output.weight",
+            quants.quantize(head, GGMLQuantizationType.Q8_0),
+            raw_dtype=GGMLQuantizationType.Q8_0,
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    directory = tmp_path / "converted"
-    directory.mkdir()
-    return path, directory
+    return path
 
 
 def layers_of(model):
@@ -209,3 +217,101 @@ def test_every_shipped_projection_and_the_head_are_saved(small_gguf):
         saved = set(json.loads(handle.metadata()["layers"]))
     expected = {f"model.layers.{i}.{p}" for i in range(2) for p in LLAMA_PROJECTIONS.values()}
     assert saved == expected - {"model.layers.1.mlp.down_proj"} | {"lm_head"}
+
+
+def from_pretrained_then_cached(path, directory, dtype):
+    """What load_model did before load_cached: from_pretrained, then the saved layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    return model, quantize_cached(model, path, directory)
+
+
+def recorded_reads(monkeypatch):
+    """The names of the checkpoint's tensors read through safetensors.safe_open from now on."""
+    import safetensors
+
+    real = safetensors.safe_open
+    names = []
+
+    class Recorded:
+        def __init__(self, *args, **kwargs):
+            self.handle = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.opened = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.opened.keys()
+
+        def get_tensor(self, name):
+            names.append(name)
+            return self.opened.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recorded)
+    return names
+
+
+def assert_same_model(model, expected):
+    """Equal parameters and buffers (the ones not saved too), generation settings, mode."""
+    for ours, theirs in (
+        (model.state_dict(), expected.state_dict()),
+        (dict(model.named_buffers()), dict(expected.named_buffers())),
+    ):
+        assert list(ours) == list(theirs)
+        for name, tensor in ours.items():
+            assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+    assert model.generation_config.to_dict() == expected.generation_config.to_dict()
+    assert not model.training
+    torch.testing.assert_close(logits(model), logits(expected), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_load_with_the_saved_layers_equals_from_pretrained_then_the_layers(
+    small_gguf, dtype, monkeypatch
+):
+    path, directory = small_gguf
+    small_llama().save_pretrained(directory)  # the float32 checkpoint of a converted model
+    assert load_cached(directory, dtype) is None  # no saved layers yet
+    expected, counts = from_pretrained_then_cached(path, directory, dtype)  # saves them
+    read = recorded_reads(monkeypatch)
+    model, loaded_counts = load_cached(directory, dtype)
+    assert loaded_counts == counts == {"Q4_1": 4, "Q4_0": 2, "Q8_0": 8}
+    assert_same_model(model, expected)
+    replaced = {f"{name}.weight" for name in layers_of(model)}
+    assert "model.embed_tokens.weight" in read and "model.layers.1.mlp.down_proj.weight" in read
+    assert not replaced & set(read)  # the float weights the saved layers replace stay unread
+
+
+def test_a_tied_head_left_float_is_tied_to_the_embedding_read(tmp_path):
+    tied = small_llama(tie_word_embeddings=True)
+    path = write_gguf(tied, tmp_path / "tied.gguf")
+    directory = tmp_path / "converted"
+    tied.save_pretrained(directory)  # without the head: it is the embedding
+    expected, _ = from_pretrained_then_cached(path, directory, torch.float32)
+    model, _ = load_cached(directory, torch.float32)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert_same_model(model, expected)
+
+
+@pytest.mark.parametrize("change", ["a tensor the model lacks", "a float tensor missing"])
+def test_a_checkpoint_that_does_not_fill_the_model_is_left_to_from_pretrained(small_gguf, change):
+    from safetensors.torch import load_file, save_file
+
+    path, directory = small_gguf
+    small_llama().save_pretrained(directory)
+    from_pretrained_then_cached(path, directory, torch.float32)  # saves the layers
+    checkpoint = directory / "model.safetensors"
+    tensors = load_file(checkpoint)
+    if change == "a tensor the model lacks":
+        tensors["model.extra.weight"] = torch.zeros(3)
+    else:
+        del tensors["model.norm.weight"]
+    save_file(tensors, checkpoint, metadata={"format": "pt"})
+    assert load_cached(directory, torch.float32) is None
+    assert load_cached(directory / "nowhere", torch.float32) is None  # no checkpoint at all

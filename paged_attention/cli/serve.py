@@ -173,26 +173,43 @@ def main(args: argparse.Namespace) -> int:
     except BindError as error:
         print(f"paged-attention serve: error: {error}", file=sys.stderr)
         return 1
-    with sock, _sigterm_interrupts(getattr(args, "fresh_process", False)):
+    with sock:
         try:
             serve(args, sock)
         except KeyboardInterrupt:  # before the server ran: no request to finish
-            print("paged-attention serve: stopped while loading the model", file=sys.stderr)
+            print(STOPPED_WHILE_LOADING, file=sys.stderr)
     return 0
 
 
+STOPPED_WHILE_LOADING = "paged-attention serve: stopped while loading the model"
+
+
 @contextlib.contextmanager
-def _sigterm_interrupts(command_line: bool):
-    """Within it, in the command line's own process, SIGTERM stops a loading server as SIGINT
-    does (KeyboardInterrupt); once it serves, the server's own handlers take both."""
+def _ended_by_a_signal_while_loading(command_line: bool, engine_pid):
+    """Within it, in the command line's own process, SIGINT or SIGTERM ends the process at
+    once, exit status 0, with one line (the engine's process, ``engine_pid()`` once forked,
+    killed first); once it serves, the server's own handlers take both. A KeyboardInterrupt
+    raised inside a module's import can come out as another error (numpy's "cannot load module
+    more than once per process", transformers' ModuleNotFoundError) or leave CPython's mark
+    that kills the process with SIGINT at its exit; nothing done while loading needs undoing."""
     if not command_line or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def end(signum, frame):
+        pid = engine_pid()
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        print(STOPPED_WHILE_LOADING, file=sys.stderr, flush=True)
+        os._exit(0)
+
+    previous = {sig: signal.signal(sig, end) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
@@ -201,39 +218,19 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     :mod:`paged_attention.cli.loading`): from the command line that starts before torch is
     imported, so the first answer comes at once. The model loads in the engine's process
     while this one imports the HTTP server."""
-    from paged_attention.cli.loading import LoadingResponder
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    loading = LoadingResponder(sock)
-    loading.start()
-    engine = None
-    try:
-        own_tokenizer = _tokenizer_readable_here(args.model)
-        # the model loads and the engine runs in a process of its own (ServeSpec builds it
-        # there); forked from the command line's fresh process, spawned inside another program
-        if getattr(args, "fresh_process", False):
-            loading, engine = _fork_after_imports(args, sock, loading, own_tokenizer)
-        else:
-            engine = start_engine_process(
-                args, "spawn", wait=False, send_tokenizer=not own_tokenizer
-            )
-        import uvicorn
+    started = []  # the engine's process, once there is one
 
-        from paged_attention.server import create_app
-        from paged_attention.server.graceful import GracefulServer
+    def engine_pid():
+        return started[0].process.pid if started else None
 
-        # read here while the engine's process loads the model (on another core), rather than
-        # pickled by that process once it is built and rebuilt here, after it
-        tokenizer = _read_tokenizer(args.model, engine) if own_tokenizer else None
-        engine.wait_until_ready()
-    except KeyboardInterrupt:
-        if engine is not None:  # stopped at once, not left to finish loading
-            engine.close(timeout=0)
-        raise
-    finally:
-        loading.stop()
-    if not own_tokenizer:
-        tokenizer = engine.tokenizer
+    with _ended_by_a_signal_while_loading(getattr(args, "fresh_process", False), engine_pid):
+        engine, tokenizer = _load(args, sock, started)
+    import uvicorn
+
+    from paged_attention.server import create_app
+    from paged_attention.server.graceful import GracefulServer
+
     name = args.served_model_name or args.model
     try:
         app = create_app(
@@ -265,6 +262,44 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
 
     server = GracefulServer(config, app.state.owner, args.shutdown_timeout, on_started=listening)
     server.run(sockets=[sock])
+
+
+def _load(args: argparse.Namespace, sock: socket.socket, started: list):
+    """``(the engine's process, ready; the tokenizer)``, loaded while ``sock`` answers 503;
+    the engine's process is appended to ``started`` as soon as it exists."""
+    from paged_attention.cli.loading import LoadingResponder
+
+    loading = LoadingResponder(sock)
+    loading.start()
+    engine = None
+    try:
+        own_tokenizer = _tokenizer_readable_here(args.model)
+        # the model loads and the engine runs in a process of its own (ServeSpec builds it
+        # there); forked from the command line's fresh process, spawned inside another program
+        if getattr(args, "fresh_process", False):
+            loading, engine = _fork_after_imports(args, sock, loading, own_tokenizer)
+        else:
+            engine = start_engine_process(
+                args, "spawn", wait=False, send_tokenizer=not own_tokenizer
+            )
+        started.append(engine)
+        # imported now, while the engine's process loads
+        import uvicorn  # noqa: F401
+
+        import paged_attention.server.graceful  # noqa: F401
+        from paged_attention.server import create_app  # noqa: F401
+
+        # read here while the engine's process loads the model (on another core), rather than
+        # pickled by that process once it is built and rebuilt here, after it
+        tokenizer = _read_tokenizer(args.model, engine) if own_tokenizer else None
+        engine.wait_until_ready()
+    except KeyboardInterrupt:
+        if engine is not None:  # stopped at once, not left to finish loading
+            engine.close(timeout=0)
+        raise
+    finally:
+        loading.stop()
+    return engine, tokenizer if own_tokenizer else engine.tokenizer
 
 
 ENGINE_MODULES = (

