@@ -242,13 +242,17 @@ def test_a_signal_while_loading_ends_serve_even_inside_an_import(name):
 
 def engines(server: subprocess.Popen) -> list:
     """The engine's process of ``server`` once it is forked: a child with the same command
-    line (other children come and go while it imports)."""
+    line for more than a tenth of a second (other children come and go while it imports, each
+    with that command line too between its fork and its exec)."""
     import psutil
 
     try:
         parent = psutil.Process(server.pid)
         command = parent.cmdline()
-        return [c for c in parent.children() if c.cmdline() == command]
+        now = time.time()
+        return [
+            c for c in parent.children() if c.cmdline() == command and now - c.create_time() > 0.1
+        ]
     except psutil.NoSuchProcess:  # a short-lived child (or the server) ended meanwhile
         return []
 

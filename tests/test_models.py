@@ -427,6 +427,22 @@ def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipp
         assert all(torch.equal(b, expected[k]) for k, b in layer.named_buffers()), name
 
 
+def test_smollm2_as_shipped_loads_through_from_pretrained_where_its_saved_layers_fail(
+    smollm2_as_shipped, monkeypatch, caplog
+):
+    from paged_attention.modeling import quantized_cache
+
+    def failing(directory, dtype):
+        raise RuntimeError("a library's own failure")
+
+    monkeypatch.setattr(quantized_cache, "load_cached", failing)
+    model, _ = load_model("smollm2", weights="auto")
+    assert "loading it with from_pretrained" in caplog.text and "own failure" in caplog.text
+    expected = smollm2_as_shipped[0].state_dict()
+    assert list(model.state_dict()) == list(expected)
+    assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+
+
 def test_smollm2_as_shipped_agrees_with_bf16_through_the_engine(smollm2_as_shipped, smollm2):
     """Greedy tokens of the demo's questions, the GGUF's blocks against the de-quantized bf16
     model: they compute the same weights, rounded differently, so they agree up to the first

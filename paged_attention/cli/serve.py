@@ -201,7 +201,8 @@ def _ended_by_a_signal_while_loading(command_line: bool, engine_pid):
         if pid is not None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        print(STOPPED_WHILE_LOADING, file=sys.stderr, flush=True)
+        # written past sys.stderr, whose buffer the interrupted code may be writing through
+        os.write(2, f"{STOPPED_WHILE_LOADING}\n".encode())
         os._exit(0)
 
     previous = {sig: signal.signal(sig, end) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -345,13 +345,21 @@ def _directory_model(directory: Path, name: str, dtype: torch.dtype | None, devi
 
 def _cached_quantized_model(directory: Path, name: str, dtype, device: torch.device):
     """The converted GGUF model of ``directory`` with its ``auto`` layers read from their saved
-    file (:func:`~paged_attention.modeling.quantized_cache.load_cached`), None without one."""
+    file (:func:`~paged_attention.modeling.quantized_cache.load_cached`); None without one, or
+    where that fails: ``from_pretrained`` then loads it (or says why it cannot)."""
+    import logging
+
     from paged_attention.modeling.quantized_cache import load_cached
 
     try:
         loaded = load_cached(directory, _directory_dtype(directory, dtype, device))
     except Exception as error:  # a broken checkpoint fails in many library-specific ways
-        raise ModelLoadError(f"{name}: cannot load the model: {_first_line(error)}") from error
+        logging.getLogger("paged_attention.modeling").warning(
+            "%s: loading it with from_pretrained instead of its saved layers: %s",
+            name,
+            _first_line(error),
+        )
+        return None
     return None if loaded is None else loaded[0]
 
 
