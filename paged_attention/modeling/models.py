@@ -47,6 +47,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -347,8 +348,6 @@ def _cached_quantized_model(directory: Path, name: str, dtype, device: torch.dev
     """The converted GGUF model of ``directory`` with its ``auto`` layers read from their saved
     file (:func:`~paged_attention.modeling.quantized_cache.load_cached`); None without one, or
     where that fails: ``from_pretrained`` then loads it (or says why it cannot)."""
-    import logging
-
     from paged_attention.modeling.quantized_cache import load_cached
 
     try:
@@ -406,8 +405,10 @@ def _name_added_tokens(directory: Path, tokenizer) -> None:
         config["added_tokens_decoder"] = {str(i): token.__getstate__() for i, token in added}
         staging.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
         os.replace(staging, path)
-    except (OSError, ValueError, AttributeError):
-        pass  # the tokenizer loads as before, only slower
+    except (OSError, ValueError, AttributeError) as error:  # it loads as before, only slower
+        logging.getLogger("paged_attention.modeling").info(
+            "cannot name the added tokens in %s: %s", path, error
+        )
     finally:
         staging.unlink(missing_ok=True)
 
