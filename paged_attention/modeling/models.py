@@ -392,8 +392,8 @@ def _directory_tokenizer(directory: Path, name: str):
 def _name_added_tokens(directory: Path, tokenizer) -> None:
     """Write ``tokenizer``'s added tokens into the converted model's ``tokenizer_config.json``,
     as transformers' checkpoints on the hub have them: without them, transformers parses the
-    whole ``tokenizer.json`` in Python at every load to find them (0.3 s of SmolLM2's start,
-    in each of ``serve``'s two processes). Written whole under a name of this process and
+    whole ``tokenizer.json`` in Python at every load to find them, in each of ``serve``'s
+    two processes (docs/performance.md, the start). Written whole under a name of this process and
     renamed into place; a file that cannot be read or written is left as it is."""
     path = directory / "tokenizer_config.json"
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
