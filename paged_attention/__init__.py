@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 
@@ -26,8 +27,19 @@ def _is_command_line() -> bool:
     return argv[0] == "-m" or os.path.basename(argv[0]) == "paged-attention"
 
 
+def end_on_ctrl_c_before_main(signum, frame) -> None:
+    """SIGINT's handler from the package's import until the command line's main takes Ctrl+C
+    over (:func:`paged_attention.cli.main.main`): the command's one line and exit status 130
+    at once, as main gives. Python's KeyboardInterrupt there, outside main's handling, would
+    end the process with a traceback from wherever it landed."""
+    os.write(2, f"paged-attention {sys.argv[1]}: interrupted\n".encode())
+    os._exit(130)
+
+
 if not _is_command_line():
     importlib.import_module("paged_attention.ops.bindings")
+elif signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, end_on_ctrl_c_before_main)
 
 __version__ = "0.1.0"
 

@@ -290,6 +290,52 @@ def test_ctrl_c_while_a_command_imports_torch(command):
     assert "Traceback" not in errors
 
 
+CTRL_C_BEFORE_MAIN = """
+import os, signal, sys, time
+sys.argv = ["-m", "chat", "--model", "tiny", "hello"]
+import paged_attention
+from paged_attention.cli import main as command_line
+{then}
+"""
+
+
+def run_ctrl_c_probe(then: str) -> subprocess.CompletedProcess:
+    probe = CTRL_C_BEFORE_MAIN.format(then=then)
+    return subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_ctrl_c_between_the_packages_import_and_main_is_the_commands_line_and_130():
+    """The command line's process imported the package and main's module but has not entered
+    main's handling yet (the moment ``-X importtime`` cannot see past): one line, status 130."""
+    from paged_attention.cli.main import INTERRUPTED
+
+    done = run_ctrl_c_probe("os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\nprint('ran on')")
+    assert (done.returncode, done.stdout) == (INTERRUPTED, "")
+    assert done.stderr == "paged-attention chat: interrupted\n"
+
+
+def test_the_command_lines_main_takes_ctrl_c_over_from_the_package():
+    """Inside main Ctrl+C is a KeyboardInterrupt again (a command may handle it, and what it
+    printed is flushed): main returns 130 with its line, rather than the package ending the
+    process."""
+    then = (
+        "def interrupted(words, argv):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "command_line._run = interrupted\n"
+        "print('main returned', command_line.main())"
+    )
+    done = run_ctrl_c_probe(then)
+    assert (done.returncode, done.stdout) == (0, "main returned 130\n"), done.stderr
+    assert done.stderr == "paged-attention chat: interrupted\n"
+
+
 @pytest.mark.parametrize("argv0", ["-m", "/usr/bin/paged-attention"])
 @pytest.mark.parametrize("command", ["serve", "chat", "demo", "other"])
 def test_the_package_leaves_torch_to_a_command_of_the_command_line(argv0, command):

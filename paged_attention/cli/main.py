@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from paged_attention.errors import UsageError
@@ -21,11 +22,22 @@ INTERRUPTED = 130
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     try:
+        _ctrl_c_raises_from_here()
         return _run(words, argv)
     except KeyboardInterrupt:  # one line, not a traceback from wherever it was
         program = " ".join(["paged-attention", *(w for w in words[:1] if w in COMMANDS)])
         print(f"{program}: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def _ctrl_c_raises_from_here() -> None:
+    """Until main, the package itself ends the command line's process on Ctrl+C
+    (:func:`paged_attention.end_on_ctrl_c_before_main`); from here on Ctrl+C is a
+    KeyboardInterrupt, which the command may handle and main turns into its line."""
+    import paged_attention
+
+    if signal.getsignal(signal.SIGINT) is paged_attention.end_on_ctrl_c_before_main:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _run(words: list[str], argv: list[str] | None) -> int:
