@@ -429,8 +429,9 @@ def test_smollm2_as_shipped_saves_its_layers_in_the_cache_entry(smollm2_as_shipp
     with monkeypatch.context() as patch:
         patch.setattr(AutoModelForCausalLM, "from_pretrained", None)  # called, it would fail
         cached, _ = load_model("smollm2", weights="auto")  # the file is there: read, not built
-    # transformers' own modules, unpacked: quantize_model takes torch.nn.Linear layers
-    fresh, _ = load_model("smollm2", dtype="bfloat16")
+    # transformers' own modules, unpacked: quantize_model takes torch.nn.Linear layers; in the
+    # dtype the default chose (bfloat16 on a CPU with native bfloat16 products, else float32)
+    fresh, _ = load_model("smollm2", dtype=cached.dtype)
     quantize_model(fresh, "auto", models.smollm2_gguf())
     fuse_projections(fresh)
     # with the buffers not saved (the rotary frequencies)
