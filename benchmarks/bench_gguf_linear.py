@@ -6,11 +6,13 @@ format, and without a layer's Python around it).
 
 Shapes (out, in): the attention's query and output projections 576 x 576, its key and value
 projections 192 x 576, the MLP's gate and up 1536 x 576 and down 576 x 1536 (all Q4_1 in the
-GGUF), and the LM head 49152 x 576 (the tied embedding, Q8_0). Inputs are bfloat16 (the model's
-dtype on a CPU with AVX512-BF16); each figure is the fastest of ``--repeats`` calls (the
-machine is shared: the minimum is the least disturbed).
+GGUF), and the LM head 49152 x 576 (the tied embedding, Q8_0). Inputs are in ``--dtype``:
+bfloat16 (the default; the model's dtype on a CPU with AVX512-BF16) or float32 (the model's
+dtype elsewhere); each figure is the fastest of ``--repeats`` calls (the machine is shared: the
+minimum is the least disturbed).
 
     python benchmarks/bench_gguf_linear.py --json docs/results/bench_gguf_linear.json
+    python benchmarks/bench_gguf_linear.py --dtype float32 --json bench_gguf_linear_fp32.json
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from paged_attention.ops.cpu_info import cpu_identity
 
 SHAPES = {
     "q_proj, o_proj": ("Q4_1", 576, 576),
@@ -40,7 +44,7 @@ def fastest_us(call, repeats: int) -> float:
     return min(times) * 1e6
 
 
-def measure(repeats: int) -> list[dict]:
+def measure(repeats: int, dtype_name: str = "bfloat16") -> list[dict]:
     import torch
     from gguf import GGMLQuantizationType, quants
 
@@ -56,10 +60,10 @@ def measure(repeats: int) -> list[dict]:
             for kernel in ("int4pack", "gguf")
         }
         int8 = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=generator)
-        int8_scales = torch.rand(out, generator=generator).bfloat16()
+        int8_scales = torch.rand(out, generator=generator).to(getattr(torch, dtype_name))
         count = max(3, repeats // 20) if out > 10000 else repeats
         for batch in BATCHES:
-            x = torch.randn(batch, inp, generator=generator).bfloat16()
+            x = torch.randn(batch, inp, generator=generator).to(getattr(torch, dtype_name))
             row = {"layer": name, "format": fmt, "out": out, "in": inp, "batch": batch}
             for kernel, layer in layers.items():
                 row[f"{kernel}_us"] = fastest_us(lambda layer=layer, x=x: layer(x), count)
@@ -79,14 +83,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().strip()
-    rows = measure(args.repeats)
+    rows = measure(args.repeats, args.dtype)
     machine = {
+        **cpu_identity(),
         "cpu": next(
             line.split(":", 1)[1].strip()
             for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -97,7 +103,11 @@ def main() -> None:
         "loadavg_after": Path("/proc/loadavg").read_text().strip(),
     }
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+        from paged_attention.ops.gguf_linear import usable_variants
+
+        variant = usable_variants()[0]
+        report = {"dtype": args.dtype, "gguf_variant": variant, "machine": machine, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

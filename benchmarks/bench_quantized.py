@@ -1,7 +1,9 @@
-"""Offline generation speed and resident memory of SmolLM2 with ``--weights bf16`` against
+"""Offline generation speed and resident memory of SmolLM2 with float weights (``--weights bf16``,
+or ``fp32``, the default dtype on a CPU without native bfloat16 products) against
 ``--weights auto`` (the GGUF's Q4_1 blocks as quantized layers) through each quantized kernel
-(``PAGED_ATTENTION_QUANTIZED_KERNEL=int4pack``, torch's, and ``gguf``, the VNNI op; on a CPU
-without AVX512-VNNI the gguf rows run its slow portable loop), alternating A B C A B C.
+(``PAGED_ATTENTION_QUANTIZED_KERNEL=int4pack``, torch's, and ``gguf``, the op's AVX512-VNNI or
+AVX2 variant; on a CPU with neither the gguf rows run its slow portable loop), alternating
+A B C A B C.
 
 Each measurement runs in a fresh process (so its resident memory is that model's alone): it
 loads the model, records its resident set size, then generates 64 greedy tokens for 1 request
@@ -31,9 +33,16 @@ import sys
 import time
 from pathlib import Path
 
+from paged_attention.ops.cpu_info import cpu_identity
+
 TOKENS = 64
 BATCHES = (1, 32)
-CONFIGS = {"bf16": ("bf16", None), "int4pack": ("auto", "int4pack"), "gguf": ("auto", "gguf")}
+CONFIGS = {
+    "bf16": ("bf16", None),
+    "fp32": ("fp32", None),
+    "int4pack": ("auto", "int4pack"),
+    "gguf": ("auto", "gguf"),
+}
 """A configuration's name: its ``--weights`` and its quantized kernel."""
 
 
@@ -156,6 +165,7 @@ def main() -> None:
     print("loadavg", load_before, "->", load_after)
     if args.json:
         machine = {
+            **cpu_identity(),
             "cpu": _cpu_model(),
             "cores": os.cpu_count(),
             "threads": args.threads,

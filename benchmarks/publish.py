@@ -204,6 +204,8 @@ def machine_of(data: dict, kind: str) -> str:
     model = machine["cpu_model"]
     flags = set(machine["cpu_isa_flags"])
     isa = "/".join(label for flag, label in ISA_NAMES if flag in flags)
+    if "avx512f" not in flags and "avx2" in flags:
+        isa = "AVX2, no AVX-512"
     threads = machine.get("threads")
     parts = [model]
     if isa:
@@ -213,8 +215,11 @@ def machine_of(data: dict, kind: str) -> str:
     if machine.get("torch"):
         parts.append(f"torch {machine['torch']}")
     load = machine.get("load_average")
+    before, after = machine.get("loadavg_before"), machine.get("loadavg_after")
     if load:
         parts.append(f"load average {load[0]:.1f}")
+    elif before and after:
+        parts.append(f"load average {before.split()[0]} to {after.split()[0]}")
     return ", ".join(parts)
 
 
@@ -736,6 +741,13 @@ def block_manager_section(data: dict) -> str:
     return text + table(["measure", *kinds], body, "l" + "r" * len(kinds))
 
 
+GGUF_VARIANTS = {
+    "vnni": "its AVX512-VNNI variant",
+    "avx2": "its AVX2 variant",
+    "reference": "its portable scalar loop",
+}
+
+
 def gguf_linear_section(data: dict) -> str:
     body = [
         [
@@ -760,10 +772,11 @@ def gguf_linear_section(data: dict) -> str:
         "gguf speed-up",
         "bare `_weight_int8pack_mm` µs",
     ]
+    variant = GGUF_VARIANTS[data.get("gguf_variant", "vnni")]
     text = (
-        "One quantized linear layer at SmolLM2-135M's shapes, bfloat16 inputs of 1 to 32 rows: "
-        "torch's int4pack kernel and the gguf kernel (int8 activations, AVX512-VNNI), each "
-        "through the `QuantizedLinear` layer's `forward`, and for scale torch's "
+        f"One quantized linear layer at SmolLM2-135M's shapes, {data.get('dtype', 'bfloat16')} "
+        "inputs of 1 to 32 rows: torch's int4pack kernel and the gguf kernel (int8 activations, "
+        f"{variant}), each through the `QuantizedLinear` layer's `forward`, and for scale torch's "
         "`_weight_int8pack_mm` called bare (int8 weights with one scale per row: not the GGUF "
         "format, no layer around it). Each figure is the fastest of the script's `--repeats` "
         "calls (default 100; a twentieth, at least 3, for the LM head); the speed-up is "
@@ -811,7 +824,8 @@ def quantized_section(data: dict) -> str:
     ]
     text = (
         f"SmolLM2-135M-Instruct generating {data['tokens']} greedy tokens per request offline "
-        "(prefill included, the end-of-sequence token never produced): `--weights bf16`, and "
+        "(prefill included, the end-of-sequence token never produced): float weights "
+        "(`--weights bf16` or `fp32`), and "
         "`--weights auto` (the GGUF's quantized blocks) through torch's int4pack kernel and "
         "through the gguf kernel. Each measurement runs in a fresh process (its resident memory "
         f"is that model's alone), the configurations alternating A B C over {rounds} rounds. "

@@ -14,12 +14,13 @@ from paged_attention.ops.gguf_linear import (  # noqa: E402
     error_bound,
     gguf_linear,
     kernel_layout,
-    vnni_usable,
+    usable_variants,
 )
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-VARIANTS = ["reference"] + (["vnni"] if vnni_usable() else [])
+VARIANTS = usable_variants()
+SIMD_VARIANTS = [variant for variant in VARIANTS if variant != "reference"]
 
 
 def weight_blocks(shape, fmt, seed=0):
@@ -64,16 +65,41 @@ def test_inputs_on_int8_steps_are_exact(fmt):
         assert ((y - expected).abs() <= margin + 1e-7).all(), variant
 
 
-@pytest.mark.skipif(not vnni_usable(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("variant", SIMD_VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_vnni_is_the_reference(fmt):
+def test_a_simd_variant_is_the_reference(variant, fmt):
     blocks, _ = weight_blocks((64, 160), fmt, seed=5)
     qs, scales = kernel_layout(blocks, fmt)
     x = torch.randn(6, 160, generator=torch.Generator().manual_seed(6)).bfloat16()
-    vnni = gguf_linear(x, qs, scales, fmt, "vnni").float()
+    simd = gguf_linear(x, qs, scales, fmt, variant).float()
     reference = gguf_linear(x, qs, scales, fmt, "reference").float()
-    torch.testing.assert_close(vnni, reference, rtol=2**-7, atol=1e-3)  # bf16 outputs
+    torch.testing.assert_close(simd, reference, rtol=2**-7, atol=1e-3)  # bf16 outputs
     assert gguf_linear(x, qs, scales, fmt).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_largest_quants_and_activations_do_not_saturate(fmt):
+    """Every weight at its format's extreme quant and every activation at +-127 steps: the
+    products the SIMD variants add in int16 pairs (AVX2's vpmaddubsw saturates) are at their
+    largest, so a saturating sum shows as a wrong output."""
+    rows, inputs = 16, 64
+    blocks, _ = weight_blocks((rows, inputs), fmt, seed=7)
+    quants_at = 4 if fmt == "Q4_1" else 2  # after d (and Q4_1's m)
+    extreme = blocks.copy()
+    extreme[..., :2] = np.array([1.0], np.float16).view(np.uint8)  # d = 1
+    if fmt == "Q4_1":
+        extreme[..., 2:4] = 0  # m = 0
+    extreme[..., quants_at:] = 0xFF if fmt != "Q8_0" else 0x80  # q = 15 (Q4) or -128 (Q8_0)
+    weight = torch.from_numpy(
+        quants.dequantize(extreme.reshape(rows, -1), GGMLQuantizationType[fmt])
+    ).double()
+    qs, scales = kernel_layout(extreme, fmt)
+    signs = torch.tensor([1.0, -1.0]).repeat(inputs // 2)
+    for x in (torch.full((1, inputs), 127.0), torch.full((1, inputs), -127.0), 127 * signs[None]):
+        expected = x.double() @ weight.T
+        for variant in VARIANTS:
+            y = gguf_linear(x, qs, scales, fmt, variant).double()
+            torch.testing.assert_close(y, expected, rtol=2**-20, atol=0, msg=variant)
 
 
 def test_zero_rows_and_zero_inputs():
@@ -101,7 +127,7 @@ def test_bad_arguments_are_refused():
         gguf_linear(torch.randn(2, 96), qs, scales, "Q4_1")
     with pytest.raises(ValueError, match="x must be 2-d"):
         gguf_linear(torch.randn(64), qs, scales, "Q4_1")
-    with pytest.raises(ValueError, match="variant must be auto, vnni or reference, got fast"):
+    with pytest.raises(ValueError, match="variant must be auto, vnni, avx2 or reference, got fast"):
         gguf_linear(x, qs, scales, "Q4_1", "fast")
     with pytest.raises(ValueError, match="scales must be a contiguous"):
         gguf_linear(x, qs, scales[:, :1].contiguous(), "Q4_1")

@@ -102,6 +102,19 @@ def test_the_machine_is_named_from_the_json():
     assert publish.machine_of(gpu, "decode") == "NVIDIA H200 (132 SMs), torch 2.14.1"
 
 
+def test_a_cpu_without_avx512_is_named_avx2_with_its_load():
+    machine = {
+        "cpu_model": "AMD EPYC",
+        "cpu_isa_flags": ["avx2", "fma", "f16c"],
+        "threads": 2,
+        "loadavg_before": "0.50 0.4 0.3 1/2 3",
+        "loadavg_after": "1.25 0.4 0.3 1/2 3",
+    }
+    assert publish.machine_of({"machine": machine}, "quantized") == (
+        "AMD EPYC, AVX2, no AVX-512, 2 threads, load average 0.50 to 1.25"
+    )
+
+
 def test_no_results_is_said_not_invented(tmp_path):
     (tmp_path / "docs" / "results").mkdir(parents=True)
     for path in publish.TARGETS:

@@ -131,7 +131,7 @@ def test_from_float_is_the_gguf_quantizer(kernel):
 
 def test_kernel_is_chosen_by_argument_then_environment(monkeypatch):
     monkeypatch.delenv("PAGED_ATTENTION_QUANTIZED_KERNEL", raising=False)
-    auto = "gguf" if gguf_linear.vnni_usable() else "int4pack"
+    auto = "int4pack" if gguf_linear.usable_variants() == ["reference"] else "gguf"
     assert selected_kernel() == auto == selected_kernel("auto")
     monkeypatch.setenv("PAGED_ATTENTION_QUANTIZED_KERNEL", "int4pack")
     assert selected_kernel() == "int4pack" and selected_kernel("gguf") == "gguf"

@@ -1,7 +1,7 @@
 // y = x @ W.T with W held as GGUF blocks (Q4_0, Q4_1, Q8_0) for the CPU, llama.cpp's way: each
 // block of 32 activations is rounded to int8 with its own float32 scale (dx = max|x| / 127, as
 // llama.cpp's Q8_0/Q8_1 activations are), and each block's product is an integer dot product
-// (AVX512-VNNI's vpdpbusd), scaled in float32.
+// (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd), scaled in float32.
 //
 // The weights are laid out for it at load (paged_attention/modeling/quantized.py, GGUFLinearWeights): per
 // group of 16 output rows and per block of 32 inputs, `qs` holds the 32 x 16 quants, four
@@ -20,9 +20,11 @@
 // So a block of 16 rows reads 2 bytes per row beside its quants for Q4_0 and Q4_1, as the file
 // does, and 4 for Q8_0 (2 in the file): fewer bytes per decoded token than float32 fields.
 //
-// Variants: "vnni" (AVX-512 with VNNI, picked when torch's capability and the CPU say AVX-512
-// and the CPU has VNNI, see variants.h) and "reference", the portable scalar loop of the same
-// arithmetic; "auto" picks. Output rows are split over torch's intra-op threads.
+// Variants: "vnni" (AVX-512 with VNNI, usable when torch's capability and the CPU say AVX-512
+// and the CPU has VNNI, see variants.h), "avx2" (AVX2 with FMA and F16C, usable when torch's
+// capability is AVX2 or AVX-512) and "reference", the portable scalar loop of the same
+// arithmetic; "auto" picks the first usable of these. Output rows are split over torch's
+// intra-op threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -40,8 +42,9 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define PA_HAVE_GGUF_VNNI 1
+#define PA_HAVE_GGUF_SIMD 1
 #define PA_GGUF_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define PA_GGUF_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace paged_attention::cpu {
@@ -171,7 +174,7 @@ void groups_reference(const Problem& p, int64_t row0, int64_t rows, int64_t begi
   }
 }
 
-#ifdef PA_HAVE_GGUF_VNNI
+#ifdef PA_HAVE_GGUF_SIMD
 
 // One block's int32 dot products of 16 rows with one activation row: four independent chains.
 template <Format kFormat>
@@ -241,56 +244,174 @@ PA_GGUF_VNNI_TARGET void groups_vnni(const Problem& p, int64_t row0, int64_t beg
   }
 }
 
+
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes and adds each pair of
+// products into a saturating int16, vpmaddwd by ones adds the pairs into the row's int32 lane.
+// A vector holds 8 rows, so a group of 16 rows is two halves, each a 32-byte half of the
+// layout's 64-byte vectors.
+//
+// One block's int32 dot products of 8 rows (one half) with one activation row.
+template <Format kFormat>
+PA_GGUF_AVX2_TARGET inline __m256i block_dot_avx2(const __m256i* w, const uint8_t* qx) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kFormat == Format::kQ8_0) {
+    // The activations are kept as qx + 128 (for vpdpbusd); signed again here. The products are
+    // taken as |w| times x with w's sign, so each pair stays within int16: |w| <= 128 and
+    // |x| <= 127 give at most 32512. So this dot is of the signed activations: the block's
+    // offset term, which undoes the + 128, is not added (groups_avx2).
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, qx + 4 * i, sizeof(quad));
+      const __m256i x = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
+      const __m256i pairs =
+          _mm256_maddubs_epi16(_mm256_abs_epi8(w[i]), _mm256_sign_epi8(x, w[i]));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
+    return sum;
+  } else {
+    // q in 0..15 and |x| <= 127: a pair is at most 3810, eight pairs 30480, within int16, so
+    // the pairs of all 8 vectors add up before one widening.
+    __m256i pairs = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, qx + 4 * i, sizeof(quad));
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad)));
+    }
+    return _mm256_madd_epi16(pairs, ones);
+  }
+}
+
+// Half h of each group is a pass over the group's blocks of its own, so that the 8 weight
+// vectors and the tile's accumulators fit AVX2's 16 registers; the second pass reads the
+// group's weights (4.5 KB at 576 inputs) from L1.
+template <Format kFormat, int kTileRows>
+PA_GGUF_AVX2_TARGET void groups_avx2(const Problem& p, int64_t row0, int64_t begin, int64_t end) {
+  constexpr int64_t kBytes = kFormat == Format::kQ8_0 ? 512 : 256;
+  const int64_t blocks = p.k / kGroup;
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int64_t g = begin; g < end; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[kTileRows];
+      for (auto& sum : acc) sum = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* qs = p.qs + (g * blocks + b) * kBytes + 32 * h;
+        const uint16_t* fields = p.scales + (g * blocks + b) * 2 * kRows + 8 * h;
+        __m256i w[8];
+        if constexpr (kFormat == Format::kQ8_0) {
+          for (int i = 0; i < 8; ++i) w[i] = _mm256_loadu_si256((const __m256i*)(qs + 64 * i));
+        } else {
+          for (int i = 0; i < 4; ++i) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qs + 64 * i));
+            w[i] = _mm256_and_si256(bytes, nibble);
+            w[i + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)fields));
+        for (int r = 0; r < kTileRows; ++r) {
+          const int64_t row = row0 + r;
+          const __m256i dot = block_dot_avx2<kFormat>(w, p.a->q.data() + row * p.k + b * kGroup);
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(p.a->dx[row * blocks + b]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+          if constexpr (kFormat != Format::kQ8_0) {
+            const __m256 e = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(fields + kRows)));
+            acc[r] = _mm256_fmadd_ps(e, _mm256_set1_ps(p.a->s[row * blocks + b]), acc[r]);
+          }
+        }
+      }
+      for (int r = 0; r < kTileRows; ++r) {
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, acc[r]);
+        p.store((row0 + r) * p.n + g * kRows + 8 * h, sums, 8);
+      }
+    }
+  }
+}
+
 using GroupsFn = void (*)(const Problem&, int64_t, int64_t, int64_t);
 
+template <Format kFormat, int kTileRows>
+GroupsFn groups_for(bool vnni) {
+  return vnni ? &groups_vnni<kFormat, kTileRows> : &groups_avx2<kFormat, kTileRows>;
+}
+
 template <Format kFormat>
-GroupsFn groups_vnni_for(int64_t tile_rows) {
+GroupsFn groups_for(bool vnni, int64_t tile_rows) {
   switch (tile_rows) {
     case 1:
-      return &groups_vnni<kFormat, 1>;
+      return groups_for<kFormat, 1>(vnni);
     case 2:
-      return &groups_vnni<kFormat, 2>;
+      return groups_for<kFormat, 2>(vnni);
     case 3:
-      return &groups_vnni<kFormat, 3>;
+      return groups_for<kFormat, 3>(vnni);
     default:
-      return &groups_vnni<kFormat, 4>;
+      return groups_for<kFormat, 4>(vnni);
   }
 }
 
-GroupsFn groups_vnni_for(Format format, int64_t tile_rows) {
+// The SIMD variant's function for a format and a tile of activation rows.
+GroupsFn groups_for(bool vnni, Format format, int64_t tile_rows) {
   switch (format) {
     case Format::kQ4_0:
-      return groups_vnni_for<Format::kQ4_0>(tile_rows);
+      return groups_for<Format::kQ4_0>(vnni, tile_rows);
     case Format::kQ4_1:
-      return groups_vnni_for<Format::kQ4_1>(tile_rows);
+      return groups_for<Format::kQ4_1>(vnni, tile_rows);
     default:
-      return groups_vnni_for<Format::kQ8_0>(tile_rows);
+      return groups_for<Format::kQ8_0>(vnni, tile_rows);
   }
 }
 
-#endif  // PA_HAVE_GGUF_VNNI
+#endif  // PA_HAVE_GGUF_SIMD
 
-}  // namespace
+enum class Variant { kReference, kAvx2, kVnni };
 
-// Whether "auto" runs the VNNI variant here (also read by Python, to pick the layers' kernel).
 bool vnni_usable() {
-#ifdef PA_HAVE_GGUF_VNNI
+#ifdef PA_HAVE_GGUF_SIMD
   return selected_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
 }
 
+bool avx2_usable() {
+#ifdef PA_HAVE_GGUF_SIMD
+  return selected_isa() != Isa::kBaseline && __builtin_cpu_supports("avx2") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// The variants this CPU (and torch's chosen capability) runs, best first: "auto" runs the
+// first. Also read by Python, to pick the quantized layers' kernel.
+std::vector<std::string> gguf_linear_usable_variants() {
+  std::vector<std::string> names;
+  if (vnni_usable()) names.emplace_back("vnni");
+  if (avx2_usable()) names.emplace_back("avx2");
+  names.emplace_back("reference");
+  return names;
+}
+
 namespace {
 
-bool use_vnni(const std::string& variant) {
-  if (variant == "auto") return vnni_usable();
-  if (variant == "reference") return false;
-  TORCH_CHECK_VALUE(variant == "vnni", "gguf_linear: variant must be auto, vnni or reference, got ",
-                    variant);
-  TORCH_CHECK(vnni_usable(), "gguf_linear: variant vnni needs AVX-512 with VNNI (avx512_vnni) ",
-              "and torch's AVX-512 kernels");
-  return true;
+Variant chosen_variant(const std::string& variant) {
+  if (variant == "auto") {
+    return vnni_usable() ? Variant::kVnni : avx2_usable() ? Variant::kAvx2 : Variant::kReference;
+  }
+  if (variant == "reference") return Variant::kReference;
+  if (variant == "vnni") {
+    TORCH_CHECK(vnni_usable(), "gguf_linear: variant vnni needs AVX-512 with VNNI (avx512_vnni) ",
+                "and torch's AVX-512 kernels");
+    return Variant::kVnni;
+  }
+  TORCH_CHECK_VALUE(variant == "avx2",
+                    "gguf_linear: variant must be auto, vnni, avx2 or reference, got ", variant);
+  TORCH_CHECK(avx2_usable(), "gguf_linear: variant avx2 needs AVX2, FMA and F16C and torch's ",
+              "AVX2 or AVX-512 kernels");
+  return Variant::kAvx2;
 }
 
 void check_arguments(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
@@ -321,7 +442,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const std::string& format_name, const std::string& variant) {
   const Format format = parse_format(format_name);
   check_arguments(x, qs, scales, format);
-  const bool vnni = use_vnni(variant);
+  const Variant chosen = chosen_variant(variant);
   const int64_t m = x.size(0), k = x.size(1), groups = qs.size(0), n = groups * kRows;
   at::Tensor y = at::empty({m, n}, x.options());
   if (k == 0) return y.zero_();  // a weight of no blocks
@@ -341,9 +462,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
       for (int64_t row = 0; row < m; row += kTile) {
         const int64_t tile = std::min<int64_t>(kTile, m - row);
-#ifdef PA_HAVE_GGUF_VNNI
-        if (vnni) {
-          groups_vnni_for(format, tile)(p, row, begin, end);
+#ifdef PA_HAVE_GGUF_SIMD
+        if (chosen != Variant::kReference) {
+          groups_for(chosen == Variant::kVnni, format, tile)(p, row, begin, end);
           continue;
         }
 #endif
@@ -358,7 +479,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }  // namespace paged_attention::cpu
 
 TORCH_LIBRARY_FRAGMENT(paged_attention, m) {
-  m.def("_gguf_linear_vnni_usable() -> bool", &paged_attention::cpu::vnni_usable);
+  m.def("_gguf_linear_usable_variants() -> str[]",
+        &paged_attention::cpu::gguf_linear_usable_variants);
   m.def(
       "gguf_linear(Tensor x, Tensor qs, Tensor scales, str format, str variant=\"auto\") -> "
       "Tensor");

@@ -12,10 +12,10 @@ high nibble.)
 Two kernels compute :class:`QuantizedLinear` (``PAGED_ATTENTION_QUANTIZED_KERNEL``, read when a
 layer is built: ``auto``, the default, ``gguf`` or ``int4pack``):
 
-* ``gguf``, where the CPU has AVX512-VNNI (``auto`` picks it there): the op of
+* ``gguf``, where the CPU has AVX512-VNNI or AVX2 (``auto`` picks it there): the op of
   :mod:`paged_attention.ops.gguf_linear`, llama.cpp's arithmetic: the activations rounded to int8
   per block of 32, integer dot products with the blocks' quants, scaled in float32. On a CPU
-  without VNNI it runs a portable scalar loop (correct, slow): ``auto`` does not pick it there.
+  with neither it runs a portable scalar loop (correct, slow): ``auto`` does not pick it there.
 * ``int4pack``: torch's CPU int4 kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit
   weights packed by ``_convert_weight_to_int4pack_for_cpu``, and per group of 32 weights of a
   row a scale and a zero, the kernel computing ``w = (q - 8) * scale + zero``. So ``Q4_0`` is
@@ -175,13 +175,13 @@ class QuantizedLinear(nn.Module):
 def selected_kernel(kernel: str | None = None) -> str:
     """``"gguf"`` or ``"int4pack"``: ``kernel`` (one of :data:`KERNELS`), or when None the
     environment's ``PAGED_ATTENTION_QUANTIZED_KERNEL`` (unset: ``auto``); ``auto`` is ``gguf``
-    where the CPU has AVX512-VNNI, else ``int4pack``."""
+    where the op has a vector variant here (AVX512-VNNI or AVX2), else ``int4pack``."""
     source = "kernel" if kernel is not None else KERNEL_VARIABLE
     name = kernel if kernel is not None else os.environ.get(KERNEL_VARIABLE) or "auto"
     if name not in KERNELS:
         raise ValueError(f"{source}: expected one of {', '.join(KERNELS)}, got {name!r}")
     if name == "auto":
-        return "gguf" if gguf_linear.vnni_usable() else "int4pack"
+        return "gguf" if gguf_linear.usable_variants()[0] != "reference" else "int4pack"
     return name
 
 

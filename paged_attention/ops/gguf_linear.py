@@ -4,17 +4,17 @@ blocks (``Q4_0``, ``Q4_1``, ``Q8_0``), computed the way llama.cpp computes it.
 Each block of 32 inputs of each row of ``x`` is rounded to int8 with its own float32 scale
 ``dx = max|x| / 127`` (llama.cpp rounds its activations the same way, to its Q8_0/Q8_1
 blocks), so each block's product is an integer dot product of the weight's quants with the
-activations' (AVX512-VNNI's ``vpdpbusd``), scaled in float32. The weights are exact; the
-activations' rounding costs at most ``dx / 2`` per input, so an output is off by at most
-``sum over blocks of (max|x| of the block / 254) * sum |w| of the block`` (plus float32's
-rounding): :func:`error_bound`.
+activations' (AVX512-VNNI's ``vpdpbusd``, or AVX2's ``vpmaddubsw``), scaled in float32. The
+weights are exact; the activations' rounding costs at most ``dx / 2`` per input, so an output
+is off by at most ``sum over blocks of (max|x| of the block / 254) * sum |w| of the block``
+(plus float32's rounding): :func:`error_bound`.
 
 The op reads the weights in its own layout, built once per weight by :func:`kernel_layout`
 from the file's blocks (the C++ source, ``csrc/cpu/gguf_linear.cpp``, describes it): per
 group of 16 output rows, each block's quants interleaved four inputs per row, and the rows'
 scales as the file's float16 fields. Its variants: ``"vnni"`` (AVX-512 with VNNI),
-``"reference"`` (a portable scalar loop of the same arithmetic, slow) and ``"auto"``, which
-picks ``vnni`` where :func:`vnni_usable` says so.
+``"avx2"`` (AVX2 with FMA and F16C), ``"reference"`` (a portable scalar loop of the same
+arithmetic, slow) and ``"auto"``, which runs the first of :func:`usable_variants`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ GROUP_ROWS = 16
 """Output rows per group of the op's layout: a weight's rows must be a multiple of it."""
 BLOCK = 32
 """Inputs per GGUF block."""
-VARIANTS = ("auto", "vnni", "reference")
+VARIANTS = ("auto", "vnni", "avx2", "reference")
 
 
 @torch.library.register_fake("paged_attention::gguf_linear")
@@ -40,9 +40,11 @@ def _gguf_linear_fake(x, qs, scales, format, variant="auto"):  # noqa: A002  (th
     return x.new_empty((x.shape[0], qs.shape[0] * GROUP_ROWS))
 
 
-def vnni_usable() -> bool:
-    """Whether this CPU (and torch's chosen capability) runs the op's VNNI variant."""
-    return bool(torch.ops.paged_attention._gguf_linear_vnni_usable())
+def usable_variants() -> list[str]:
+    """The op's variants this CPU (and torch's chosen capability, which
+    ``ATEN_CPU_CAPABILITY`` narrows) runs, best first: ``"auto"`` runs the first, and
+    ``"reference"`` is always last."""
+    return list(torch.ops.paged_attention._gguf_linear_usable_variants())
 
 
 def gguf_linear(x, qs, scales, fmt: str, variant: str = "auto") -> torch.Tensor:
