@@ -102,6 +102,33 @@ def test_the_largest_quants_and_activations_do_not_saturate(fmt):
             torch.testing.assert_close(y, expected, rtol=2**-20, atol=0, msg=variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_nan_or_an_infinity_in_a_row_makes_that_rows_outputs_nan(variant, fmt):
+    """As a float product's would be non-finite; the other rows are untouched."""
+    blocks, weight = weight_blocks((32, 96), fmt, seed=8)
+    qs, scales = kernel_layout(blocks, fmt)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(9))
+    x[0, 40] = float("nan")
+    x[2, 5] = float("-inf")
+    y = gguf_linear(x, qs, scales, fmt, variant)
+    assert y[0].isnan().all() and y[2].isnan().all()
+    error = (y[1].double() - x[1].double() @ weight.T).abs()
+    assert (error <= error_bound(x[1:2], weight)[0]).all()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_block_too_small_for_int8_steps_counts_as_zero(variant):
+    """127 / 1e-38 overflows float32: such a block adds nothing, within the bound."""
+    blocks, weight = weight_blocks((16, 64), "Q4_1", seed=10)
+    qs, scales = kernel_layout(blocks, "Q4_1")
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(11))
+    x[0, :32] = 1e-38
+    y = gguf_linear(x, qs, scales, "Q4_1", variant)
+    error = (y.double() - x.double() @ weight.T).abs()
+    assert y.isfinite().all() and (error <= error_bound(x, weight)).all()
+
+
 def test_zero_rows_and_zero_inputs():
     blocks, _ = weight_blocks((16, 64), "Q4_1")
     qs, scales = kernel_layout(blocks, "Q4_1")

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -93,14 +94,28 @@ void quantize_activations(const scalar_t* x, int64_t rows, int64_t k, Format for
     float xb[kGroup];
     for (int64_t i = begin; i < end; ++i) {
       float amax = 0.0f;
+      bool finite = true;
       for (int j = 0; j < kGroup; ++j) {
         xb[j] = static_cast<float>(x[i * kGroup + j]);
+        finite = finite && std::isfinite(xb[j]);
         amax = std::max(amax, std::fabs(xb[j]));
       }
-      const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      if (!finite) {
+        // A NaN would be lost to the max above and an infinity has no int8 step (converting
+        // either to int is undefined): the block's quants are zero and its scale NaN, so every
+        // output of the row is NaN, as a float product with such an input is NaN or infinite.
+        const uint8_t zero = format == Format::kQ8_0 ? 128 : 0;
+        std::fill(a.q.begin() + i * kGroup, a.q.begin() + (i + 1) * kGroup, zero);
+        a.dx[i] = a.s[i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      // A block too small for 127 / amax in float (below about 4e-37) rounds to zero steps: its
+      // products are below the error bound's float32 margin.
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float dx = std::isfinite(inverse) ? amax / 127.0f : 0.0f;
       int sum = 0;
       for (int j = 0; j < kGroup; ++j) {
-        const int q = static_cast<int>(round_to_nearest_even(xb[j] * inverse));
+        const int q = dx > 0.0f ? static_cast<int>(round_to_nearest_even(xb[j] * inverse)) : 0;
         sum += q;
         a.q[i * kGroup + j] = static_cast<uint8_t>(format == Format::kQ8_0 ? q + 128 : q);
       }
