@@ -93,11 +93,6 @@ def main() -> None:
     rows = measure(args.repeats, args.dtype)
     machine = {
         **cpu_identity(),
-        "cpu": next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
         "threads": args.threads,
         "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().strip(),

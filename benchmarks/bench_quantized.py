@@ -166,7 +166,6 @@ def main() -> None:
     if args.json:
         machine = {
             **cpu_identity(),
-            "cpu": _cpu_model(),
             "cores": os.cpu_count(),
             "threads": args.threads,
             "loadavg_before": load_before,
@@ -174,13 +173,6 @@ def main() -> None:
         }
         report = {"tokens": TOKENS, "machine": machine, "rows": rows}
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
